@@ -1,0 +1,154 @@
+"""Paged attention: the kernel interface, its plain-torch implementation, and dispatch.
+
+The KV cache of one layer is ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads,
+head_dim]``. A sequence's tokens live in the blocks its block table lists, in order;
+token ``p`` of sequence ``b`` is at ``block_tables[b, p // block_size]``, offset
+``p % block_size``.
+
+Three functions make the interface; ``triton_attention.py`` implements the same three:
+
+- ``write_kv(k, v, k_cache, v_cache, slot_mapping)``: store new tokens' K/V at their
+  slots (``block * block_size + offset``).
+- ``paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)``:
+  one query per sequence, attending to its whole context.
+- ``paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc,
+  context_lens, scale)``: the queries of sequence ``b`` are
+  ``q[query_start_loc[b]:query_start_loc[b + 1]]``, the last ``q_len`` tokens of its
+  context (their K/V already written); query ``i`` sits at position
+  ``context_lens[b] - q_len + i`` and attends causally to positions ``0..that``.
+
+Cache slots nobody has written yet must hold finite values (the runner allocates the
+cache zeroed): the decode path reads whole blocks and gives the slots past a
+sequence's end zero weight, and 0 * NaN would still be NaN.
+
+Dispatch: ``LLMCTL_TORCH_ATTENTION=triton|torch`` forces one; by default Triton on CUDA
+and plain torch elsewhere. The Triton module is imported only when chosen.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from types import SimpleNamespace
+
+import torch
+
+from llmctl.errors import OptionError
+
+ENV_VAR = "LLMCTL_TORCH_ATTENTION"
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store ``k, v: [T, Hkv, D]`` at ``slot_mapping: [T]`` in the caches."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    flat_shape = (num_blocks * block_size, num_kv_heads, head_dim)
+    k_cache.view(flat_shape).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(flat_shape).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``q: [B, Hq, D]`` → ``[B, Hq, D]``: each query attends to its sequence's context."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    keys = _gather(k_cache, block_tables)  # [B, L, Hkv, D]
+    values = _gather(v_cache, block_tables)
+    max_len = keys.shape[1]
+    # Grouped-query attention: query heads are grouped by the KV head they share.
+    grouped_q = q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("bhgd,blhd->bhgl", grouped_q, keys.float()) * scale
+    past_end = torch.arange(max_len, device=q.device)[None, :] >= context_lens[:, None]
+    scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bhgl,blhd->bhgd", probs, values.float())
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``q: [T, Hq, D]`` (sequences concatenated) → ``[T, Hq, D]``, causal within each."""
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    query_lens = [end - start for start, end in zip(starts[:-1], starts[1:])]
+    # Sequences with one new token (decodes mixed into a prefill step) go through the
+    # batched decode path; the multi-token ones get one dense attention each.
+    single = [b for b, n in enumerate(query_lens) if n == 1]
+    if single:
+        rows = query_start_loc[single].long()
+        index = torch.tensor(single, device=q.device)
+        out[rows] = paged_decode_attention(
+            q[rows], k_cache, v_cache, block_tables[index], context_lens[index], scale
+        )
+    block_size = k_cache.shape[1]
+    for b, ctx_len in enumerate(context_lens.tolist()):
+        q_len = query_lens[b]
+        if q_len <= 1:
+            continue
+        num_used_blocks = -(-ctx_len // block_size)
+        blocks = block_tables[b, :num_used_blocks].long()
+        keys = k_cache[blocks].flatten(0, 1)[:ctx_len]  # [L, Hkv, D]
+        values = v_cache[blocks].flatten(0, 1)[:ctx_len]
+        rows = slice(starts[b], starts[b + 1])
+        out[rows] = _causal_attention(q[rows], keys, values, scale)
+    return out
+
+
+def _causal_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Dense attention of ``q: [Q, Hq, D]``, the last Q positions of ``keys: [L, Hkv, D]``."""
+    q_len, num_heads, head_dim = q.shape
+    ctx_len, num_kv_heads, _ = keys.shape
+    grouped_q = q.float().view(q_len, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("qhgd,lhd->hgql", grouped_q, keys.float()) * scale
+    query_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+    future = torch.arange(ctx_len, device=q.device)[None, :] > query_pos[:, None]
+    scores.masked_fill_(future, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("hgql,lhd->qhgd", probs, values.float())
+    return out.reshape(q_len, num_heads, head_dim).to(q.dtype)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """``[B, max_blocks * block_size, Hkv, D]``: each sequence's blocks laid end to end."""
+    return cache[block_tables.long()].flatten(1, 2)
+
+
+def attention_ops(device: torch.device | str) -> SimpleNamespace:
+    """The three kernels to use on ``device``: Triton on CUDA, plain torch elsewhere,
+    unless ``LLMCTL_TORCH_ATTENTION`` names one."""
+    choice = os.environ.get(ENV_VAR, "").strip().lower()
+    if choice not in ("", "torch", "triton"):
+        raise OptionError(f"{ENV_VAR}={choice!r}: use 'triton' or 'torch' (or leave it unset)")
+    if not choice:
+        choice = "triton" if torch.device(device).type == "cuda" else "torch"
+    module = (
+        importlib.import_module("llmctl_torch.triton_attention")
+        if choice == "triton"
+        else importlib.import_module(__name__)
+    )
+    return SimpleNamespace(
+        name=choice,
+        write_kv=module.write_kv,
+        paged_decode_attention=module.paged_decode_attention,
+        paged_prefill_attention=module.paged_prefill_attention,
+    )

@@ -1,0 +1,280 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2) in plain torch, over a paged KV cache.
+
+It follows transformers' math step for step (RMSNorm in fp32, rotate-half RoPE, SwiGLU)
+so that logits match it to rounding. Two changes for speed, as in nano-vllm: q/k/v and
+gate/up projections are each one matmul (``qkv_proj``, ``gate_up_proj``), and the
+forward runs on the flattened batch of new tokens, reading past tokens from the cache.
+HF checkpoints load directly: ``to_model_state`` merges their separate projections.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmctl.engine.model_config import ModelConfig, RopeScaling
+from llmctl.errors import ModelError
+
+# Merged parameter → the HF parameters concatenated (along the output dim) to form it.
+MERGED_PROJECTIONS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the batch's new tokens go in the KV cache and what each sequence attends to."""
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    context_lens: torch.Tensor  # [B] int32: tokens in cache after this step
+    query_start_loc: torch.Tensor  # [B + 1] int32: offsets of each sequence's new tokens
+    is_decode: bool  # every sequence has exactly one new token
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    """RoPE inverse frequencies ``[head_dim / 2]`` (fp32, CPU), computed as transformers does."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between
+    # interpolated smoothly.
+    old_len = scaling.original_max_position_embeddings
+    low_freq_wavelen = old_len / scaling.low_freq_factor
+    high_freq_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        # Created on the CPU explicitly so that building the model on "meta" keeps it real.
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos and sin ``[T, head_dim]`` for the given positions, in ``dtype``."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x: [T, H, D]`` by the per-token angles (rotate-half layout, as HF Llama)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+        ops: SimpleNamespace,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = kv_cache
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        if meta.is_decode:
+            out = ops.paged_decode_attention(
+                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale
+            )
+        else:
+            out = ops.paged_prefill_attention(
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.query_start_loc,
+                meta.context_lens,
+                self.scale,
+            )
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        )
+        self.down_proj = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, kv_cache, meta, ops) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, ops)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2: they differ only in config (biases, tying, RoPE, GQA)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.rotary = RotaryEmbedding(config)
+        # Tied models reuse the embedding matrix as the output projection.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        logits_indices: torch.Tensor,
+        ops: SimpleNamespace,
+    ) -> torch.Tensor:
+        """fp32 logits ``[len(logits_indices), vocab]`` for the chosen rows of the batch."""
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta, ops)
+        x = self.model.norm(x[logits_indices])
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, head).float()
+
+
+def to_model_state(
+    weights: dict[str, torch.Tensor], config: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """Map HF Llama-family tensor names onto this model's (merging q/k/v and gate/up).
+
+    Consumes ``weights``. A missing or unexpected tensor is a ModelError naming it.
+    """
+    state: dict[str, torch.Tensor] = {}
+    for layer in range(config.num_layers):
+        for block, merged, parts in (
+            ("self_attn", "qkv_proj", MERGED_PROJECTIONS["qkv_proj"]),
+            ("mlp", "gate_up_proj", MERGED_PROJECTIONS["gate_up_proj"]),
+        ):
+            for kind in ("weight", "bias"):
+                prefix = f"model.layers.{layer}.{block}."
+                names = [f"{prefix}{part}.{kind}" for part in parts]
+                present = [name in weights for name in names]
+                if any(present) and not all(present):
+                    missing = [n for n, p in zip(names, present) if not p]
+                    raise ModelError(f"checkpoint is missing {', '.join(missing)}")
+                if all(present):
+                    merged_tensor = torch.cat([weights.pop(n) for n in names], dim=0)
+                    state[f"{prefix}{merged}.{kind}"] = merged_tensor
+    for name, tensor in weights.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue  # old checkpoints saved this buffer; it is recomputed
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # some tied checkpoints store a copy of the embeddings
+        state[name] = tensor
+    return state
+
+
+def build_model(
+    weights: dict[str, torch.Tensor], config: ModelConfig, device: torch.device | str
+) -> LlamaForCausalLM:
+    """The model with ``weights`` (HF names, already in the target dtype) as its parameters,
+    without allocating or initialising any other copy of them."""
+    state = to_model_state(weights, config)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        details = []
+        if missing:
+            details.append(f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        if unexpected:
+            details.append(
+                f"unexpected {', '.join(unexpected[:5])}" + (" ..." if len(unexpected) > 5 else "")
+            )
+        raise ModelError(
+            f"the checkpoint does not fit a {config.architecture} with this config.json: "
+            + "; ".join(details)
+        )
+    wrong_shapes = [
+        f"{name} {tuple(state[name].shape)} (expected {tuple(param.shape)})"
+        for name, param in expected.items()
+        if state[name].shape != param.shape
+    ]
+    if wrong_shapes:
+        raise ModelError(
+            "checkpoint tensor shapes do not match config.json: " + "; ".join(wrong_shapes[:5])
+        )
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.to(device).requires_grad_(False).eval()

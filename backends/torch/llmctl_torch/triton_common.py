@@ -1,0 +1,119 @@
+"""What the Triton attention kernels share: the interpreter switch, tile sizes, input checks.
+
+Import ``triton`` and ``tl`` from here, never directly: on a machine without CUDA,
+Triton can only run kernels through its interpreter, and it decides between compiling
+and interpreting when ``@triton.jit`` runs (at module import), by reading
+``TRITON_INTERPRET``. Setting the variable here, before any kernel module defines a
+kernel, is what lets the same kernels run (slowly, in numpy) on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+INTERPRET = not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import triton  # noqa: E402  (must come after the interpreter switch above)
+import triton.language as tl  # noqa: E402
+
+__all__ = [
+    "INTERPRET",
+    "UPCAST_LOADS",
+    "check_index",
+    "check_paged_cache",
+    "check_query",
+    "dot_tile",
+    "tl",
+    "triton",
+    "tuning_configs",
+]
+
+MAX_HEAD_DIM = 256
+
+# The interpreter stores bfloat16 through numpy without bfloat16 arithmetic and gets it
+# wrong, so interpreted kernels convert every load to fp32 and convert back at store.
+UPCAST_LOADS = INTERPRET
+
+
+def dot_tile(n: int) -> int:
+    """A power of two >= n and >= 16: `tl.dot` needs every dimension of at least 16."""
+    return max(16, triton.next_power_of_2(n))
+
+
+def tuning_configs(
+    gpu: list[tuple[dict[str, int], int, int]], interpreted: dict[str, int]
+) -> list[triton.Config]:
+    """Autotune candidates ``(kwargs, num_warps, num_stages)`` on a GPU; one config when
+    interpreting, since the interpreter's timings mean nothing and benchmarking is slow."""
+    if INTERPRET:
+        return [triton.Config(interpreted, num_warps=1, num_stages=1)]
+    return [triton.Config(kw, num_warps=w, num_stages=s) for kw, w, s in gpu]
+
+
+def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    """Validate a layer's paged cache pair and return ``(block_size, num_kv_heads, head_dim)``."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must have the same shape [num_blocks, block_size, "
+            f"num_kv_heads, head_dim], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if k_cache.dtype != v_cache.dtype or k_cache.device != v_cache.device:
+        raise ValueError(
+            f"k_cache ({k_cache.dtype}, {k_cache.device}) and v_cache "
+            f"({v_cache.dtype}, {v_cache.device}) must share a dtype and a device"
+        )
+    if k_cache.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(
+            f"the KV cache dtype must be float16, bfloat16 or float32, not {k_cache.dtype}"
+        )
+    if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
+        # The kernels compute one set of offsets for both, and load whole head_dim rows.
+        raise ValueError(
+            "k_cache and v_cache must have the same strides and a contiguous last "
+            f"(head_dim) dimension, got {k_cache.stride()} and {v_cache.stride()}"
+        )
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(
+            f"block size {block_size} is not supported by the Triton kernels: use a power "
+            "of two of at least 16"
+        )
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} is outside the supported 1..{MAX_HEAD_DIM}")
+    return block_size, num_kv_heads, head_dim
+
+
+def check_query(q: torch.Tensor, k_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> int:
+    """Validate ``q: [tokens, num_heads, head_dim]`` against the cache; return the group size."""
+    if q.dim() != 3 or q.shape[2] != head_dim:
+        raise ValueError(
+            f"q must be [tokens, num_heads, {head_dim}] to match the cache's head_dim, "
+            f"got {tuple(q.shape)}"
+        )
+    if q.dtype != k_cache.dtype or q.device != k_cache.device:
+        raise ValueError(
+            f"q ({q.dtype}, {q.device}) must have the KV cache's dtype and device "
+            f"({k_cache.dtype}, {k_cache.device})"
+        )
+    if q.stride(-1) != 1:
+        raise ValueError("q's last (head_dim) dimension must be contiguous")
+    num_heads = q.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"{num_heads} query heads cannot be grouped over {num_kv_heads} KV heads: "
+            "the query head count must be a multiple of the KV head count"
+        )
+    return num_heads // num_kv_heads
+
+
+def check_index(name: str, t: torch.Tensor, dims: int, device: torch.device) -> None:
+    """Index tensors (block tables, lengths, slots) are integer tensors on the cache's device."""
+    if t.dim() != dims or t.dtype not in (torch.int32, torch.int64) or t.device != device:
+        raise ValueError(
+            f"{name} must be a {dims}-d int32/int64 tensor on {device}, "
+            f"got {t.dim()}-d {t.dtype} on {t.device}"
+        )

@@ -1,0 +1,86 @@
+#include "checks.h"
+
+namespace turbo {
+
+void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim,
+                  const at::Tensor& device_of) {
+  TORCH_CHECK(t.defined(), name, " is missing");
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got shape ", t.sizes());
+  TORCH_CHECK(t.device() == device_of.device(), name, " is on ", t.device(),
+              " but the other tensors are on ", device_of.device());
+}
+
+void check_rows_contiguous(const at::Tensor& t, const char* name) {
+  int64_t expected = 1;
+  for (int64_t d = t.dim() - 1; d >= 1; --d) {
+    TORCH_CHECK(t.size(d) == 1 || t.stride(d) == expected, name,
+                ": each row (all dimensions after the first) must be contiguous; got strides ",
+                t.strides(), " for shape ", t.sizes(), " (call .contiguous())");
+    expected *= t.size(d);
+  }
+}
+
+void check_cache(const at::Tensor& cache, const char* name, const at::Tensor& like) {
+  check_tensor(cache, name, like.scalar_type(), 4, like);
+  TORCH_CHECK(cache.is_contiguous(), name,
+              " must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
+}
+
+void check_batch(const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                 const at::Tensor& context_lens, int64_t num_tokens, int64_t num_blocks,
+                 int64_t block_size) {
+  const int64_t num_seqs = context_lens.size(0);
+  TORCH_CHECK(query_start_loc.size(0) == num_seqs + 1, "query_start_loc must have ",
+              num_seqs + 1, " entries (num_seqs + 1), got ", query_start_loc.size(0));
+  TORCH_CHECK(block_tables.size(0) == num_seqs, "block_tables must have one row per sequence (",
+              num_seqs, "), got ", block_tables.size(0));
+  TORCH_CHECK(block_tables.stride(1) == 1, "block_tables rows must be contiguous");
+  TORCH_CHECK(query_start_loc.is_contiguous() && context_lens.is_contiguous(),
+              "query_start_loc and context_lens must be contiguous");
+  if (!context_lens.device().is_cpu()) return;
+
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* ctx = context_lens.data_ptr<int32_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t table_width = block_tables.size(1);
+  TORCH_CHECK(qsl[0] == 0, "query_start_loc[0] must be 0, got ", qsl[0]);
+  TORCH_CHECK(qsl[num_seqs] == num_tokens, "query_start_loc[-1] must equal the number of query "
+              "tokens (", num_tokens, "), got ", qsl[num_seqs]);
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t q_len = qsl[b + 1] - qsl[b];
+    TORCH_CHECK(q_len >= 1, "sequence ", b, " has no query tokens (query_start_loc must grow)");
+    TORCH_CHECK(ctx[b] >= q_len, "sequence ", b, ": context_lens (", ctx[b],
+                ") must include its ", q_len, " query tokens");
+    const int64_t blocks = (ctx[b] + block_size - 1) / block_size;
+    TORCH_CHECK(blocks <= table_width, "sequence ", b, " needs ", blocks, " blocks for ", ctx[b],
+                " tokens but its block_tables row has ", table_width);
+    for (int64_t i = 0; i < blocks; ++i) {
+      const int32_t block = tables[b * block_tables.stride(0) + i];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", b, "][", i, "] = ", block,
+                  " is outside the cache's ", num_blocks, " blocks");
+    }
+  }
+}
+
+void check_slots(const at::Tensor& slot_mapping, int64_t num_slots) {
+  TORCH_CHECK(slot_mapping.is_contiguous(), "slot_mapping must be contiguous");
+  if (!slot_mapping.device().is_cpu()) return;
+  const int32_t* slots = slot_mapping.data_ptr<int32_t>();
+  for (int64_t t = 0; t < slot_mapping.size(0); ++t) {
+    TORCH_CHECK(slots[t] >= -1 && slots[t] < num_slots, "slot_mapping[", t, "] = ", slots[t],
+                " is outside the cache's ", num_slots, " slots (-1 skips a token)");
+  }
+}
+
+void check_positions(const at::Tensor& positions, int64_t max_positions) {
+  TORCH_CHECK(positions.is_contiguous(), "positions must be contiguous");
+  if (!positions.device().is_cpu()) return;
+  const int32_t* pos = positions.data_ptr<int32_t>();
+  for (int64_t t = 0; t < positions.size(0); ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_positions, "positions[", t, "] = ", pos[t],
+                " has no row in cos_sin_cache (", max_positions, " positions)");
+  }
+}
+
+}  // namespace turbo

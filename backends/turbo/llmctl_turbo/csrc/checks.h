@@ -1,0 +1,33 @@
+// Argument checks shared by the ops (ops.cpp) and the native step (llama_step.cpp).
+// A failed check raises a RuntimeError in Python that names the argument and the rule.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace turbo {
+
+// `t` is a tensor of dtype `dtype` with `dim` dimensions on `device_of`'s device.
+void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim,
+                  const at::Tensor& device_of);
+
+// Rows of `t` may be strided, the elements inside a row must be contiguous.
+void check_rows_contiguous(const at::Tensor& t, const char* name);
+
+// One KV-cache tensor of one layer: [num_blocks, block_size, num_kv_heads, head_dim].
+void check_cache(const at::Tensor& cache, const char* name, const at::Tensor& like);
+
+// The batch description every attention call relies on: query_start_loc starts at 0,
+// grows by at least 1 per sequence and ends at num_tokens; each context holds its
+// queries and fits its block-table row; every block id used is inside the cache. On
+// CUDA tensors only shapes are checked (reading the values would synchronise).
+void check_batch(const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                 const at::Tensor& context_lens, int64_t num_tokens, int64_t num_blocks,
+                 int64_t block_size);
+
+// Every slot is -1 (skip) or inside a cache of num_blocks * block_size slots.
+void check_slots(const at::Tensor& slot_mapping, int64_t num_slots);
+
+// Every position has a row in the cos/sin cache.
+void check_positions(const at::Tensor& positions, int64_t max_positions);
+
+}  // namespace turbo

@@ -1,0 +1,51 @@
+// Device dispatch for the kernels of kernels.h: CUDA tensors go to the CUDA binding when
+// this build has one, everything else to the CPU kernels.
+#include "kernels.h"
+
+namespace turbo {
+
+#ifdef LLMCTL_TURBO_CUDA
+#define TURBO_ON_DEVICE(tensor, fn, ...) \
+  ((tensor).is_cuda() ? cuda::fn(__VA_ARGS__) : cpu::fn(__VA_ARGS__))
+#else
+#define TURBO_ON_DEVICE(tensor, fn, ...)                                                   \
+  do {                                                                                     \
+    TORCH_CHECK(!(tensor).is_cuda(), "this build of turbo's native ops has no CUDA "       \
+                "kernels (built without nvcc or with a CPU-only torch); rebuild with "     \
+                "`llmctl backends build turbo` on a machine with the CUDA toolkit");       \
+    cpu::fn(__VA_ARGS__);                                                                  \
+  } while (0)
+#endif
+
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TURBO_ON_DEVICE(x, rms_norm, out, x, weight, eps);
+}
+
+void add_rms_norm(at::Tensor& out, at::Tensor& residual, const at::Tensor& x,
+                  const at::Tensor& weight, double eps) {
+  TURBO_ON_DEVICE(x, add_rms_norm, out, residual, x, weight, eps);
+}
+
+void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
+                      const at::Tensor& cos_sin_cache) {
+  TURBO_ON_DEVICE(q, rotary_embedding, positions, q, k, cos_sin_cache);
+}
+
+void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
+  TURBO_ON_DEVICE(out, silu_and_mul, out, gate_up);
+}
+
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  TURBO_ON_DEVICE(key, write_kv_cache, key, value, k_cache, v_cache, slot_mapping);
+}
+
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_tables,
+                     const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                     double scale) {
+  TURBO_ON_DEVICE(q, paged_attention, out, q, k_cache, v_cache, block_tables, query_start_loc,
+                  context_lens, scale);
+}
+
+}  // namespace turbo

@@ -1,0 +1,81 @@
+// The kernels turbo's ops and native step are made of, on tensors, for any device.
+//
+// Each function checks nothing: callers (ops.cpp for Python, llama_step.cpp for its own
+// buffers) have checked shapes and dtypes already. Each picks the CPU or the CUDA
+// implementation from the device of its first tensor argument.
+//
+// Shapes (T = tokens in the step, B = sequences, H / KVH = query / key-value heads,
+// D = head_dim). Token rows may be strided (views into a fused qkv buffer); each row's
+// heads and elements are contiguous.
+//   KV cache of one layer:   [num_blocks, block_size, KVH, D]
+//   block_tables:            int32 [B, max_blocks_per_seq]
+//   query_start_loc:         int32 [B + 1], sequence b's queries are rows qsl[b]..qsl[b+1]-1
+//   context_lens:            int32 [B], tokens in b's cache once this step has written
+//   positions, slot_mapping: int32 [T]; a negative slot means "do not write this token"
+//   cos_sin_cache:           float32 [max_positions, D]: cos in the first D/2, sin after
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace turbo {
+
+// out[t] = x[t] / rms(x[t]) * weight
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// residual += x, then out = rms_norm(residual): the residual add fused into the next norm.
+void add_rms_norm(at::Tensor& out, at::Tensor& residual, const at::Tensor& x,
+                  const at::Tensor& weight, double eps);
+
+// Rotates q [T, H, D] and k [T, KVH, D] in place (rotate-half / GPT-NeoX layout, as
+// transformers' Llama does).
+void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
+                      const at::Tensor& cos_sin_cache);
+
+// out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]
+void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up);
+
+// k_cache/v_cache[slot / block_size, slot % block_size] = key/value[t] for slot = slots[t].
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping);
+
+// Causal attention of each sequence's queries over its paged cache. The queries of
+// sequence b are the LAST q_len tokens of its context_lens[b] tokens, so query i sees
+// keys 0 .. context_lens[b] - q_len + i. Decode is the case q_len == 1.
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_tables,
+                     const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                     double scale);
+
+namespace cpu {
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void add_rms_norm(at::Tensor& out, at::Tensor& residual, const at::Tensor& x,
+                  const at::Tensor& weight, double eps);
+void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
+                      const at::Tensor& cos_sin_cache);
+void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up);
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping);
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_tables,
+                     const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                     double scale);
+}  // namespace cpu
+
+#ifdef LLMCTL_TURBO_CUDA
+namespace cuda {
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void add_rms_norm(at::Tensor& out, at::Tensor& residual, const at::Tensor& x,
+                  const at::Tensor& weight, double eps);
+void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
+                      const at::Tensor& cos_sin_cache);
+void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up);
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping);
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_tables,
+                     const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                     double scale);
+}  // namespace cuda
+#endif
+
+}  // namespace turbo

@@ -1,0 +1,148 @@
+#include "llama_step.h"
+
+#include <c10/core/InferenceMode.h>
+
+#include <cmath>
+
+#include "checks.h"
+#include "kernels.h"
+
+namespace turbo {
+namespace {
+
+// out = x @ w_t (+ bias): the one matmul shape of the model, through ATen (BLAS).
+void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w_t, const at::Tensor& bias) {
+  if (bias.numel() == 0) {
+    at::mm_out(out, x, w_t);
+  } else {
+    at::addmm_out(out, bias, x, w_t);
+  }
+}
+
+// Checks that the prepared weights fit together, once per call (cheap: shapes only).
+void check_weights(at::TensorList weights, int64_t num_layers, int64_t hidden,
+                   int64_t qkv_width, int64_t attn_width, const at::Tensor& like) {
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kHeadWeights + kLayerWeights * num_layers,
+              "weights must hold ", kHeadWeights, " + ", kLayerWeights, " x ", num_layers,
+              " layers = ", kHeadWeights + kLayerWeights * num_layers, " tensors, got ",
+              weights.size());
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const at::Tensor& w = weights[i];
+    TORCH_CHECK(w.scalar_type() == like.scalar_type() && w.device() == like.device(),
+                "weights[", i, "] is ", w.scalar_type(), " on ", w.device(), "; every weight "
+                "must be ", like.scalar_type(), " on ", like.device());
+  }
+  TORCH_CHECK(weights[2].dim() == 2 && weights[2].size(0) == hidden,
+              "weights[2] (lm_head^T) must be [", hidden, ", vocab], got ", weights[2].sizes());
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const at::Tensor* w = weights.data() + kHeadWeights + kLayerWeights * l;
+    TORCH_CHECK(w[1].dim() == 2 && w[1].size(0) == hidden && w[1].size(1) == qkv_width,
+                "layer ", l, ": qkv^T must be [", hidden, ", ", qkv_width, "], got ",
+                w[1].sizes());
+    TORCH_CHECK(w[3].dim() == 2 && w[3].size(0) == attn_width && w[3].size(1) == hidden,
+                "layer ", l, ": o_proj^T must be [", attn_width, ", ", hidden, "], got ",
+                w[3].sizes());
+    TORCH_CHECK(w[6].dim() == 2 && w[6].size(0) == hidden && w[6].size(1) % 2 == 0,
+                "layer ", l, ": gate_up^T must be [", hidden, ", 2 x intermediate], got ",
+                w[6].sizes());
+    TORCH_CHECK(w[7].dim() == 2 && w[7].size(0) == w[6].size(1) / 2 && w[7].size(1) == hidden,
+                "layer ", l, ": down^T must be [intermediate, ", hidden, "], got ", w[7].sizes());
+  }
+}
+
+}  // namespace
+
+at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
+                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                      at::TensorList weights, at::Tensor kv_cache,
+                      const at::Tensor& cos_sin_cache, int64_t num_heads, double rms_norm_eps) {
+  // No autograd bookkeeping for any ATen call below.
+  c10::InferenceMode inference_mode;
+
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
+              "kv_cache must be a contiguous [layers, 2, num_blocks, block_size, kv_heads, "
+              "head_dim] tensor, got shape ", kv_cache.sizes());
+  TORCH_CHECK(!weights.empty(), "weights is empty");
+  const at::Tensor& embed = weights[0];
+  const int64_t num_layers = kv_cache.size(0);
+  const int64_t num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
+  const int64_t num_kv_heads = kv_cache.size(4), head_dim = kv_cache.size(5);
+  const int64_t hidden = embed.size(1);
+  const int64_t num_tokens = input_ids.size(0), num_seqs = context_lens.size(0);
+  TORCH_CHECK(num_heads > 0 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,
+              ") must be a positive multiple of the cache's kv heads (", num_kv_heads, ")");
+  const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
+  const int64_t qkv_width = q_width + 2 * kv_width;
+
+  check_tensor(input_ids, "input_ids", at::kInt, 1, embed);
+  check_tensor(positions, "positions", at::kInt, 1, embed);
+  check_tensor(slot_mapping, "slot_mapping", at::kInt, 1, embed);
+  check_tensor(block_tables, "block_tables", at::kInt, 2, embed);
+  check_tensor(query_start_loc, "query_start_loc", at::kInt, 1, embed);
+  check_tensor(context_lens, "context_lens", at::kInt, 1, embed);
+  check_tensor(kv_cache, "kv_cache", embed.scalar_type(), 6, embed);
+  check_tensor(cos_sin_cache, "cos_sin_cache", at::kFloat, 2, embed);
+  TORCH_CHECK(positions.size(0) == num_tokens && slot_mapping.size(0) == num_tokens,
+              "input_ids, positions and slot_mapping must all have one entry per token");
+  TORCH_CHECK(cos_sin_cache.size(1) == head_dim && cos_sin_cache.is_contiguous(),
+              "cos_sin_cache must be a contiguous [max_positions, ", head_dim, "] tensor");
+  check_weights(weights, num_layers, hidden, qkv_width, q_width, embed);
+  check_batch(block_tables, query_start_loc, context_lens, num_tokens, num_blocks, block_size);
+  check_slots(slot_mapping, num_blocks * block_size);
+  check_positions(positions, cos_sin_cache.size(0));
+
+  const int64_t intermediate = weights[kHeadWeights + 6].size(1) / 2;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
+  const auto options = embed.options();
+
+  // The step's buffers, reused by every layer. The residual stream starts as embeddings.
+  at::Tensor residual = at::index_select(embed, 0, input_ids);
+  at::Tensor normed = at::empty({num_tokens, hidden}, options);
+  at::Tensor projected = at::empty({num_tokens, hidden}, options);
+  at::Tensor qkv = at::empty({num_tokens, qkv_width}, options);
+  at::Tensor attn = at::empty({num_tokens, num_heads, head_dim}, options);
+  at::Tensor gate_up = at::empty({num_tokens, 2 * intermediate}, options);
+  at::Tensor activated = at::empty({num_tokens, intermediate}, options);
+  // Views of qkv's columns, as [T, heads, D] with strided rows.
+  at::Tensor q = qkv.narrow(1, 0, q_width).view({num_tokens, num_heads, head_dim});
+  at::Tensor k = qkv.narrow(1, q_width, kv_width).view({num_tokens, num_kv_heads, head_dim});
+  at::Tensor v =
+      qkv.narrow(1, q_width + kv_width, kv_width).view({num_tokens, num_kv_heads, head_dim});
+  const at::Tensor attn_rows = attn.view({num_tokens, q_width});
+
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const at::Tensor* w = weights.data() + kHeadWeights + kLayerWeights * l;
+    at::Tensor k_cache = kv_cache.select(0, l).select(0, 0);
+    at::Tensor v_cache = kv_cache.select(0, l).select(0, 1);
+
+    // Attention block. The previous layer's MLP output joins the residual in the norm.
+    if (l == 0) {
+      rms_norm(normed, residual, w[0], rms_norm_eps);
+    } else {
+      add_rms_norm(normed, residual, projected, w[0], rms_norm_eps);
+    }
+    linear(qkv, normed, w[1], w[2]);
+    rotary_embedding(positions, q, k, cos_sin_cache);
+    write_kv_cache(k, v, k_cache, v_cache, slot_mapping);
+    paged_attention(attn, q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+                    scale);
+    linear(projected, attn_rows, w[3], w[4]);
+
+    // MLP block.
+    add_rms_norm(normed, residual, projected, w[5], rms_norm_eps);
+    at::mm_out(gate_up, normed, w[6]);
+    silu_and_mul(activated, gate_up);
+    at::mm_out(projected, activated, w[7]);
+  }
+  add_rms_norm(normed, residual, projected, weights[1], rms_norm_eps);
+
+  // Logits only for each sequence's last new token (all tokens when every one decodes).
+  const at::Tensor last_rows =
+      num_tokens == num_seqs ? normed
+                             : at::index_select(normed, 0, query_start_loc.narrow(0, 1, num_seqs) - 1);
+  at::Tensor logits = at::mm(last_rows, weights[2]);
+  return logits.scalar_type() == at::kFloat ? logits : logits.to(at::kFloat);
+}
+
+}  // namespace turbo

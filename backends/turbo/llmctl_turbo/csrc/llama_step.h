@@ -1,0 +1,30 @@
+// The native step: one scheduler step's whole forward pass of a Llama-family model
+// (Llama, Mistral, Qwen2) in one call, so Python runs once per step, not once per layer.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace turbo {
+
+// Number of tensors in `weights` before the first layer, and per layer.
+constexpr int64_t kHeadWeights = 3;
+constexpr int64_t kLayerWeights = 8;
+
+// Runs every layer over the step's T new tokens and returns fp32 logits [B, vocab] for
+// the last new token of each of the B sequences.
+//
+// weights (prepared once at load by runner.py; matrices are transposed [in, out] views
+// of the checkpoint's [out, in] weights, so each matmul is one at::mm_out):
+//   embed_tokens [V, hidden], final norm [hidden], lm_head^T [hidden, V], then per layer:
+//   input norm, qkv^T [hidden, (H + 2 KVH) D], qkv bias ((H + 2 KVH) D, or empty),
+//   o_proj^T [H D, hidden], o_proj bias (hidden, or empty), post-attention norm,
+//   gate_up^T [hidden, 2 I] (gate columns first), down^T [I, hidden].
+// kv_cache: [layers, 2 (K, V), num_blocks, block_size, KVH, D], written in place.
+// The batch tensors are int32 and follow kernels.h.
+at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
+                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                      at::TensorList weights, at::Tensor kv_cache,
+                      const at::Tensor& cos_sin_cache, int64_t num_heads, double rms_norm_eps);
+
+}  // namespace turbo

@@ -1,0 +1,167 @@
+// turbo's ops as seen from Python: torch.ops.llmctl_turbo.<name>. Each checks its
+// arguments (a RuntimeError naming the argument and the rule), then runs the kernel of
+// kernels.h on the tensors' device. Outputs are written into tensors the caller passes.
+#include <torch/library.h>
+
+#include "checks.h"
+#include "kernels.h"
+#include "llama_step.h"
+
+namespace turbo {
+namespace {
+
+void check_float_rows(const at::Tensor& t, const char* name, const at::Tensor& like) {
+  check_tensor(t, name, like.scalar_type(), like.dim(), like);
+  check_rows_contiguous(t, name);
+}
+
+void check_norm_args(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden], got shape ", x.sizes());
+  check_float_rows(x, "x", x);
+  check_float_rows(out, "out", x);
+  check_tensor(weight, "weight", x.scalar_type(), 1, x);
+  TORCH_CHECK(out.sizes() == x.sizes(), "out must have x's shape ", x.sizes(), ", got ",
+              out.sizes());
+  TORCH_CHECK(weight.size(0) == x.size(1) && weight.is_contiguous(), "weight must be a "
+              "contiguous [", x.size(1), "] tensor, got shape ", weight.sizes());
+}
+
+void rms_norm_op(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm_args(out, x, weight);
+  rms_norm(out, x, weight, eps);
+}
+
+void add_rms_norm_op(at::Tensor out, at::Tensor residual, const at::Tensor& x,
+                     const at::Tensor& weight, double eps) {
+  check_norm_args(out, x, weight);
+  check_float_rows(residual, "residual", x);
+  TORCH_CHECK(residual.sizes() == x.sizes(), "residual must have x's shape ", x.sizes(),
+              ", got ", residual.sizes());
+  add_rms_norm(out, residual, x, weight, eps);
+}
+
+void check_heads(const at::Tensor& t, const char* name, const at::Tensor& like) {
+  check_tensor(t, name, like.scalar_type(), 3, like);
+  check_rows_contiguous(t, name);
+}
+
+void rotary_embedding_op(const at::Tensor& positions, at::Tensor q, at::Tensor k,
+                         const at::Tensor& cos_sin_cache) {
+  check_heads(q, "q", q);
+  check_heads(k, "k", q);
+  check_tensor(positions, "positions", at::kInt, 1, q);
+  check_tensor(cos_sin_cache, "cos_sin_cache", at::kFloat, 2, q);
+  TORCH_CHECK(cos_sin_cache.is_contiguous(), "cos_sin_cache must be contiguous");
+  const int64_t head_dim = q.size(2);
+  TORCH_CHECK(head_dim % 2 == 0, "head_dim must be even for rotary embedding, got ", head_dim);
+  TORCH_CHECK(k.size(2) == head_dim && k.size(0) == q.size(0) && positions.size(0) == q.size(0),
+              "q [T, H, D], k [T, KVH, D] and positions [T] must agree; got ", q.sizes(), ", ",
+              k.sizes(), ", ", positions.sizes());
+  TORCH_CHECK(cos_sin_cache.size(1) == head_dim, "cos_sin_cache must be [max_positions, ",
+              head_dim, "] (cos then sin), got ", cos_sin_cache.sizes());
+  check_positions(positions, cos_sin_cache.size(0));
+  rotary_embedding(positions, q, k, cos_sin_cache);
+}
+
+void silu_and_mul_op(at::Tensor out, const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0,
+              "gate_up must be [tokens, 2 * intermediate], got shape ", gate_up.sizes());
+  check_float_rows(gate_up, "gate_up", gate_up);
+  check_float_rows(out, "out", gate_up);
+  TORCH_CHECK(out.size(0) == gate_up.size(0) && out.size(1) == gate_up.size(1) / 2,
+              "out must be [", gate_up.size(0), ", ", gate_up.size(1) / 2, "], got ", out.sizes());
+  silu_and_mul(out, gate_up);
+}
+
+void write_kv_cache_op(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache,
+                       at::Tensor v_cache, const at::Tensor& slot_mapping) {
+  check_heads(key, "key", key);
+  check_heads(value, "value", key);
+  check_cache(k_cache, "k_cache", key);
+  check_cache(v_cache, "v_cache", key);
+  check_tensor(slot_mapping, "slot_mapping", at::kInt, 1, key);
+  TORCH_CHECK(value.sizes() == key.sizes() && slot_mapping.size(0) == key.size(0),
+              "key and value [T, KVH, D] and slot_mapping [T] must agree; got ", key.sizes(),
+              ", ", value.sizes(), ", ", slot_mapping.sizes());
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache must have one shape");
+  TORCH_CHECK(k_cache.size(2) == key.size(1) && k_cache.size(3) == key.size(2),
+              "cache rows [.., .., KVH, D] = ", k_cache.sizes(), " do not match key ", key.sizes());
+  check_slots(slot_mapping, k_cache.size(0) * k_cache.size(1));
+  write_kv_cache(key, value, k_cache, v_cache, slot_mapping);
+}
+
+void paged_prefill_attention_op(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                                const at::Tensor& v_cache, const at::Tensor& block_tables,
+                                const at::Tensor& query_start_loc,
+                                const at::Tensor& context_lens, double scale) {
+  check_heads(q, "q", q);
+  check_heads(out, "out", q);
+  TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape ", q.sizes(), ", got ",
+              out.sizes());
+  check_cache(k_cache, "k_cache", q);
+  check_cache(v_cache, "v_cache", q);
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache must have one shape");
+  TORCH_CHECK(k_cache.size(3) == q.size(2), "head_dim of the cache (", k_cache.size(3),
+              ") and of q (", q.size(2), ") differ");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads (", q.size(1),
+              ") must be a multiple of kv heads (", k_cache.size(2), ")");
+  check_tensor(block_tables, "block_tables", at::kInt, 2, q);
+  check_tensor(query_start_loc, "query_start_loc", at::kInt, 1, q);
+  check_tensor(context_lens, "context_lens", at::kInt, 1, q);
+  check_batch(block_tables, query_start_loc, context_lens, q.size(0), k_cache.size(0),
+              k_cache.size(1));
+  paged_attention(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale);
+}
+
+void paged_decode_attention_op(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
+                               const at::Tensor& v_cache, const at::Tensor& block_tables,
+                               const at::Tensor& context_lens, double scale) {
+  // Decode is prefill with one query per sequence.
+  TORCH_CHECK(q.dim() == 3 && q.size(0) == context_lens.size(0),
+              "decode has one query token per sequence: q must be [num_seqs, H, D] with "
+              "num_seqs = len(context_lens) = ", context_lens.size(0), ", got ", q.sizes());
+  const at::Tensor query_start_loc =
+      at::arange(q.size(0) + 1, context_lens.options().dtype(at::kInt));
+  paged_prefill_attention_op(out, q, k_cache, v_cache, block_tables, query_start_loc,
+                             context_lens, scale);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(llmctl_turbo, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor x, Tensor weight, "
+        "float eps) -> ()");
+  m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos_sin_cache)"
+        " -> ()");
+  m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+  m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+        "Tensor slot_mapping) -> ()");
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor context_lens, float scale) -> ()");
+  m.def("paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
+        "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, float scale) -> ()");
+  m.def("llama_step(Tensor input_ids, Tensor positions, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, Tensor[] weights, "
+        "Tensor(a!) kv_cache, Tensor cos_sin_cache, int num_heads, float rms_norm_eps) "
+        "-> Tensor");
+}
+
+// The same checked entry points serve CPU and CUDA tensors: kernels.h picks the device.
+#define TURBO_REGISTER_OPS(m)                                    \
+  m.impl("rms_norm", &rms_norm_op);                              \
+  m.impl("add_rms_norm", &add_rms_norm_op);                      \
+  m.impl("rotary_embedding", &rotary_embedding_op);              \
+  m.impl("silu_and_mul", &silu_and_mul_op);                      \
+  m.impl("write_kv_cache", &write_kv_cache_op);                  \
+  m.impl("paged_decode_attention", &paged_decode_attention_op);  \
+  m.impl("paged_prefill_attention", &paged_prefill_attention_op); \
+  m.impl("llama_step", &llama_step)
+
+TORCH_LIBRARY_IMPL(llmctl_turbo, CPU, m) { TURBO_REGISTER_OPS(m); }
+
+#ifdef LLMCTL_TURBO_CUDA
+TORCH_LIBRARY_IMPL(llmctl_turbo, CUDA, m) { TURBO_REGISTER_OPS(m); }
+#endif
+
+}  // namespace turbo

@@ -1,0 +1,3 @@
+from llmctl.cli.main import run
+
+run()

@@ -1,0 +1,162 @@
+"""The Backend contract and the Engine surface every front end (server, chat, bench, API) uses.
+
+A backend is a class registered by a plugin through the ``llmctl_register_backends``
+hook. It says whether it can serve a model here (``check``), maps the unified
+options to its own config (``translate``) and builds an ``Engine``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from llmctl.engine.sampling_params import SamplingParams
+from llmctl.hardware import Hardware
+from llmctl.model_info import ModelInfo
+
+__all__ = [
+    "Backend",
+    "Engine",
+    "EngineStats",
+    "GenerationOutput",
+    "GenerationRequest",
+    "Hardware",
+    "ModelInfo",
+    "SamplingParams",
+    "TokenLogprob",
+]
+
+
+@dataclass
+class GenerationRequest:
+    """One generation: exactly one of ``prompt``, ``prompt_token_ids`` or ``messages``.
+
+    ``messages`` are OpenAI-style chat messages; local engines apply the model's chat
+    template to them.
+    """
+
+    request_id: str
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    def __post_init__(self) -> None:
+        given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
+        if sum(given) != 1:
+            raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
+
+
+@dataclass
+class TokenLogprob:
+    """The log-probability of one generated token, with the most likely alternatives."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)
+
+
+@dataclass
+class GenerationOutput:
+    """One step of a request's stream: what is new since the previous output.
+
+    ``finish_reason`` is ``"stop"`` (EOS, stop string or stop token), ``"length"``
+    (max_tokens reached) or ``"abort"``; it is set only on the last output.
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_token_ids: list[int] | None = None  # the tokenized prompt, on the first output only
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    block_size: int = 0
+
+    @property
+    def kv_blocks_free(self) -> int:
+        return self.kv_blocks_total - self.kv_blocks_used
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """What the server, chat, bench and the Python API talk to."""
+
+    model_name: str
+    max_model_len: int  # session_len: prompt + generated tokens of one request
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        """Stream outputs. Raises ``InvalidRequest`` before the first output if refused."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def shutdown(self) -> None: ...
+
+
+class Backend:
+    """Base class for backends. Subclasses set the class attributes and override methods.
+
+    Higher ``priority`` is tried first by ``--backend auto``. ``option_defaults`` are the
+    backend's own defaults (resolution level 5, below profiles, above the schema).
+    ``supported_architectures`` of ``None`` means any.
+    Backend methods must not import heavy packages until they are called.
+    """
+
+    name: ClassVar[str]
+    priority: ClassVar[int] = 0
+    description: ClassVar[str] = ""
+    option_defaults: ClassVar[Mapping[str, Any]] = {}
+    supported_architectures: ClassVar[frozenset[str] | None] = None
+    # False for backends that forward to a remote server: the model argument is then a
+    # name for the remote side, not a local directory.
+    loads_local_model: ClassVar[bool] = True
+
+    def check_hardware(self, hardware: Hardware) -> list[str]:
+        """Reasons this backend cannot run on this machine at all (empty: it can)."""
+        return []
+
+    def option_errors(self, options: Mapping[str, Any], hardware: Hardware) -> dict[str, str]:
+        """Options whose values this backend refuses, each mapped to the rule it breaks."""
+        return {}
+
+    def check(self, model: ModelInfo, options: Mapping[str, Any], hardware: Hardware) -> list[str]:
+        """Every reason this backend cannot serve ``model`` with ``options`` here."""
+        reasons = list(self.check_hardware(hardware))
+        supported = self.supported_architectures
+        if supported is not None and model.architecture not in supported:
+            reasons.append(
+                f"architecture {model.architecture} is not supported "
+                f"(supported: {', '.join(sorted(supported))})"
+            )
+        for option, rule in self.option_errors(options, hardware).items():
+            reasons.append(f"{option}={options[option]!r} refused: {rule}")
+        return reasons
+
+    def prepare(self, hardware: Hardware) -> str | None:
+        """Build or fetch what the backend needs ahead of first use (``llmctl backends
+        build``); return a one-line summary, or None when there is nothing to prepare."""
+        return None
+
+    def translate(self, options: Mapping[str, Any]) -> Any:
+        """Map unified option names to this backend's own config: the one place it happens."""
+        return dict(options)
+
+    def create_engine(
+        self, model: ModelInfo, options: Mapping[str, Any], hardware: Hardware
+    ) -> Engine:
+        raise NotImplementedError(f"backend {self.name!r} cannot create an engine")

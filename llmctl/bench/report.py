@@ -1,0 +1,150 @@
+"""Benchmark reports as tables (terminal or markdown) and JSON files.
+
+Each ``*_table`` function turns a report dict into ``(headers, rows)`` of strings, which
+``markdown`` and ``rich_table`` render; the JSON file is the report dict itself.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+Rows = tuple[list[str], list[list[str]]]
+
+
+def write_json(report: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value / 2**20:,.1f}"
+
+
+def _pct(summary: dict[str, float] | None, key: str) -> str:
+    return "-" if summary is None else _num(summary[key])
+
+
+def throughput_table(report: dict[str, Any]) -> Rows:
+    """Metric rows; one column for the engine and one for the baseline if it ran."""
+    engine, baseline = report["engine"], report["baseline"]
+    headers = ["metric", f"llmctl ({report['backend']})"]
+    if baseline:
+        headers.append(f"transformers (batch {baseline['batch_size']})")
+    metrics = [
+        ("requests/s", "requests_per_s", lambda v: _num(v, 2)),
+        ("output tokens/s", "output_tokens_per_s", _num),
+        ("total tokens/s", "total_tokens_per_s", _num),
+        ("duration (s)", "duration_s", lambda v: _num(v, 2)),
+        ("output tokens", "output_tokens", lambda v: str(v)),
+        ("peak memory (MiB)", "peak_memory_bytes", _mib),
+    ]
+    rows = []
+    for label, key, show in metrics:
+        row = [label, show(engine[key])]
+        if baseline:
+            row.append(show(baseline[key]))
+        rows.append(row)
+    ttft = engine["ttft_ms"]
+    blocks = f"{engine['peak_kv_blocks_used']} / {engine['kv_blocks_total']}"
+    engine_only = [
+        ("first token p50 / p99 (ms)", f"{_pct(ttft, 'p50')} / {_pct(ttft, 'p99')}"),
+        (f"peak KV blocks used / total ({engine['block_size']} tokens each)", blocks),
+        ("peak KV cache in use (MiB)", _mib(engine["peak_kv_cache_bytes"])),
+    ]
+    no_value = ["-"] if baseline else []
+    rows += [[label, value, *no_value] for label, value in engine_only]
+    if baseline:
+        rows.append(
+            [
+                "tokens generated incl. padding",
+                str(engine["output_tokens"]),
+                str(baseline["generated_tokens"]),
+            ]
+        )
+    return headers, rows
+
+
+def serve_table(report: dict[str, Any]) -> Rows:
+    result = report["result"]
+    rows = [
+        ["requests completed / errors", f"{result['completed']} / {result['errors']}"],
+        ["duration (s)", _num(result["duration_s"], 2)],
+        ["requests/s", _num(result["requests_per_s"], 2)],
+        ["output tokens/s", _num(result["output_tokens_per_s"])],
+        ["total tokens/s", _num(result["total_tokens_per_s"])],
+    ]
+    for label, key in (
+        ("time to first token (ms)", "ttft_ms"),
+        ("time per output token (ms)", "tpot_ms"),
+        ("inter-token latency (ms)", "itl_ms"),
+    ):
+        summary = result[key]
+        rows.append(
+            [
+                f"{label} p50 / p90 / p99",
+                " / ".join(_pct(summary, p) for p in ("p50", "p90", "p99")),
+            ]
+        )
+    return ["metric", "value"], rows
+
+
+def sweep_table(report: dict[str, Any]) -> Rows:
+    serve = report["serve_load"] is not None
+    headers = [
+        "block size",
+        "req/s",
+        "output tok/s",
+        "first token p50 (ms)",
+        "peak KV blocks",
+        "peak KV MiB",
+        "peak memory MiB",
+    ]
+    if serve:
+        headers += ["serve output tok/s", "serve TTFT p50 / p99 (ms)", "serve ITL p50 (ms)"]
+    rows = []
+    for run in report["runs"]:
+        engine = run["throughput"]["engine"]
+        row = [
+            str(run["block_size"]),
+            _num(engine["requests_per_s"], 2),
+            _num(engine["output_tokens_per_s"]),
+            _pct(engine["ttft_ms"], "p50"),
+            str(engine["peak_kv_blocks_used"]),
+            _mib(engine["peak_kv_cache_bytes"]),
+            _mib(engine["peak_memory_bytes"]),
+        ]
+        if serve:
+            result = run["serve"]
+            row += [
+                _num(result["output_tokens_per_s"]),
+                f"{_pct(result['ttft_ms'], 'p50')} / {_pct(result['ttft_ms'], 'p99')}",
+                _pct(result["itl_ms"], "p50"),
+            ]
+        rows.append(row)
+    return headers, rows
+
+
+def markdown(table: Rows) -> str:
+    headers, rows = table
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def rich_table(table: Rows, title: str) -> Table:
+    from rich.table import Table
+
+    headers, rows = table
+    rendered = Table(*headers, title=title)
+    for row in rows:
+        rendered.add_row(*row)
+    return rendered

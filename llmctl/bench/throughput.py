@@ -1,0 +1,248 @@
+"""Offline throughput: every request of the workload submitted at once to an Engine,
+optionally followed by the transformers baseline on the same prompts.
+
+Requests are greedy with ``ignore_eos``, so each produces exactly the tokens it asked
+for. While they run, a sampler records the peak of KV blocks in use; a ``MemoryPeak``
+records the process's peak memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from llmctl.backend import Engine, GenerationRequest, ModelInfo, SamplingParams
+from llmctl.bench.metrics import (
+    MemoryPeak,
+    kv_bytes_per_token,
+    resolve_dtype,
+    summarize,
+    uses_cuda,
+)
+from llmctl.bench.workload import (
+    BenchRequest,
+    LengthRange,
+    Workload,
+    make_workload,
+    ordinary_token_ids,
+)
+from llmctl.errors import LlmctlError
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+ProgressCallback = Callable[[int], None]  # called with each batch of new output tokens
+
+
+async def run_engine_throughput(
+    engine: Engine,
+    workload: Workload,
+    memory: MemoryPeak,
+    *,
+    warmup: BenchRequest | None = None,
+    on_progress: ProgressCallback | None = None,
+    stats_interval_s: float = 0.005,
+) -> dict[str, Any]:
+    """Run ``workload`` through ``engine``; return the measured figures (see docs)."""
+    if workload.longest_request > engine.max_model_len:
+        raise LlmctlError(
+            f"the workload's longest request needs {workload.longest_request} tokens but the "
+            f"engine's session_len is {engine.max_model_len}: lower --input-len/--output-len "
+            "or raise --session-len"
+        )
+    if warmup is not None:  # first steps pay one-off costs (allocation, kernel compilation)
+        await _generate(engine, "bench-warmup", warmup, time.perf_counter(), None)
+
+    peak_blocks = 0
+    done = asyncio.Event()
+
+    async def sample_stats() -> None:
+        nonlocal peak_blocks
+        while not done.is_set():
+            peak_blocks = max(peak_blocks, engine.stats().kv_blocks_used)
+            await asyncio.sleep(stats_interval_s)
+
+    with memory:
+        sampler = asyncio.create_task(sample_stats())
+        start = time.perf_counter()
+        try:
+            results = await asyncio.gather(
+                *(
+                    _generate(engine, f"bench-{i}", request, start, on_progress)
+                    for i, request in enumerate(workload.requests)
+                )
+            )
+        finally:
+            done.set()
+            await sampler
+        duration = time.perf_counter() - start
+
+    stats = engine.stats()
+    prompt_tokens = sum(r["prompt_tokens"] for r in results)
+    output_tokens = sum(r["output_tokens"] for r in results)
+    return {
+        "duration_s": duration,
+        "num_requests": len(results),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "requests_per_s": len(results) / duration,
+        "output_tokens_per_s": output_tokens / duration,
+        "total_tokens_per_s": (prompt_tokens + output_tokens) / duration,
+        "ttft_ms": summarize([r["ttft_s"] * 1000.0 for r in results]),
+        "peak_kv_blocks_used": peak_blocks,
+        "kv_blocks_total": stats.kv_blocks_total,
+        "block_size": stats.block_size,
+        "peak_memory_bytes": memory.peak_bytes,
+        "memory_measure": memory.measure,
+    }
+
+
+async def _generate(
+    engine: Engine,
+    request_id: str,
+    request: BenchRequest,
+    start: float,
+    on_progress: ProgressCallback | None,
+) -> dict[str, Any]:
+    sampling = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
+    generation = GenerationRequest(
+        request_id, prompt_token_ids=request.prompt_token_ids, sampling=sampling
+    )
+    first_token_at = None
+    tokens = 0
+    async for output in engine.generate(generation):
+        if output.token_ids and first_token_at is None:
+            first_token_at = time.perf_counter()
+        tokens += len(output.token_ids)
+        if on_progress is not None:
+            on_progress(len(output.token_ids))
+    if tokens != request.output_len:
+        raise LlmctlError(
+            f"request {request_id} produced {tokens} tokens but asked for {request.output_len} "
+            "with ignore_eos: the engine stopped early, so its throughput cannot be compared"
+        )
+    return {
+        "prompt_tokens": len(request.prompt_token_ids),
+        "output_tokens": tokens,
+        "ttft_s": (first_token_at or time.perf_counter()) - start,
+    }
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    num_prompts: int
+    input_len: LengthRange
+    output_len: LengthRange
+    seed: int
+
+
+def workload_for(model: ModelInfo, spec: WorkloadSpec) -> Workload:
+    """The seeded workload ``spec`` describes, with prompts from ``model``'s vocabulary."""
+    token_ids = ordinary_token_ids(model.path, model.config)
+    return make_workload(token_ids, spec.num_prompts, spec.input_len, spec.output_len, spec.seed)
+
+
+def _warmup_request(model: ModelInfo, seed: int) -> BenchRequest:
+    """A short request from another seed, so it shares no prefix with the workload."""
+    token_ids = ordinary_token_ids(model.path, model.config)
+    return make_workload(token_ids, 1, LengthRange(16, 16), LengthRange(8, 8), seed + 1).requests[0]
+
+
+def benchmark_throughput(
+    model: str | None,
+    flags: Mapping[str, Any],
+    spec: WorkloadSpec,
+    *,
+    profile: str | None = None,
+    baseline_batch_size: int | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Open an engine for ``model`` with ``flags``, run the workload, then (if
+    ``baseline_batch_size`` is given) transformers on the same prompts; the JSON report."""
+    from llmctl.options import options_for
+    from llmctl.selection import open_engine
+
+    opened = open_engine(model, flags, profile=profile)
+    values = opened.choice.values
+    cuda = uses_cuda(values["device"])
+    dtype = resolve_dtype(opened.model.config, values["dtype"], cuda)
+    workload = workload_for(opened.model, spec)
+    warmup = _warmup_request(opened.model, spec.seed)
+    engine_result = asyncio.run(
+        _run_then_shutdown(opened.engine, workload, MemoryPeak(cuda), warmup, progress)
+    )
+    del opened.engine
+    gc.collect()
+    engine_result["peak_kv_cache_bytes"] = (
+        engine_result["peak_kv_blocks_used"]
+        * engine_result["block_size"]
+        * kv_bytes_per_token(opened.model.config, dtype)
+    )
+    report: dict[str, Any] = {
+        "kind": "throughput",
+        "model": opened.model.name,
+        "backend": opened.choice.backend.name,
+        "device": "cuda" if cuda else "cpu",
+        "dtype": dtype,
+        "settings": {opt.name: _jsonable(values[opt.name]) for opt in options_for("bench")},
+        "workload": workload.describe(),
+        "engine": engine_result,
+        "baseline": None,
+        "ratio": None,
+    }
+    if baseline_batch_size is not None:
+        from llmctl.bench.baseline_transformers import run_transformers_baseline
+
+        task = _progress_task(progress, "transformers", workload.output_tokens)
+        baseline = run_transformers_baseline(
+            opened.model.path,
+            workload,
+            MemoryPeak(cuda),
+            batch_size=baseline_batch_size,
+            device="cuda" if cuda else "cpu",
+            dtype=dtype,
+            warmup=warmup,
+            on_batch=lambda tokens: progress.advance(task, tokens) if progress else None,
+        )
+        report["baseline"] = baseline
+        report["ratio"] = engine_result["output_tokens_per_s"] / baseline["output_tokens_per_s"]
+    return report
+
+
+async def _run_then_shutdown(
+    engine: Engine,
+    workload: Workload,
+    memory: MemoryPeak,
+    warmup: BenchRequest,
+    progress: Progress | None,
+) -> dict[str, Any]:
+    task = _progress_task(progress, "engine", workload.output_tokens)
+
+    def advance(tokens: int) -> None:
+        if progress is not None:
+            progress.advance(task, tokens)
+
+    try:
+        return await run_engine_throughput(
+            engine, workload, memory, warmup=warmup, on_progress=advance
+        )
+    finally:
+        await engine.shutdown()
+
+
+def _progress_task(progress: Progress | None, label: str, total_tokens: int) -> Any:
+    if progress is None:
+        return None
+    return progress.add_task(f"{label}: output tokens", total=total_tokens)
+
+
+def _jsonable(value: Any) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value)

@@ -1,0 +1,94 @@
+"""``llmctl backends``: what is installed, what can serve a model here, and builds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from llmctl.cli.output import console
+from llmctl.cli.schema_flags import schema_options
+
+
+def register(app: typer.Typer) -> None:
+    group = typer.Typer(
+        help="List installed backends, check which can serve a model, build ahead of time.",
+        invoke_without_command=True,
+    )
+    group.callback()(list_backends)
+    group.command("check")(check)
+    group.command("build")(build)
+    app.add_typer(group, name="backends")
+
+
+def list_backends(ctx: typer.Context) -> None:
+    """List installed backends and whether each can run on this machine."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from llmctl.hardware import Hardware
+    from llmctl.plugins.manager import get_plugin_manager, registered_backends
+
+    hardware = Hardware.probe()
+    table = Table("backend", "distribution", "version", "priority", "runs here", title="Backends")
+    for name, entry in registered_backends().items():
+        reasons = entry.backend.check_hardware(hardware)
+        runs = "[green]yes[/]" if not reasons else "[red]no[/]: " + "; ".join(reasons)
+        table.add_row(
+            name, entry.plugin.distribution, entry.plugin.version, str(entry.backend.priority), runs
+        )
+    console.print(table)
+    console.print(f"This machine: {hardware.describe()}")
+    for failure in get_plugin_manager().failed:
+        console.print(f"[red]plugin {failure.name} failed to load[/]: {failure.error} — skipped")
+
+
+@schema_options("backends check", skip=("model",))
+def check(
+    flags: dict[str, Any],
+    model: str = typer.Argument(..., help="Model: `demo`, a local directory or a cached hub id."),
+    profile: str | None = typer.Option(None, "--profile", "-p", help="Profile to use."),
+) -> None:
+    """For each backend: can it serve MODEL with these options here, and if not, why.
+
+    Nothing is loaded; this answers before `serve` or `chat` would.
+    """
+    from llmctl.errors import BackendError
+    from llmctl.hardware import Hardware
+    from llmctl.selection import assess, choose, installed_backends, model_for, resolve_common
+
+    flags = {**flags, "model": model}
+    profile_obj, common = resolve_common(flags, profile)
+    info = model_for(model, common["backend"].value)
+    hardware = Hardware.probe()
+    console.print(f"Model: {info.name} ({info.architecture}) at {info.path}")
+    for backend in installed_backends().values():
+        verdict = assess(backend, info, flags, profile_obj, hardware)
+        if verdict.reasons:
+            console.print(f"[red]✗ {backend.name}[/] cannot serve:")
+            for reason in verdict.reasons:
+                console.print(f"    - {reason}")
+        else:
+            console.print(f"[green]✓ {backend.name}[/] can serve")
+    try:
+        choice = choose(info, flags, profile=profile_obj, hardware=hardware)
+    except BackendError as exc:
+        console.print(f"[red]No backend would be chosen:[/] {exc}")
+        raise typer.Exit(1) from None
+    console.print(f"[bold]--backend auto would pick {choice.backend.name}[/]")
+    for note in choice.notes:
+        console.print(f"  {note}")
+
+
+def build(name: str = typer.Argument(..., help="Backend to build, e.g. turbo.")) -> None:
+    """Build a backend's native parts ahead of time (otherwise they build on first use)."""
+    from llmctl.errors import BackendError
+    from llmctl.hardware import Hardware
+    from llmctl.options import did_you_mean
+    from llmctl.selection import installed_backends
+
+    backends = installed_backends()
+    if name not in backends:
+        raise BackendError(f"unknown backend {name!r}.{did_you_mean(name, backends)}")
+    summary = backends[name].prepare(Hardware.probe())
+    console.print(summary or f"{name}: nothing to build")

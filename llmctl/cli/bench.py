@@ -1,0 +1,341 @@
+"""``llmctl bench``: offline throughput, online serving load, and the block-size sweep.
+
+Every command uses a seeded workload of random prompt token ids (special ids excluded),
+greedy decoding with ``ignore_eos``; see docs/benchmarks.md for the JSON fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from llmctl.cli.output import console, err_console
+from llmctl.cli.schema_flags import schema_options
+
+WORKLOAD_PANEL = "Workload"
+OUTPUT_PANEL = "Output"
+
+MODEL_ARG = typer.Argument(..., help="Model: `demo`, a local directory or a cached hub id.")
+PROFILE_OPT = typer.Option(None, "--profile", "-p", help="Profile to use.")
+NUM_PROMPTS_OPT = typer.Option(
+    64, "--num-prompts", "-n", min=1, help="Requests to send.", rich_help_panel=WORKLOAD_PANEL
+)
+INPUT_LEN_OPT = typer.Option(
+    "128",
+    "--input-len",
+    metavar="N|LOW:HIGH",
+    help="Prompt tokens per request: fixed, or drawn uniformly from LOW..HIGH.",
+    rich_help_panel=WORKLOAD_PANEL,
+)
+OUTPUT_LEN_OPT = typer.Option(
+    "128",
+    "--output-len",
+    metavar="N|LOW:HIGH",
+    help="Output tokens per request (ignore_eos: exactly this many): fixed or LOW:HIGH.",
+    rich_help_panel=WORKLOAD_PANEL,
+)
+SEED_OPT = typer.Option(
+    0,
+    "--seed",
+    help="Seed of the workload (prompts, lengths, arrivals).",
+    rich_help_panel=WORKLOAD_PANEL,
+)
+OUTPUT_OPT = typer.Option(
+    None,
+    "--output",
+    "-o",
+    help="Write the full report as JSON to this file.",
+    rich_help_panel=OUTPUT_PANEL,
+)
+MARKDOWN_OPT = typer.Option(
+    False,
+    "--markdown",
+    help="Print the results as a markdown table.",
+    rich_help_panel=OUTPUT_PANEL,
+)
+
+
+def register(app: typer.Typer) -> None:
+    group = typer.Typer(
+        help="Benchmark throughput and latency, each beside a baseline, and sweep block sizes.",
+        no_args_is_help=True,
+    )
+    group.command("throughput")(throughput)
+    group.command("serve")(serve)
+    group.command("sweep")(sweep)
+    app.add_typer(group, name="bench")
+
+
+@schema_options("bench", skip=("model",))
+def throughput(
+    flags: dict[str, Any],
+    model: str = MODEL_ARG,
+    profile: str | None = PROFILE_OPT,
+    num_prompts: int = NUM_PROMPTS_OPT,
+    input_len: str = INPUT_LEN_OPT,
+    output_len: str = OUTPUT_LEN_OPT,
+    seed: int = SEED_OPT,
+    baseline: str | None = typer.Option(
+        None,
+        "--baseline",
+        metavar="transformers",
+        help="Also run transformers' generate on the same prompts (batched, left-padded, "
+        "greedy) and print the ratio of useful output tokens/s.",
+    ),
+    baseline_batch_size: int = typer.Option(
+        64, "--baseline-batch-size", min=1, help="Requests per transformers generate call."
+    ),
+    output: Path | None = OUTPUT_OPT,
+    markdown: bool = MARKDOWN_OPT,
+) -> None:
+    """Offline throughput: all requests submitted at once to the engine.
+
+    JSON fields (--output; details in docs/benchmarks.md):
+
+    - model, backend, device, dtype, settings (every engine option)
+    - workload: num_prompts, input_len, output_len, seed, prompt_tokens, output_tokens
+    - engine: duration_s, num_requests, prompt_tokens, output_tokens, requests_per_s,
+      output_tokens_per_s, total_tokens_per_s, ttft_ms {mean, p50, p90, p99},
+      peak_kv_blocks_used, kv_blocks_total, block_size, peak_kv_cache_bytes,
+      peak_memory_bytes, memory_measure
+    - baseline: the same figures for transformers plus batch_size and
+      generated_tokens (padding included); null without --baseline
+    - ratio: engine output_tokens_per_s / baseline output_tokens_per_s
+    """
+    from llmctl.bench.report import throughput_table
+    from llmctl.bench.throughput import benchmark_throughput
+
+    if baseline is not None and baseline != "transformers":
+        from llmctl.errors import OptionError
+
+        raise OptionError(f"--baseline {baseline!r}: the only baseline is `transformers`")
+    spec = _workload_spec(num_prompts, input_len, output_len, seed)
+    with _progress() as progress:
+        report = benchmark_throughput(
+            model,
+            flags,
+            spec,
+            profile=profile,
+            baseline_batch_size=baseline_batch_size if baseline else None,
+            progress=progress,
+        )
+    title = f"Throughput: {report['model']} on {report['backend']} ({report['device']})"
+    _show(throughput_table(report), title, markdown, output, report)
+    if report["ratio"] is not None:
+        console.print(
+            f"llmctl ({report['backend']}) {report['engine']['output_tokens_per_s']:,.1f} vs "
+            f"transformers {report['baseline']['output_tokens_per_s']:,.1f} useful output "
+            f"tokens/s: [bold]{report['ratio']:.2f}x[/]"
+        )
+
+
+def serve(
+    url: str = typer.Option(..., "--url", help="Server base URL, e.g. http://127.0.0.1:8000."),
+    model: str | None = typer.Option(
+        None, "--model", help="Model name to ask for. Default: the first one /v1/models lists."
+    ),
+    tokenizer: str | None = typer.Option(
+        None,
+        "--tokenizer",
+        help="Model (`demo`, directory or cached hub id) whose vocabulary the prompt token "
+        "ids come from. Default: the served model name, if it is a model found here.",
+    ),
+    num_prompts: int = NUM_PROMPTS_OPT,
+    concurrency: int | None = typer.Option(
+        None, "--concurrency", "-c", min=1, help="Requests in flight at most."
+    ),
+    request_rate: float | None = typer.Option(
+        None, "--request-rate", "-r", help="Requests started per second (Poisson arrivals)."
+    ),
+    input_len: str = INPUT_LEN_OPT,
+    output_len: str = OUTPUT_LEN_OPT,
+    seed: int = SEED_OPT,
+    api_key: str | None = typer.Option(
+        None, "--api-key", envvar="LLMCTL_API_KEY", help="Sent as `Authorization: Bearer KEY`."
+    ),
+    timeout: float = typer.Option(600.0, "--timeout", help="Seconds one request may take."),
+    output: Path | None = OUTPUT_OPT,
+    markdown: bool = MARKDOWN_OPT,
+) -> None:
+    """Online load on a running server through streaming /v1/completions.
+
+    Give --concurrency, --request-rate, or both.
+
+    JSON fields (--output; details in docs/benchmarks.md):
+
+    - url, model, load {concurrency, request_rate}, workload
+    - result: duration_s, num_requests, completed, errors, error_examples,
+      prompt_tokens, output_tokens, requested_output_tokens, requests_per_s,
+      output_tokens_per_s, total_tokens_per_s, and ttft_ms, tpot_ms, itl_ms,
+      latency_ms, each {mean, p50, p90, p99}
+    """
+    from llmctl.bench.report import serve_table
+    from llmctl.bench.serve_load import run_serve_load, served_model_name
+    from llmctl.bench.throughput import workload_for
+
+    url = url.rstrip("/")
+    spec = _workload_spec(num_prompts, input_len, output_len, seed)
+    if concurrency is None and request_rate is None:
+        from llmctl.errors import OptionError
+
+        raise OptionError("give --concurrency N, --request-rate R, or both")
+    model = model or asyncio.run(served_model_name(url, api_key))
+    workload = workload_for(
+        _vocabulary_model(tokenizer or model, given=tokenizer is not None), spec
+    )
+    with _progress() as progress:
+        task = progress.add_task("serve: requests", total=num_prompts)
+        result = asyncio.run(
+            run_serve_load(
+                url,
+                model,
+                workload,
+                concurrency=concurrency,
+                request_rate=request_rate,
+                api_key=api_key,
+                timeout_s=timeout,
+                on_done=lambda: progress.advance(task),
+            )
+        )
+    report = {
+        "kind": "serve",
+        "url": url,
+        "model": model,
+        "load": {"concurrency": concurrency, "request_rate": request_rate},
+        "workload": workload.describe(),
+        "result": result,
+    }
+    _show(serve_table(report), f"Serve load: {model} at {url}", markdown, output, report)
+    for example in result["error_examples"]:
+        err_console.print(f"[red]error:[/] {example}")
+
+
+@schema_options("bench", skip=("model",))
+def sweep(
+    flags: dict[str, Any],
+    model: str = MODEL_ARG,
+    cache_block_seq_len: str = typer.Option(
+        "16,32,64,128",
+        "--cache-block-seq-len",
+        metavar="N,N,...",
+        help="Block sizes to compare (tokens per KV-cache block), comma-separated.",
+    ),
+    profile: str | None = PROFILE_OPT,
+    num_prompts: int = NUM_PROMPTS_OPT,
+    input_len: str = INPUT_LEN_OPT,
+    output_len: str = OUTPUT_LEN_OPT,
+    seed: int = SEED_OPT,
+    serve: bool = typer.Option(
+        False, "--serve", help="Also start `llmctl serve` per block size and load it."
+    ),
+    concurrency: int | None = typer.Option(
+        None, "--concurrency", "-c", min=1, help="Serve runs: requests in flight (default 8)."
+    ),
+    request_rate: float | None = typer.Option(
+        None, "--request-rate", "-r", help="Serve runs: requests started per second."
+    ),
+    chart: Path = typer.Option(
+        Path("llmctl-sweep.png"),
+        "--chart",
+        help="Where to write the PNG chart.",
+        rich_help_panel=OUTPUT_PANEL,
+    ),
+    output: Path | None = OUTPUT_OPT,
+    markdown: bool = MARKDOWN_OPT,
+) -> None:
+    """Throughput (and with --serve, serving latency) per block size, with a chart.
+
+    JSON fields (--output; details in docs/benchmarks.md):
+
+    - model, backend, device, workload
+    - serve_load: {concurrency, request_rate}, null without --serve
+    - runs: one per block size: block_size, throughput (a `bench throughput`
+      report) and serve (a `bench serve` result, or null)
+    """
+    from llmctl.bench.report import sweep_table
+    from llmctl.bench.sweep import parse_block_sizes, run_sweep, write_chart
+
+    block_sizes = parse_block_sizes(cache_block_seq_len)
+    spec = _workload_spec(num_prompts, input_len, output_len, seed)
+    if serve and concurrency is None and request_rate is None:
+        concurrency = 8
+    with _progress() as progress:
+        report = run_sweep(
+            model,
+            flags,
+            block_sizes,
+            spec,
+            profile=profile,
+            serve_concurrency=concurrency if serve else None,
+            serve_request_rate=request_rate if serve else None,
+            progress=progress,
+        )
+    write_chart(report, chart)
+    title = f"Block-size sweep: {report['model']} on {report['backend']} ({report['device']})"
+    _show(sweep_table(report), title, markdown, output, report)
+    console.print(f"Chart written to {chart}")
+
+
+def _workload_spec(num_prompts: int, input_len: str, output_len: str, seed: int) -> Any:
+    from llmctl.bench.throughput import WorkloadSpec
+    from llmctl.bench.workload import parse_length_range
+
+    return WorkloadSpec(
+        num_prompts,
+        parse_length_range(input_len, "--input-len"),
+        parse_length_range(output_len, "--output-len"),
+        seed,
+    )
+
+
+def _vocabulary_model(name: str, *, given: bool) -> Any:
+    from llmctl.errors import LlmctlError
+    from llmctl.model_info import resolve_model
+
+    try:
+        return resolve_model(name)
+    except LlmctlError as exc:
+        if given:
+            raise
+        raise LlmctlError(
+            f"the prompts are token ids from the served model's vocabulary, but the model "
+            f"{name!r} is not found here ({exc}). Pass --tokenizer with its directory (or "
+            "`demo`)"
+        ) from None
+
+
+def _progress() -> Any:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+    )
+
+
+def _show(
+    table: Any, title: str, markdown: bool, output: Path | None, report: dict[str, Any]
+) -> None:
+    from llmctl.bench.report import markdown as to_markdown
+    from llmctl.bench.report import rich_table, write_json
+
+    if markdown:
+        typer.echo(f"**{title}**\n\n{to_markdown(table)}")
+    else:
+        console.print(rich_table(table, title))
+    if output is not None:
+        write_json(report, output)
+        console.print(f"Report written to {output}")

@@ -1,0 +1,144 @@
+"""``llmctl chat``: talk to a model in the terminal, in-process or through a server."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import typer
+from rich.markup import escape
+
+from llmctl.cli.output import console, err_console
+from llmctl.cli.schema_flags import schema_options
+from llmctl.errors import OptionError
+
+
+def register(app: typer.Typer) -> None:
+    app.command("chat")(chat)
+
+
+@schema_options("chat", skip=("model",))
+def chat(
+    flags: dict[str, Any],
+    model: str | None = typer.Argument(
+        None,
+        help="Model: `demo`, a local directory or a cached hub id \\[default: the profile's "
+        "model, else demo].",
+        show_default=False,
+    ),
+    profile: str | None = typer.Option(None, "--profile", "-p", help="Profile to use."),
+    url: str | None = typer.Option(
+        None,
+        "--url",
+        help="Talk to a running OpenAI-compatible server (e.g. http://127.0.0.1:8000) "
+        "instead of loading the model here.",
+    ),
+    api_key: str | None = typer.Option(
+        None, "--api-key", envvar="LLMCTL_API_KEY", help="With --url: the server's API key."
+    ),
+    remote_model: str | None = typer.Option(
+        None,
+        "--model",
+        help="With --url: the model to ask for \\[default: the server's only model].",
+        show_default=False,
+    ),
+    system: str | None = typer.Option(None, "--system", help="System prompt."),
+    temperature: float | None = typer.Option(
+        None,
+        "--temperature",
+        help="Sampling temperature \\[default: 0.7; 0 (greedy) when stdin is piped].",
+        show_default=False,
+    ),
+    max_tokens: int | None = typer.Option(
+        None, "--max-tokens", help="Most tokens in one answer \\[default: 256].", show_default=False
+    ),
+) -> None:
+    """Chat with a model in the terminal, here or through a server; /help lists commands.
+
+    Piped (`echo "hi" | llmctl chat MODEL`): answers once on stdout, greedy by default.
+    """
+    from llmctl.chat import (
+        DEFAULT_MAX_TOKENS,
+        INTERACTIVE_TEMPERATURE,
+        PIPED_TEMPERATURE,
+        ChatSession,
+        continuation_note,
+        run_interactive,
+        run_piped,
+    )
+    from llmctl.engine.sampling_params import SamplingParams
+    from llmctl.paths import cache_dir
+
+    interactive = sys.stdin.isatty()
+    if temperature is None:
+        temperature = INTERACTIVE_TEMPERATURE if interactive else PIPED_TEMPERATURE
+    try:
+        sampling = SamplingParams(
+            temperature=temperature,
+            max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+        )
+    except ValueError as exc:
+        raise OptionError(f"{exc}: fix --temperature or --max-tokens") from None
+    if url is None and (remote_model is not None or _given_as_flag("api_key")):
+        raise OptionError(
+            "--model and --api-key are for a server given with --url; to load a model here "
+            "pass it as the argument: llmctl chat MODEL"
+        )
+
+    connection, intro, warnings = _connect(url, api_key, model, remote_model, flags, profile)
+    notes = console if interactive else err_console
+    session = ChatSession(connection, sampling, system=system, notes=notes)
+    if not session.chat_mode:
+        warnings.append(continuation_note(connection.model_name))
+    warnings = [f"[yellow]{escape(line)}[/]" for line in warnings]
+    if not interactive:  # stdout is the answer alone; what changes its meaning goes to stderr
+        for line in warnings:
+            notes.print(line, soft_wrap=True)
+        run_piped(session, sys.stdin.read().rstrip("\r\n"))
+        return
+    run_interactive(session, banner=[intro, *warnings], history_file=cache_dir() / "chat_history")
+
+
+def _given_as_flag(param: str) -> bool:
+    """Whether ``param`` came from the command line (not its environment variable)."""
+    import click
+    from click.core import ParameterSource
+
+    return click.get_current_context().get_parameter_source(param) is ParameterSource.COMMANDLINE
+
+
+def _connect(
+    url: str | None,
+    api_key: str | None,
+    model: str | None,
+    remote_model: str | None,
+    flags: dict[str, Any],
+    profile: str | None,
+) -> tuple[Any, str, list[str]]:
+    """The connection to chat through, a line introducing it and warnings about it."""
+    from llmctl.chat import LocalConnection, RemoteConnection
+
+    tail = "/help lists the commands; Ctrl-C stops an answer; Ctrl-D or /exit leaves."
+    if url is not None:
+        local_only = [f"--{name.replace('_', '-')}" for name in flags]
+        if model is not None:
+            local_only.insert(0, f"MODEL ({model})")
+        if profile is not None:
+            local_only.append("--profile")
+        if local_only:
+            raise OptionError(
+                f"{', '.join(local_only)} configure a local engine, but --url talks to a "
+                "server that has its own: drop them, or drop --url to load the model here "
+                "(with --url, name the server's model with --model)"
+            )
+        connection = RemoteConnection(url, api_key=api_key, model=remote_model)
+        where = f"{connection.model_name} at {connection.base_url}"
+        return connection, f"[bold]Chatting with {escape(where)}.[/] {tail}", []
+    from llmctl.engine.demo import DEMO_LABEL
+    from llmctl.selection import open_engine
+
+    opened = open_engine(model, flags, profile=profile)
+    backend = opened.choice.backend.name
+    intro = f"[bold]Chatting with {escape(opened.engine.model_name)}[/] ({backend}). {tail}"
+    warnings = [f"Model {DEMO_LABEL}."] if opened.model.is_demo else []
+    return LocalConnection(opened.engine), intro, warnings

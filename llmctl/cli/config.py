@@ -1,0 +1,85 @@
+"""``llmctl config show``: every resolved option, and with --explain where it came from."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from llmctl.cli.output import console
+from llmctl.cli.schema_flags import schema_options
+
+
+def register(app: typer.Typer) -> None:
+    group = typer.Typer(help="Show the configuration llmctl would use.", no_args_is_help=True)
+    group.command("show")(show)
+    app.add_typer(group, name="config")
+
+
+@schema_options("config")
+def show(
+    flags: dict[str, Any],
+    profile: str | None = typer.Option(
+        None, "--profile", "-p", help="Profile to use (else LLMCTL_PROFILE)."
+    ),
+    explain: bool = typer.Option(False, "--explain", help="Show where each value came from."),
+) -> None:
+    """Print every option's resolved value for the backend that would be used.
+
+    With `--backend auto` (the default) the backend is the one `auto` would choose for
+    the model; pass `--backend NAME` to see another backend's view.
+    """
+    from llmctl.errors import BackendError, LlmctlError
+    from llmctl.hardware import Hardware
+    from llmctl.options import did_you_mean
+    from llmctl.profiles import describe_source, resolve
+    from llmctl.selection import AUTO, choose, installed_backends, model_for, resolve_common
+
+    profile_obj, common = resolve_common(flags, profile)
+    backends = installed_backends()
+    backend_name = common["backend"].value
+    note = ""
+    if backend_name == AUTO:
+        try:
+            info = model_for(common["model"].value, backend_name)
+            choice = choose(info, flags, profile=profile_obj, hardware=Hardware.probe())
+            backend_name = choice.backend.name
+            note = f"backend: auto chooses {backend_name} for {info.name}"
+        except LlmctlError as exc:
+            backend_name = None
+            note = f"backend: auto cannot choose yet ({exc}); showing values without a backend"
+    elif backend_name not in backends:
+        raise BackendError(
+            f"unknown backend {backend_name!r}.{did_you_mean(backend_name, backends)} "
+            f"Installed: {', '.join(backends)} (or `auto`)."
+        )
+    backend = backends.get(backend_name) if backend_name else None
+    settings = resolve(
+        flags,
+        profile=profile_obj,
+        backend=backend_name,
+        backend_defaults=backend.option_defaults if backend else None,
+    )
+    title = f"profile {profile_obj.name}" if profile_obj else "no profile"
+    table = Table("option", "value", title=f"llmctl configuration ({title})")
+    if explain:
+        table.add_column("source")
+    for name, setting in settings.items():
+        row = [name, _format(setting.value)]
+        if explain:
+            row.append(describe_source(setting))
+        table.add_row(*row)
+    console.print(table)
+    if note:
+        console.print(note)
+
+
+def _format(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return ", ".join(value) or "-"
+    return str(value)

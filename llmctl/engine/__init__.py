@@ -1,0 +1,1 @@
+"""Engine parts the built-in backends share: requests, sampling, paged KV, scheduling."""

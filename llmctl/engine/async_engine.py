@@ -1,0 +1,183 @@
+"""``AsyncEngine``: the ``Engine`` surface (llmctl/backend.py) around ``LLMEngine``.
+
+One background thread owns the ``LLMEngine``: it takes new requests and aborts from a
+command queue, runs steps while there is work (torch releases the GIL while it
+computes, so the event loop stays responsive) and sleeps when there is none. Each
+request's outputs go to an ``asyncio.Queue`` on the event loop that called
+``generate``, through ``loop.call_soon_threadsafe``, so any loop may use the engine:
+the server's, or a fresh one per ``LLM.generate`` call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest
+from llmctl.engine.llm_engine import LLMEngine
+from llmctl.engine.sampling_params import SamplingParams
+from llmctl.errors import InvalidRequest
+
+logger = logging.getLogger("llmctl")
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, model_name: str) -> None:
+        self.model_name = model_name
+        self.max_model_len = engine.config.max_model_len
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._lock = threading.Condition()  # guards the three fields below
+        self._commands: list[_Add | _Abort] = []
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="llmctl-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        """Stream a request's outputs; ``InvalidRequest`` before the first one if refused.
+
+        Leaving the iteration early (a client disconnecting, a cancelled task) aborts the
+        request, which frees its KV blocks.
+        """
+        prompt_ids = self._prompt_token_ids(request)
+        self.engine.validate(prompt_ids, request.sampling)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        request_id = request.request_id
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the engine has been shut down")
+            if request_id in self._streams:
+                raise InvalidRequest(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+            self._commands.append(_Add(request_id, prompt_ids, request.sampling))
+            self._lock.notify()
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._submit(_Abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._submit(_Abort(request_id))
+
+    def stats(self) -> EngineStats:
+        scheduler, blocks = self.engine.scheduler, self.engine.block_manager
+        with self._lock:
+            pending = sum(isinstance(c, _Add) for c in self._commands)
+        return EngineStats(
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting) + pending,
+            kv_blocks_total=blocks.num_blocks,
+            kv_blocks_used=blocks.num_used_blocks,
+            block_size=blocks.block_size,
+        )
+
+    async def shutdown(self) -> None:
+        """Stop the engine thread; requests still in flight end with ``abort``."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        await asyncio.to_thread(self._thread.join)
+
+    def _prompt_token_ids(self, request: GenerationRequest) -> list[int]:
+        if request.prompt_token_ids is not None:
+            return list(request.prompt_token_ids)
+        if request.prompt is not None:
+            return self.tokenizer.encode(request.prompt)
+        return self.tokenizer.encode_chat(request.messages)
+
+    def _submit(self, command: _Add | _Abort) -> None:
+        with self._lock:
+            self._commands.append(command)
+            self._lock.notify()
+
+    def _run(self) -> None:
+        """The engine thread: apply commands, step while there is work, sleep otherwise."""
+        while True:
+            with self._lock:
+                while not (self._commands or self._stopping or self.engine.has_unfinished()):
+                    self._lock.wait()
+                commands, self._commands = self._commands, []
+                stopping = self._stopping
+            for command in commands:
+                self._apply(command)
+            if stopping:
+                break
+            if self.engine.has_unfinished():
+                try:
+                    outputs = self.engine.step()
+                except Exception as exc:  # a model failure fails its batch, not the engine
+                    logger.exception("engine step failed")
+                    self._fail_all(exc)
+                    continue
+                for output in outputs:
+                    self._deliver(output.request_id, output)
+        for request_id in self._stream_ids():
+            output = self.engine.abort(request_id)
+            if output is not None:
+                self._deliver(request_id, output)
+
+    def _apply(self, command: _Add | _Abort) -> None:
+        if isinstance(command, _Abort):
+            output = self.engine.abort(command.request_id)
+            if output is not None:
+                self._deliver(command.request_id, output)
+            return
+        try:
+            self.engine.add_request(
+                command.request_id, command.prompt_token_ids, command.sampling
+            )
+        except InvalidRequest as exc:
+            self._deliver(command.request_id, exc)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id in self._stream_ids():
+            self.engine.abort(request_id)
+            error = RuntimeError(f"the engine failed while running this request: {exc}")
+            self._deliver(request_id, error)
+
+    def _stream_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._streams)
+
+    def _deliver(self, request_id: str, item: GenerationOutput | BaseException) -> None:
+        """Hand an output (or an error) to the request's event loop; the last one
+        unregisters the request."""
+        done = isinstance(item, BaseException) or item.finished
+        with self._lock:
+            stream = self._streams.pop(request_id) if done else self._streams.get(request_id)
+        if stream is None:
+            return
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # its event loop is closed: nobody is listening any more
+            pass

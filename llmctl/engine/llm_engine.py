@@ -1,0 +1,153 @@
+"""The synchronous engine loop: add requests, run steps, collect each request's progress.
+
+One ``step()`` schedules a batch, runs the model once over it, samples a token for
+every sequence whose input is fully computed, and checks stop conditions. It is not
+thread-safe; ``AsyncEngine`` drives it from one thread.
+"""
+
+from __future__ import annotations
+
+from llmctl.backend import GenerationOutput, TokenLogprob
+from llmctl.engine.block_manager import BlockManager
+from llmctl.engine.config import EngineConfig
+from llmctl.engine.detokenizer import IncrementalDetokenizer
+from llmctl.engine.runner import ModelRunner
+from llmctl.engine.sampler import SampledToken, Sampler
+from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.scheduler import Scheduler
+from llmctl.engine.sequence import Sequence
+from llmctl.engine.tokenizer import Tokenizer
+from llmctl.errors import InvalidRequest
+
+
+class LLMEngine:
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig) -> None:
+        if runner.block_size != config.block_size or runner.num_blocks < config.num_blocks:
+            raise ValueError(
+                f"the runner's cache ({runner.num_blocks} blocks of {runner.block_size}) does "
+                f"not match the engine's ({config.num_blocks} blocks of {config.block_size})"
+            )
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.config = config
+        self.block_manager = BlockManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.sampler = Sampler(config.eos_token_ids, config.seed)
+        self._seqs: dict[str, Sequence] = {}
+
+    def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        """Raise ``InvalidRequest`` if this request can never run here."""
+        if not prompt_token_ids:
+            raise InvalidRequest("the prompt is empty: give at least one token")
+        vocab = self.config.vocab_size
+        if vocab is not None:
+            bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequest(
+                    f"prompt token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})"
+                )
+        prompt_len, limit = len(prompt_token_ids), self.config.max_model_len
+        total = prompt_len + sampling.max_tokens
+        if total > limit:
+            allowed = f"at most {limit - prompt_len}" if prompt_len < limit else "none"
+            raise InvalidRequest(
+                f"the prompt ({prompt_len} tokens) plus max_tokens ({sampling.max_tokens}) "
+                f"is {total} tokens, more than session_len {limit}: shorten the prompt or "
+                f"lower max_tokens ({allowed} fit)"
+            )
+        needed = self.block_manager.blocks_needed(total)
+        if needed > self.config.num_blocks:
+            raise InvalidRequest(
+                f"the prompt ({prompt_len} tokens) plus max_tokens ({sampling.max_tokens}) "
+                f"needs {needed} KV blocks of {self.config.block_size} tokens, but the whole "
+                f"cache has {self.config.num_blocks}: lower max_tokens or give the engine "
+                "a larger cache_max_entry_count"
+            )
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+    ) -> None:
+        if request_id in self._seqs:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, sampling)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling)
+        seq = Sequence(request_id, prompt_token_ids, sampling, detokenizer)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> GenerationOutput | None:
+        """Stop a request and free its blocks; ``None`` if it is not in flight."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, "abort")
+        return GenerationOutput(
+            request_id=request_id,
+            text="",
+            token_ids=[],
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_output_tokens,
+            finished=True,
+            finish_reason="abort",
+            prompt_token_ids=seq.prompt_token_ids if seq.num_output_tokens == 0 else None,
+        )
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[GenerationOutput]:
+        """Run one batch; return the progress of every request that got a token."""
+        step = self.scheduler.schedule()
+        if step is None:
+            return []
+        logits = self.runner.execute(step.to_batch(self.config.block_size))
+        ready = self.scheduler.mark_computed(step)
+        if not ready:
+            return []
+        ready_ids = {id(seq) for seq in ready}
+        rows = [i for i, seq in enumerate(step.seqs) if id(seq) in ready_ids]
+        sampled = self.sampler(logits[rows], ready)
+        return [self._advance(seq, token) for seq, token in zip(ready, sampled)]
+
+    def _advance(self, seq: Sequence, sampled: SampledToken) -> GenerationOutput:
+        """Append the sampled token, decode it and decide whether ``seq`` is done."""
+        token_id = sampled.token_id
+        seq.append_token(token_id)
+        params = seq.sampling
+        reason = None
+        is_eos = not params.ignore_eos and token_id in self.config.eos_token_ids
+        if is_eos or token_id in params.stop_token_ids:
+            reason = "stop"
+        if reason is None or params.include_stop_str_in_output:
+            seq.detokenizer.add_token(token_id)
+        if reason is None and seq.detokenizer.stopped:
+            reason = "stop"
+        if reason is None and seq.num_output_tokens >= params.max_tokens:
+            reason = "length"
+        finished = reason is not None
+        output = GenerationOutput(
+            request_id=seq.request_id,
+            text=seq.detokenizer.take_new_text(final=finished),
+            token_ids=[token_id],
+            prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_output_tokens,
+            finished=finished,
+            finish_reason=reason,
+            logprobs=[self._token_logprob(sampled)] if sampled.logprob is not None else None,
+            prompt_token_ids=seq.prompt_token_ids if seq.num_output_tokens == 1 else None,
+        )
+        if finished:
+            self.scheduler.finish(seq, reason)
+            del self._seqs[seq.request_id]
+        return output
+
+    def _token_logprob(self, sampled: SampledToken) -> TokenLogprob:
+        text = self.tokenizer.token_text
+        return TokenLogprob(
+            token_id=sampled.token_id,
+            token=text(sampled.token_id),
+            logprob=sampled.logprob,
+            top=[(token_id, text(token_id), logprob) for token_id, logprob in sampled.top],
+        )

@@ -1,0 +1,235 @@
+"""A Hugging Face tokenizer loaded with the light ``tokenizers`` library, plus its chat
+template rendered the way transformers renders it.
+
+Read from the model directory: ``tokenizer.json`` (the tokenizer itself),
+``tokenizer_config.json`` (BOS/EOS tokens, ``add_bos_token``, the chat template),
+``chat_template.jinja`` (newer checkpoints keep the template there),
+``generation_config.json`` and ``config.json`` (EOS ids).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+
+from llmctl.errors import InvalidRequest, ModelError, OptionError
+
+
+class Tokenizer:
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        add_bos_token: bool | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+        chat_template: str | None = None,
+        special_tokens: dict[str, str] | None = None,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.bos_token_id = tokenizer.token_to_id(bos_token) if bos_token else None
+        if add_bos_token is None:
+            # Not configured: do what tokenizer.json's post-processor does.
+            add_bos_token = self.bos_token_id is not None and self.bos_token_id in (
+                tokenizer.encode("a", add_special_tokens=True).ids
+            )
+        self.add_bos_token = add_bos_token and self.bos_token_id is not None
+        eos_ids = list(eos_token_ids)
+        eos_id = tokenizer.token_to_id(eos_token) if eos_token else None
+        if eos_id is not None and eos_id not in eos_ids:
+            eos_ids.append(eos_id)
+        self.eos_token_ids = tuple(eos_ids)
+        self.chat_template = chat_template
+        self._special_tokens = special_tokens or {}
+        self._template = _compile_template(chat_template) if chat_template else None
+
+    @classmethod
+    def from_dir(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
+        """Load the tokenizer of a model directory.
+
+        ``chat_template`` overrides the model's own: a path to a template file or an
+        inline Jinja template.
+        """
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise ModelError(
+                f"{path} has no tokenizer.json: llmctl reads fast (tokenizers) tokenizers "
+                "only; convert a sentencepiece-only tokenizer with transformers "
+                "(AutoTokenizer.from_pretrained(...).save_pretrained(...))"
+            )
+        config = _read_json(path / "tokenizer_config.json")
+        special = {
+            name: _token_text(config.get(name))
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+            if _token_text(config.get(name)) is not None
+        }
+        eos_ids: list[int] = []
+        for source in (path / "generation_config.json", path / "config.json"):
+            for token_id in _as_ids(_read_json(source).get("eos_token_id")):
+                if token_id not in eos_ids:
+                    eos_ids.append(token_id)
+        template = (
+            load_chat_template(chat_template)
+            if chat_template
+            else _model_chat_template(path, config)
+        )
+        return cls(
+            HFTokenizer.from_file(str(tokenizer_file)),
+            bos_token=special.get("bos_token"),
+            eos_token=special.get("eos_token"),
+            add_bos_token=config.get("add_bos_token"),
+            eos_token_ids=tuple(eos_ids),
+            chat_template=template,
+            special_tokens=special,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; with ``add_special_tokens``, BOS first if the model wants
+        one and the text does not already start with it (no double BOS)."""
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token and ids[:1] != [self.bos_token_id]:
+            ids.insert(0, self.bos_token_id)
+        return ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """The vocabulary entry of one token (e.g. ``▁the``), as logprobs show it."""
+        return self._tokenizer.id_to_token(token_id) or ""
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat_template is not None
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render ``messages`` with the chat template, as transformers does."""
+        if self._template is None:
+            raise InvalidRequest("this model has no chat template; give a plain prompt")
+        try:
+            return self._template.render(
+                messages=[_text_message(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                **self._special_tokens,
+            )
+        except jinja2.TemplateError as exc:
+            raise InvalidRequest(f"the chat template refused these messages: {exc}") from None
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Prompt ids for a conversation.
+
+        With a template: the rendered text, encoded without adding special tokens (the
+        template writes its own BOS, as transformers' ``apply_chat_template`` assumes).
+        Without one: plain continuation of the message contents joined by newlines.
+        """
+        if not messages:
+            raise InvalidRequest("messages must not be empty")
+        if self.chat_template is not None:
+            return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        text = "\n".join(_text_message(m)["content"] for m in messages)
+        return self.encode(text)
+
+
+def load_chat_template(value: str) -> str:
+    """The ``chat_template`` option: a path to a template file, or an inline template."""
+    path = Path(value).expanduser()
+    if "{" not in value and path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise OptionError(
+        f"chat_template {value!r} is neither an existing file nor a Jinja template "
+        "(an inline template contains {{ ... }} or {% ... %})"
+    )
+
+
+def _model_chat_template(path: Path, config: dict[str, Any]) -> str | None:
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default")
+    if template is None and (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text()
+    return template
+
+
+def _text_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message whose content is one string: text parts joined, other parts refused."""
+    if not isinstance(message, dict) or "role" not in message:
+        raise InvalidRequest(f"each message needs a 'role' and a 'content', got {message!r}")
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return {**message, "content": content or ""}
+    parts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise InvalidRequest(f"only text message content is supported, got a {kind!r} part")
+        parts.append(part.get("text", ""))
+    return {**message, "content": "".join(parts)}
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """Compile a chat template in the environment transformers renders them in."""
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(
+            value,
+            ensure_ascii=ensure_ascii,
+            indent=indent,
+            separators=separators,
+            sort_keys=sort_keys,
+        )
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise OptionError(f"the chat template does not compile: {exc}") from None
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token from tokenizer_config: a string or a serialized AddedToken."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else [int(v) for v in value]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{path} is not valid JSON: {exc}") from None

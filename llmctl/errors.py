@@ -1,0 +1,39 @@
+"""Errors a user can act on. The CLI prints them as one paragraph, never a traceback."""
+
+from __future__ import annotations
+
+
+class LlmctlError(Exception):
+    """Base class: the message names what is wrong and how to fix it."""
+
+
+class OptionError(LlmctlError):
+    """An option value is missing, malformed, out of range or refused by a backend."""
+
+
+class ProfileError(LlmctlError):
+    """A profile file cannot be read, or a profile is missing or invalid."""
+
+
+class BackendError(LlmctlError):
+    """No backend can serve the request, or the one asked for cannot."""
+
+
+class ModelError(LlmctlError):
+    """The model argument does not name a usable model."""
+
+
+class InvalidRequest(LlmctlError, ValueError):
+    """A generation request the engine refuses before starting (too long, bad params).
+
+    The server answers it with HTTP 400; engines raise it from ``generate`` before
+    yielding anything.
+    """
+
+
+class UpstreamError(LlmctlError):
+    """A remote server an engine forwards to is unreachable, failed (5xx) or refused us.
+
+    Raised by proxy backends (e.g. ``openai-proxy``); the server answers it with HTTP 502
+    in OpenAI's error shape, since the fault is neither the client's nor this server's.
+    """

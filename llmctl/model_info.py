@@ -1,0 +1,106 @@
+"""Turn a model argument (``demo``, a local directory, a cached hub id) into facts backends check.
+
+Reads only ``config.json``: no torch, no weights. Loading happens in the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from llmctl.errors import ModelError
+
+DEMO_NAME = "demo"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What is known about a model before it loads."""
+
+    name: str
+    path: Path
+    config: dict[str, Any] = field(default_factory=dict, compare=False)
+    is_demo: bool = False
+
+    @classmethod
+    def remote(cls, name: str) -> ModelInfo:
+        """A model served elsewhere (by a proxy backend): only its name is known."""
+        return cls(name=name, path=Path(), config={"architectures": ["remote"]})
+
+    @property
+    def architecture(self) -> str:
+        architectures = self.config.get("architectures") or ["unknown"]
+        return architectures[0]
+
+    @property
+    def model_type(self) -> str:
+        return self.config.get("model_type", "unknown")
+
+
+def resolve_model(arg: str) -> ModelInfo:
+    """Find the model named by ``arg`` without loading it.
+
+    ``demo`` is the built-in random model; otherwise a directory holding config.json,
+    or a Hugging Face hub id already in the local cache (nothing is downloaded).
+    """
+    if arg == DEMO_NAME:
+        from llmctl.engine.demo import DEMO_CONFIG, demo_model_dir
+
+        return ModelInfo(name=DEMO_NAME, path=demo_model_dir(), config=DEMO_CONFIG, is_demo=True)
+    path = Path(arg).expanduser()
+    if path.is_dir():
+        return ModelInfo(name=arg, path=path, config=_read_config(path))
+    if path.exists():
+        raise ModelError(
+            f"model {arg!r} is a file; give the directory that holds config.json, the "
+            "safetensors weights and the tokenizer files"
+        )
+    if arg.count("/") == 1 and not arg.startswith((".", "/", "~")):
+        snapshot = _hf_cache_snapshot(arg)
+        if snapshot is not None:
+            return ModelInfo(name=arg, path=snapshot, config=_read_config(snapshot))
+        raise ModelError(
+            f"model {arg!r} is not in the local Hugging Face cache ({hf_hub_cache()}). "
+            "llmctl never downloads: fetch it first (e.g. `huggingface-cli download "
+            f"{arg}`), or pass a local directory, or use the built-in `demo` model"
+        )
+    raise ModelError(
+        f"model {arg!r} not found: expected `demo`, a local directory with config.json, "
+        "or a Hugging Face hub id (org/name) already in the local cache"
+    )
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelError(
+            f"{path} has no config.json: give a Hugging Face model directory "
+            "(config.json + *.safetensors + tokenizer files)"
+        )
+    try:
+        return json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{config_file} is not valid JSON: {exc}") from None
+
+
+def hf_hub_cache() -> Path:
+    if cache := os.environ.get("HF_HUB_CACHE"):
+        return Path(cache)
+    home = os.environ.get("HF_HOME", os.path.join(os.path.expanduser("~"), ".cache", "huggingface"))
+    return Path(home) / "hub"
+
+
+def _hf_cache_snapshot(repo_id: str) -> Path | None:
+    """The snapshot directory ``refs/main`` points at (else the newest one), if any."""
+    repo_dir = hf_hub_cache() / ("models--" + repo_id.replace("/", "--"))
+    snapshots = repo_dir / "snapshots"
+    if not snapshots.is_dir():
+        return None
+    ref = repo_dir / "refs" / "main"
+    if ref.is_file() and (snapshots / ref.read_text().strip()).is_dir():
+        return snapshots / ref.read_text().strip()
+    candidates = sorted(snapshots.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+    return candidates[0] if candidates else None

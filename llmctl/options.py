@@ -1,0 +1,320 @@
+"""THE option schema: every engine and server option, declared once.
+
+From this table come the CLI flags (``--cache-block-seq-len``), the TOML profile keys
+(``cache_block_seq_len``), the environment variables (``LLMCTL_CACHE_BLOCK_SEQ_LEN``)
+and ``docs/reference/options.md``. Plugins add options through the
+``llmctl_register_options`` hook; they are treated exactly like these.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from llmctl.errors import OptionError
+from llmctl.kv_budget import FORMS_HELP, parse_kv_budget
+
+# Commands that build an engine take every engine option (a lesson from lmdeploy, whose
+# `chat` lacked --cache-block-seq-len); `config` shows them all.
+ENGINE_COMMANDS = frozenset({"serve", "chat", "bench", "backends check", "config"})
+SERVER_COMMANDS = frozenset({"serve", "config"})
+
+KINDS = ("int", "float", "str", "bool", "list", "kv_budget")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option. ``kind`` is one of KINDS; ``None`` as default means "not set"."""
+
+    name: str
+    kind: str
+    default: Any
+    help: str
+    commands: frozenset[str] = ENGINE_COMMANDS
+    min: float | None = None
+    max: float | None = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"option {self.name}: kind must be one of {KINDS}")
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env_var(self) -> str:
+        return "LLMCTL_" + self.name.upper()
+
+    def convert(self, value: Any, where: str) -> Any:
+        """Check and convert a value from a flag, env var (str) or TOML (typed).
+
+        ``where`` names the source for the error message ("flag --x", "LLMCTL_X", ...).
+        """
+        try:
+            converted = self._convert(value)
+        except (TypeError, ValueError) as exc:
+            raise OptionError(f"{self.name} (from {where}): {exc}") from None
+        self._check_range(converted, where)
+        return converted
+
+    def _convert(self, value: Any) -> Any:
+        if value is None:
+            return None
+        kind = self.kind
+        if kind == "kv_budget":
+            return parse_kv_budget(value)
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
+                return value.strip().lower() in _TRUE
+            raise ValueError(f"expected true or false, got {value!r}")
+        if kind == "list":
+            if isinstance(value, str):
+                return [item.strip() for item in value.split(",") if item.strip()]
+            if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+                return list(value)
+            raise ValueError(f"expected a list of strings, got {value!r}")
+        if kind == "int":
+            if isinstance(value, bool) or isinstance(value, float):
+                raise ValueError(f"expected an integer, got {value!r}")
+            if isinstance(value, str):
+                try:
+                    return int(value.strip())
+                except ValueError:
+                    raise ValueError(f"expected an integer, got {value!r}") from None
+            if isinstance(value, int):
+                return value
+            raise ValueError(f"expected an integer, got {value!r}")
+        if kind == "float":
+            if isinstance(value, bool):
+                raise ValueError(f"expected a number, got {value!r}")
+            try:
+                return float(value)
+            except (TypeError, ValueError):
+                raise ValueError(f"expected a number, got {value!r}") from None
+        if not isinstance(value, str):
+            raise ValueError(f"expected a string, got {value!r}")
+        return value
+
+    def _check_range(self, value: Any, where: str) -> None:
+        if value is None:
+            return
+        if self.choices is not None and value not in self.choices:
+            suggestion = did_you_mean(str(value), self.choices)
+            raise OptionError(
+                f"{self.name}={value!r} (from {where}) is not one of "
+                f"{', '.join(self.choices)}.{suggestion}"
+            )
+        if self.min is not None and value < self.min:
+            raise OptionError(
+                f"{self.name}={value!r} (from {where}) is too small: the minimum is {self.min:g}"
+            )
+        if self.max is not None and value > self.max:
+            raise OptionError(
+                f"{self.name}={value!r} (from {where}) is too large: the maximum is {self.max:g}"
+            )
+
+
+def did_you_mean(word: str, candidates: Iterable[str]) -> str:
+    matches = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f" Did you mean {matches[0]!r}?" if matches else ""
+
+
+CORE_OPTIONS: tuple[Option, ...] = (
+    Option(
+        "model",
+        "str",
+        "demo",
+        "Model to serve: `demo` (built-in, random weights), a local Hugging Face directory, "
+        "or a hub id already in the local cache. The MODEL argument of serve, chat, bench and "
+        "backends check.",
+        metavar="MODEL",
+    ),
+    Option(
+        "backend",
+        "str",
+        "auto",
+        "Inference backend: `auto` (best installed backend that can serve the model) or a "
+        "backend name (see `llmctl backends`).",
+        metavar="NAME",
+    ),
+    Option(
+        "cache_block_seq_len",
+        "int",
+        64,
+        "Tokens held by one KV-cache block. Each backend adds its own rule: torch needs a "
+        "power of two >= 16; turbo a multiple of 16 on CPU, of 32 on CUDA compute "
+        "capability >= 8.0, else of 64.",
+        min=1,
+        metavar="TOKENS",
+    ),
+    Option(
+        "cache_max_entry_count",
+        "kv_budget",
+        "0.8",
+        "KV-cache budget: " + FORMS_HELP + ". A fraction is of the memory free when the "
+        "engine starts; the cache never exceeds what max_batch_size full sessions need.",
+        metavar="BUDGET",
+    ),
+    Option(
+        "session_len",
+        "int",
+        None,
+        "Longest session in tokens (prompt + generated). Default: the model's context length.",
+        min=1,
+        metavar="TOKENS",
+    ),
+    Option(
+        "max_batch_size",
+        "int",
+        128,
+        "Most sequences decoded together in one engine step.",
+        min=1,
+        metavar="N",
+    ),
+    Option(
+        "max_prefill_token_num",
+        "int",
+        8192,
+        "Most tokens processed in one engine step; longer prompts are prefilled in chunks.",
+        min=1,
+        metavar="TOKENS",
+    ),
+    Option(
+        "enable_prefix_caching",
+        "bool",
+        True,
+        "Reuse the KV blocks of identical prompt prefixes across requests.",
+    ),
+    Option(
+        "dtype",
+        "str",
+        "auto",
+        "Weight and activation dtype. `auto`: the model's dtype on GPU, float32 on CPU.",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    ),
+    Option(
+        "device",
+        "str",
+        "auto",
+        "Where the engine runs. `auto`: CUDA when available, else CPU.",
+        choices=("auto", "cpu", "cuda"),
+    ),
+    Option(
+        "adapters",
+        "list",
+        None,
+        "LoRA adapter directories (PEFT format) merged into the model at load.",
+        metavar="DIR",
+    ),
+    Option("seed", "int", 0, "Seed of the engine's random sampling.", metavar="N"),
+    Option(
+        "chat_template",
+        "str",
+        None,
+        "Chat template (a Jinja file path or an inline template) replacing the model's own.",
+        metavar="TEMPLATE",
+    ),
+    Option(
+        "model_name",
+        "str",
+        None,
+        "Name the model is served under (the API's `model` field). Default: the model argument.",
+        metavar="NAME",
+    ),
+    Option(
+        "host",
+        "str",
+        "127.0.0.1",
+        "Address the server listens on (0.0.0.0 for all interfaces).",
+        commands=SERVER_COMMANDS,
+    ),
+    Option(
+        "port",
+        "int",
+        8000,
+        "Port the server listens on (0 picks a free one).",
+        commands=SERVER_COMMANDS,
+        min=0,
+        max=65535,
+    ),
+    Option(
+        "api_keys",
+        "list",
+        None,
+        "API keys clients must send as `Authorization: Bearer KEY`. None: no auth.",
+        commands=SERVER_COMMANDS,
+        metavar="KEY",
+    ),
+    Option(
+        "max_concurrent_requests",
+        "int",
+        64,
+        "Requests the server generates at once; more wait in a queue.",
+        commands=SERVER_COMMANDS,
+        min=1,
+        metavar="N",
+    ),
+    Option(
+        "max_queued_requests",
+        "int",
+        256,
+        "Requests allowed to wait for a slot; beyond that the server answers 429.",
+        commands=SERVER_COMMANDS,
+        min=0,
+        metavar="N",
+    ),
+    Option(
+        "shutdown_timeout",
+        "float",
+        30.0,
+        "Seconds to let in-flight requests finish after SIGINT/SIGTERM before exiting.",
+        commands=SERVER_COMMANDS,
+        min=0,
+        metavar="SECONDS",
+    ),
+    Option(
+        "log_prompts",
+        "bool",
+        False,
+        "Write prompts and generated text to the server log (off: only sizes are logged).",
+        commands=SERVER_COMMANDS,
+    ),
+)
+
+
+def all_options() -> tuple[Option, ...]:
+    """Core options plus those added by plugins (loaded once per process)."""
+    from llmctl.plugins.manager import get_plugin_manager
+
+    plugins = get_plugin_manager()
+    extra: list[Option] = []
+    plugins.manager.hook.llmctl_register_options(register=extra.append)
+    names = {opt.name for opt in CORE_OPTIONS}
+    merged = list(CORE_OPTIONS)
+    for opt in extra:
+        if opt.name not in names:  # a plugin cannot redefine a core option
+            names.add(opt.name)
+            merged.append(opt)
+    return tuple(merged)
+
+
+def options_for(command: str) -> tuple[Option, ...]:
+    return tuple(opt for opt in all_options() if command in opt.commands)
+
+
+def option_named(name: str) -> Option:
+    for opt in all_options():
+        if opt.name == name:
+            return opt
+    raise OptionError(
+        f"unknown option {name!r}.{did_you_mean(name, [o.name for o in all_options()])}"
+    )

@@ -1,0 +1,67 @@
+"""Render ``docs/reference/options.md`` from the schema (``python -m llmctl.options_doc``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from llmctl.options import CORE_OPTIONS, Option
+
+REFERENCE_PATH = Path("docs/reference/options.md")
+
+
+def _default(opt: Option) -> str:
+    if opt.default is None:
+        return "unset"
+    if isinstance(opt.default, bool):
+        return "`true`" if opt.default else "`false`"
+    return f"`{opt.default}`"
+
+
+def _allowed(opt: Option) -> str:
+    if opt.choices:
+        return ", ".join(f"`{c}`" for c in opt.choices)
+    bounds = []
+    if opt.min is not None:
+        bounds.append(f">= {opt.min:g}")
+    if opt.max is not None:
+        bounds.append(f"<= {opt.max:g}")
+    return " and ".join(bounds) or opt.kind
+
+
+def render_options_reference() -> str:
+    lines = [
+        "# Option reference",
+        "",
+        "Generated from `llmctl/options.py` by `python -m llmctl.options_doc`; do not edit.",
+        "",
+        "Each option is a CLI flag, a TOML profile key and an environment variable. "
+        "Resolution, highest first: flag, environment variable, the profile's section for "
+        "the chosen backend, the profile's common keys, the backend's default, the default "
+        "below. `llmctl config show --explain` prints each value with its source. Plugins "
+        "may add options (see docs/plugins.md); they are not listed here.",
+        "",
+        "| option | flag | env | type | default | allowed | commands |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for opt in CORE_OPTIONS:
+        commands = ", ".join(sorted(opt.commands))
+        lines.append(
+            f"| `{opt.name}` | `{opt.flag}` | `{opt.env_var}` | {opt.kind} | {_default(opt)} "
+            f"| {_allowed(opt)} | {commands} |"
+        )
+    lines += ["", "## Details", ""]
+    for opt in CORE_OPTIONS:
+        lines += [f"### `{opt.name}`", "", opt.help, ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    target = Path(sys.argv[1]) if len(sys.argv) > 1 else REFERENCE_PATH
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(render_options_reference())
+    print(f"wrote {target}")
+
+
+if __name__ == "__main__":
+    main()

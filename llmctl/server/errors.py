@@ -1,0 +1,135 @@
+"""Every error the server answers, in OpenAI's shape.
+
+``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}`` whatever went
+wrong: bad JSON, a field of the wrong type, an unknown model, a request the engine
+refuses, a missing API key, a full queue. Clients written for OpenAI read the message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from llmctl.errors import InvalidRequest, LlmctlError, UpstreamError
+
+class APIError(Exception):
+    """An error answered with ``status`` and an OpenAI-shaped body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = dict(headers or {})
+
+    def response(self) -> JSONResponse:
+        body = {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+    async def send(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Answer directly from ASGI middleware, before any route runs."""
+        await self.response()(scope, receive, send)
+
+
+def api_error_for(exc: Exception) -> APIError:
+    """The answer for an exception from the engine: the client's fault (400), the
+    upstream's (502, proxy engines) or ours (500)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequest):
+        return APIError(400, str(exc), code="invalid_request")
+    if isinstance(exc, UpstreamError):
+        return APIError(502, str(exc), type="upstream_error", code="upstream_error")
+    return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Turn every exception a route can raise into an OpenAI-shaped answer.
+
+    Expected errors get their own handlers; Starlette treats the ``Exception`` handler
+    as a last resort (it answers, then re-raises so the traceback is logged).
+    """
+
+    async def known_error(_: Request, exc: Exception) -> JSONResponse:
+        return api_error_for(exc).response()
+
+    app.add_exception_handler(APIError, known_error)
+    app.add_exception_handler(LlmctlError, known_error)
+    app.add_exception_handler(Exception, known_error)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = describe_validation_errors(exc.errors())
+        return APIError(400, message, param=param, code="invalid_value").response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return APIError(exc.status_code, str(exc.detail), code=code).response()
+
+
+# Readable descriptions of the fields whose type is a union, where pydantic would list
+# one complaint per alternative.
+_EXPECTED = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of content parts",
+}
+
+
+def describe_validation_errors(errors: list[Mapping[str, Any]]) -> tuple[str, str | None]:
+    """One sentence naming the offending field, from pydantic's error list."""
+    first = errors[0]
+    loc = [part for part in first["loc"] if part != "body"]
+    if first["type"] == "json_invalid":
+        detail = first.get("ctx", {}).get("error", "")
+        where = f" at character {loc[0]}" if loc and isinstance(loc[0], int) else ""
+        return f"the request body is not valid JSON: {detail}{where}".rstrip(": "), None
+    if not loc:
+        return f"the request body must be a JSON object: {first['msg']}", None
+    # Drop pydantic's union tags ("str", "list[int]", ...) from the path.
+    path = [str(p) for p in loc if isinstance(p, int) or not _is_type_tag(p)]
+    field = ".".join(path)
+    param = str(path[0])
+    if first["type"] == "extra_forbidden":
+        return f"unknown field '{field}': this server does not support it", param
+    if first["type"] == "missing":
+        return f"'{field}' is required", param
+    same_field = [e for e in errors if e["loc"][: len(first["loc"]) - 1] == first["loc"][:-1]]
+    leaf = next((p for p in reversed(path) if not p.isdigit()), param)
+    if len(same_field) > 1 and leaf in _EXPECTED:
+        return f"'{field}' must be {_EXPECTED[leaf]}, got {_short(first.get('input'))}", param
+    return f"'{field}': {first['msg']} (got {_short(first.get('input'))})", param
+
+
+def _is_type_tag(part: str) -> bool:
+    return any(ch in part for ch in "[]") or part in {"str", "int", "float", "bool", "list"}
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

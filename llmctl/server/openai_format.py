@@ -1,0 +1,170 @@
+"""Engine outputs in OpenAI's response shapes: completions and chat, streamed and whole.
+
+A formatter is made per HTTP request and keeps what the stream needs across chunks
+(which choices already announced their role, each choice's text offset).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from llmctl.backend import GenerationOutput, TokenLogprob
+from llmctl.server.generation import ChoiceProgress
+
+# JSON has no -inf; OpenAI clients expect a number. vLLM uses the same floor.
+_MIN_LOGPROB = -9999.0
+
+
+def _logprob(value: float) -> float:
+    return max(value, _MIN_LOGPROB)
+
+
+class _Formatter:
+    object_name: str
+    chunk_object_name: str
+
+    def __init__(self, response_id: str, model: str, include_usage: bool) -> None:
+        self.id = response_id
+        self.model = model
+        self.created = int(time.time())
+        self.include_usage = include_usage
+
+    def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk = self._envelope(self.chunk_object_name, choices)
+        if self.include_usage:
+            chunk["usage"] = None  # as OpenAI: null on every chunk but the last
+        return chunk
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        return {**self._envelope(self.chunk_object_name, []), "usage": usage}
+
+
+class CompletionFormatter(_Formatter):
+    """``text_completion`` objects, with the legacy logprobs shape."""
+
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def __init__(self, response_id: str, model: str, include_usage: bool, num_choices: int):
+        super().__init__(response_id, model, include_usage)
+        self._text_offsets = [0] * num_choices
+
+    def stream_chunk(self, index: int, output: GenerationOutput) -> dict[str, Any] | None:
+        if not (output.text or output.finished or output.logprobs):
+            return None
+        choice = {
+            "index": index,
+            "text": output.text,
+            "logprobs": self._logprobs(index, output.logprobs),
+            "finish_reason": output.finish_reason if output.finished else None,
+        }
+        return self._chunk([choice])
+
+    def response(
+        self,
+        texts: Sequence[str],
+        logprobs: Sequence[list[TokenLogprob] | None],
+        progress: Sequence[ChoiceProgress],
+        usage: dict[str, int],
+    ) -> dict[str, Any]:
+        choices = [
+            {
+                "index": index,
+                "text": texts[index],
+                "logprobs": self._logprobs(index, logprobs[index]),
+                "finish_reason": progress[index].finish_reason,
+            }
+            for index in range(len(texts))
+        ]
+        return {**self._envelope(self.object_name, choices), "usage": usage}
+
+    def _logprobs(self, index: int, entries: list[TokenLogprob] | None) -> dict | None:
+        """``{tokens, token_logprobs, top_logprobs, text_offset}``; offsets continue
+        across the chunks of a stream."""
+        if entries is None:
+            return None
+        offsets = []
+        for entry in entries:
+            offsets.append(self._text_offsets[index])
+            self._text_offsets[index] += len(entry.token)
+        return {
+            "tokens": [e.token for e in entries],
+            "token_logprobs": [_logprob(e.logprob) for e in entries],
+            "top_logprobs": [
+                {e.token: _logprob(e.logprob)} | {tok: _logprob(lp) for _, tok, lp in e.top}
+                for e in entries
+            ],
+            "text_offset": offsets,
+        }
+
+
+class ChatFormatter(_Formatter):
+    """``chat.completion`` objects and ``chat.completion.chunk`` deltas."""
+
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, response_id: str, model: str, include_usage: bool, num_choices: int):
+        super().__init__(response_id, model, include_usage)
+        self._announced = [False] * num_choices
+
+    def stream_chunk(self, index: int, output: GenerationOutput) -> dict[str, Any] | None:
+        delta: dict[str, Any] = {}
+        if not self._announced[index]:  # the first delta of a choice names the role
+            self._announced[index] = True
+            delta["role"] = "assistant"
+        if output.text or "role" in delta:
+            delta["content"] = output.text
+        if not (delta or output.finished or output.logprobs):
+            return None
+        choice = {
+            "index": index,
+            "delta": delta,
+            "logprobs": _chat_logprobs(output.logprobs),
+            "finish_reason": output.finish_reason if output.finished else None,
+        }
+        return self._chunk([choice])
+
+    def response(
+        self,
+        texts: Sequence[str],
+        logprobs: Sequence[list[TokenLogprob] | None],
+        progress: Sequence[ChoiceProgress],
+        usage: dict[str, int],
+    ) -> dict[str, Any]:
+        choices = [
+            {
+                "index": index,
+                "message": {"role": "assistant", "content": texts[index]},
+                "logprobs": _chat_logprobs(logprobs[index]),
+                "finish_reason": progress[index].finish_reason,
+            }
+            for index in range(len(texts))
+        ]
+        return {**self._envelope(self.object_name, choices), "usage": usage}
+
+
+def _chat_logprobs(entries: list[TokenLogprob] | None) -> dict | None:
+    if entries is None:
+        return None
+
+    def item(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": _logprob(logprob), "bytes": list(token.encode())}
+
+    return {
+        "content": [
+            {**item(e.token, e.logprob), "top_logprobs": [item(tok, lp) for _, tok, lp in e.top]}
+            for e in entries
+        ]
+    }

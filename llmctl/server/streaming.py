@@ -1,0 +1,93 @@
+"""Noticing a client that went away, for streamed and whole responses alike.
+
+A disconnected client must not keep generating: its engine requests are aborted so
+their KV blocks return to the pool. Streamed responses watch for ``http.disconnect``
+while they write; whole responses race their work against it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterable, Awaitable, Callable
+from typing import Any, TypeVar
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready."""
+
+
+def sse_event(payload: Any) -> str:
+    """One Server-Sent Event carrying JSON (or the literal ``[DONE]``)."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """An SSE response that stops when the client disconnects and always runs ``on_close``.
+
+    ``on_close`` runs however the response ends, even if it never started streaming,
+    so a generation slot or an engine request is never leaked.
+    """
+
+    def __init__(
+        self, events: AsyncIterable[str], on_close: Callable[[], Awaitable[None]]
+    ) -> None:
+        super().__init__(
+            events,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+
+                async def watch() -> None:
+                    await self.listen_for_disconnect(receive)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(watch)
+                try:
+                    await self.stream_response(send)
+                except OSError:  # the client went away while we wrote to it
+                    pass
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.on_close()
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work``; if the client disconnects first, cancel it and raise ClientGone.
+
+    Only for handlers that have read the whole body: the next ASGI message can then only
+    be ``http.disconnect``.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise ClientGone()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

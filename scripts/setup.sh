@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Install llmctl, its two built-in backends, the example proxy plugin and the test tools
+# into ./.venv. Safe to run again: it only installs what is missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python3 -m venv .venv
+. .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+# The CPU build of torch first: the packages ask for torch>=2.4, which it satisfies, so pip
+# does not pull a multi-GB CUDA build. On a GPU machine install your CUDA torch instead.
+python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
+pip install -q -e ".[test]" -e backends/torch -e backends/turbo
+if [ -d plugins/llmctl-openai-proxy ]; then
+    pip install -q -e plugins/llmctl-openai-proxy
+fi
+# Build turbo's native ops ahead of time (cached; otherwise they build on first use).
+llmctl backends build turbo || echo "turbo could not be built; llmctl falls back to torch"

@@ -1,0 +1,26 @@
+"""Shared test setup: paths to fixtures and a clean llmctl environment per test."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STORIES = REPO.parent / "shared" / "models" / "stories260K"
+
+
+@pytest.fixture
+def stories_dir() -> Path:
+    if not (STORIES / "config.json").is_file():
+        pytest.skip(f"stories260K fixture not found at {STORIES} (it lives in ../shared/)")
+    return STORIES
+
+
+@pytest.fixture(autouse=True)
+def _no_user_llmctl_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests see no LLMCTL_* variables from the developer's shell (the cache dir stays)."""
+    for name in list(os.environ):
+        if name.startswith("LLMCTL_") and name not in ("LLMCTL_CACHE_DIR",):
+            monkeypatch.delenv(name, raising=False)
