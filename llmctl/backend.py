@@ -95,7 +95,9 @@ class Engine(Protocol):
     """What the server, chat, bench and the Python API talk to."""
 
     model_name: str
-    max_model_len: int  # session_len: prompt + generated tokens of one request
+    # session_len: prompt + generated tokens of one request; 0 when unknown (a proxy
+    # whose upstream does not state it, and which then checks lengths itself)
+    max_model_len: int
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
         """Stream outputs. Raises ``InvalidRequest`` before the first output if refused."""

@@ -99,17 +99,18 @@ def serve_table(report: dict[str, Any]) -> Rows:
 
 def sweep_table(report: dict[str, Any]) -> Rows:
     serve = report["serve_load"] is not None
+    # Short headers: the table has up to ten columns. TTFT: time to first token.
     headers = [
         "block size",
         "req/s",
-        "output tok/s",
-        "first token p50 (ms)",
-        "peak KV blocks",
-        "peak KV MiB",
-        "peak memory MiB",
+        "out tok/s",
+        "TTFT p50 ms",
+        "KV blocks",
+        "KV MiB",
+        "peak mem MiB",
     ]
     if serve:
-        headers += ["serve output tok/s", "serve TTFT p50 / p99 (ms)", "serve ITL p50 (ms)"]
+        headers += ["serve out tok/s", "serve TTFT p50/p99 ms", "serve ITL p50 ms"]
     rows = []
     for run in report["runs"]:
         engine = run["throughput"]["engine"]

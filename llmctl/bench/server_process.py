@@ -80,9 +80,9 @@ def llmctl_server(
 
 
 def _stop(process: subprocess.Popen) -> None:
-    """SIGINT first (the server drains and exits), then kill if it hangs."""
+    """SIGTERM first (the server drains and exits), then kill if it hangs."""
     if process.poll() is None:
-        process.send_signal(signal.SIGINT)
+        process.send_signal(signal.SIGTERM)
         try:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:

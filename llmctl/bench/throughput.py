@@ -45,7 +45,7 @@ async def run_engine_throughput(
     *,
     warmup: BenchRequest | None = None,
     on_progress: ProgressCallback | None = None,
-    stats_interval_s: float = 0.005,
+    stats_interval_s: float = 0.01,
 ) -> dict[str, Any]:
     """Run ``workload`` through ``engine``; return the measured figures (see docs)."""
     if workload.longest_request > engine.max_model_len:
@@ -167,25 +167,30 @@ def benchmark_throughput(
     from llmctl.selection import open_engine
 
     opened = open_engine(model, flags, profile=profile)
-    values = opened.choice.values
+    info, backend, values = opened.model, opened.choice.backend.name, opened.choice.values
     cuda = uses_cuda(values["device"])
-    dtype = resolve_dtype(opened.model.config, values["dtype"], cuda)
-    workload = workload_for(opened.model, spec)
-    warmup = _warmup_request(opened.model, spec.seed)
+    dtype = resolve_dtype(info.config, values["dtype"], cuda)
+    workload = workload_for(info, spec)
+    warmup = _warmup_request(info, spec.seed)
+    engine, opened = opened.engine, None
     engine_result = asyncio.run(
-        _run_then_shutdown(opened.engine, workload, MemoryPeak(cuda), warmup, progress)
+        _run_then_shutdown(engine, workload, MemoryPeak(cuda), warmup, progress)
     )
-    del opened.engine
+    engine = None  # free its memory before the baseline (or the sweep's next engine)
     gc.collect()
+    if cuda:  # so the next engine's "fraction of free memory" sees it free
+        import torch
+
+        torch.cuda.empty_cache()
     engine_result["peak_kv_cache_bytes"] = (
         engine_result["peak_kv_blocks_used"]
         * engine_result["block_size"]
-        * kv_bytes_per_token(opened.model.config, dtype)
+        * kv_bytes_per_token(info.config, dtype)
     )
     report: dict[str, Any] = {
         "kind": "throughput",
-        "model": opened.model.name,
-        "backend": opened.choice.backend.name,
+        "model": info.name,
+        "backend": backend,
         "device": "cuda" if cuda else "cpu",
         "dtype": dtype,
         "settings": {opt.name: _jsonable(values[opt.name]) for opt in options_for("bench")},
@@ -199,7 +204,7 @@ def benchmark_throughput(
 
         task = _progress_task(progress, "transformers", workload.output_tokens)
         baseline = run_transformers_baseline(
-            opened.model.path,
+            info.path,
             workload,
             MemoryPeak(cuda),
             batch_size=baseline_batch_size,

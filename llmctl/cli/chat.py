@@ -20,6 +20,7 @@ def register(app: typer.Typer) -> None:
 @schema_options("chat", skip=("model",))
 def chat(
     flags: dict[str, Any],
+    ctx: typer.Context,
     model: str | None = typer.Argument(
         None,
         help="Model: `demo`, a local directory or a cached hub id \\[default: the profile's "
@@ -57,15 +58,14 @@ def chat(
 
     Piped (`echo "hi" | llmctl chat MODEL`): answers once on stdout, greedy by default.
     """
-    from llmctl.chat import (
+    from llmctl.chat.session import (
         DEFAULT_MAX_TOKENS,
         INTERACTIVE_TEMPERATURE,
         PIPED_TEMPERATURE,
         ChatSession,
         continuation_note,
-        run_interactive,
-        run_piped,
     )
+    from llmctl.chat.terminal import run_interactive, run_piped
     from llmctl.engine.sampling_params import SamplingParams
     from llmctl.paths import cache_dir
 
@@ -79,11 +79,12 @@ def chat(
         )
     except ValueError as exc:
         raise OptionError(f"{exc}: fix --temperature or --max-tokens") from None
-    if url is None and (remote_model is not None or _given_as_flag("api_key")):
-        raise OptionError(
-            "--model and --api-key are for a server given with --url; to load a model here "
-            "pass it as the argument: llmctl chat MODEL"
-        )
+    api_key_flag = ctx.get_parameter_source("api_key").name == "COMMANDLINE"  # not the env var
+    _check_local_or_remote(url, model, remote_model, api_key_flag, flags, profile)
+
+    piped_text = None if interactive else sys.stdin.read().rstrip("\r\n")
+    if piped_text is not None and not piped_text.strip():  # say so before loading a model
+        raise OptionError("nothing to answer: standard input was empty")
 
     connection, intro, warnings = _connect(url, api_key, model, remote_model, flags, profile)
     notes = console if interactive else err_console
@@ -91,20 +92,44 @@ def chat(
     if not session.chat_mode:
         warnings.append(continuation_note(connection.model_name))
     warnings = [f"[yellow]{escape(line)}[/]" for line in warnings]
-    if not interactive:  # stdout is the answer alone; what changes its meaning goes to stderr
+    if piped_text is not None:  # stdout is the answer alone; notes about it go to stderr
         for line in warnings:
             notes.print(line, soft_wrap=True)
-        run_piped(session, sys.stdin.read().rstrip("\r\n"))
+        run_piped(session, piped_text)
         return
     run_interactive(session, banner=[intro, *warnings], history_file=cache_dir() / "chat_history")
 
 
-def _given_as_flag(param: str) -> bool:
-    """Whether ``param`` came from the command line (not its environment variable)."""
-    import click
-    from click.core import ParameterSource
+def _check_local_or_remote(
+    url: str | None,
+    model: str | None,
+    remote_model: str | None,
+    api_key_flag: bool,
+    flags: dict[str, Any],
+    profile: str | None,
+) -> None:
+    """Refuse options that belong to the other way of chatting, rather than ignore them."""
+    if url is None:
+        if remote_model is not None or api_key_flag:
+            raise OptionError(
+                "--model and --api-key are for a server given with --url; to load a model "
+                "here pass it as the argument: llmctl chat MODEL"
+            )
+        return
+    from llmctl.chat.remote import check_url
 
-    return click.get_current_context().get_parameter_source(param) is ParameterSource.COMMANDLINE
+    check_url(url)
+    local_only = [f"--{name.replace('_', '-')}" for name in flags]
+    if model is not None:
+        local_only.insert(0, f"MODEL ({model})")
+    if profile is not None:
+        local_only.append("--profile")
+    if local_only:
+        raise OptionError(
+            f"{', '.join(local_only)} configure a local engine, but --url talks to a server "
+            "that has its own: drop them, or drop --url to load the model here (with --url, "
+            "name the server's model with --model)"
+        )
 
 
 def _connect(
@@ -116,21 +141,11 @@ def _connect(
     profile: str | None,
 ) -> tuple[Any, str, list[str]]:
     """The connection to chat through, a line introducing it and warnings about it."""
-    from llmctl.chat import LocalConnection, RemoteConnection
+    from llmctl.chat.connection import LocalConnection
+    from llmctl.chat.remote import RemoteConnection
 
     tail = "/help lists the commands; Ctrl-C stops an answer; Ctrl-D or /exit leaves."
     if url is not None:
-        local_only = [f"--{name.replace('_', '-')}" for name in flags]
-        if model is not None:
-            local_only.insert(0, f"MODEL ({model})")
-        if profile is not None:
-            local_only.append("--profile")
-        if local_only:
-            raise OptionError(
-                f"{', '.join(local_only)} configure a local engine, but --url talks to a "
-                "server that has its own: drop them, or drop --url to load the model here "
-                "(with --url, name the server's model with --model)"
-            )
         connection = RemoteConnection(url, api_key=api_key, model=remote_model)
         where = f"{connection.model_name} at {connection.base_url}"
         return connection, f"[bold]Chatting with {escape(where)}.[/] {tail}", []

@@ -86,6 +86,11 @@ class AsyncEngine:
             if not finished:
                 self._submit(_Abort(request_id))
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether ``messages`` go through a chat template (else their contents are joined)."""
+        return self.tokenizer.has_chat_template
+
     async def abort(self, request_id: str) -> None:
         self._submit(_Abort(request_id))
 
@@ -153,9 +158,7 @@ class AsyncEngine:
                 self._deliver(command.request_id, output)
             return
         try:
-            self.engine.add_request(
-                command.request_id, command.prompt_token_ids, command.sampling
-            )
+            self.engine.add_request(command.request_id, command.prompt_token_ids, command.sampling)
         except InvalidRequest as exc:
             self._deliver(command.request_id, exc)
 

@@ -12,6 +12,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+# Part of the cache directory's name: bump it whenever the generated files change, so
+# that a cache written by an older llmctl is not mistaken for the current model.
+DEMO_VERSION = 2
+
 DEMO_LABEL = "demo (random weights: its text is meaningless)"
 
 # A Llama-style config small enough to run anywhere in fp32.
@@ -29,7 +33,7 @@ DEMO_CONFIG: dict = {
     "max_position_embeddings": 2048,
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
-    "tie_word_embeddings": True,
+    "tie_word_embeddings": False,
     "bos_token_id": 1,
     "eos_token_id": 2,
     "torch_dtype": "float32",
@@ -40,7 +44,7 @@ def demo_model_dir() -> Path:
     """Where the generated demo model is cached (``LLMCTL_CACHE_DIR`` or the user cache dir)."""
     from llmctl.paths import cache_dir
 
-    return cache_dir() / "models" / "demo-v1"
+    return cache_dir() / "models" / f"demo-v{DEMO_VERSION}"
 
 
 def ensure_demo_materialized(model_dir: str | Path) -> None:
@@ -150,7 +154,12 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def _write_weights(path: Path) -> None:
-    """Random weights (normal, std 0.02, as transformers initialises Llama), norms at one."""
+    """Random weights (normal, std 0.02, as transformers initialises Llama), norms at one.
+
+    The output projection is the one designed part: only printable ASCII tokens get
+    non-zero rows (with a spread that makes their logits matter), so sampled text is
+    random ASCII rather than invalid UTF-8, which would show as replacement characters.
+    """
     import torch
     from safetensors.torch import save_file
 
@@ -173,8 +182,6 @@ def _write_weights(path: Path) -> None:
             f"{layer}.post_attention_layernorm.weight": (hidden,),
         }
     shapes["model.norm.weight"] = (hidden,)
-    if not c["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (c["vocab_size"], hidden)
     generator = torch.Generator().manual_seed(_SEED)
     tensors = {
         name: torch.ones(shape)
@@ -182,6 +189,11 @@ def _write_weights(path: Path) -> None:
         else torch.randn(shape, generator=generator) * 0.02
         for name, shape in shapes.items()
     }
+    printable = [len(_SPECIAL_TOKENS) + b for b in (*range(0x20, 0x7F), ord("\n"))]
+    lm_head = torch.zeros(c["vocab_size"], hidden)
+    # Final hidden states have RMS 1, so logits get a spread of about 0.3 * sqrt(hidden).
+    lm_head[printable] = torch.randn(len(printable), hidden, generator=generator) * 0.3
+    tensors["lm_head.weight"] = lm_head
     save_file(tensors, str(path), metadata={"format": "pt"})
 
 

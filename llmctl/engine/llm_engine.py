@@ -101,6 +101,8 @@ class LLMEngine:
         """Run one batch; return the progress of every request that got a token."""
         step = self.scheduler.schedule()
         if step is None:
+            if self.has_unfinished():  # validation guarantees every request fits alone
+                raise RuntimeError("the scheduler could not run any waiting request")
             return []
         logits = self.runner.execute(step.to_batch(self.config.block_size))
         ready = self.scheduler.mark_computed(step)

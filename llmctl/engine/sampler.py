@@ -43,8 +43,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         logits = logits.float().clone()
-        self._apply_penalties(logits, seqs)
-        self._mask_stops_before_min_tokens(logits, seqs)
+        apply_penalties(logits, seqs)
+        mask_stops_before_min_tokens(logits, seqs, self.eos_token_ids)
 
         temperatures = torch.tensor(
             [1.0 if s.sampling.greedy else s.sampling.temperature for s in seqs],
@@ -56,7 +56,7 @@ class Sampler:
         if sampling_rows:
             rows = [seqs[i] for i in sampling_rows]
             token_ids[sampling_rows] = self._sample(
-                self._truncate(logits[sampling_rows], rows), rows
+                apply_truncation(logits[sampling_rows], rows), rows
             )
 
         results = [SampledToken(int(t)) for t in token_ids.tolist()]
@@ -71,63 +71,6 @@ class Sampler:
                     values, ids = logprobs[row].topk(min(k, logprobs.shape[1]))
                     result.top = list(zip(ids.tolist(), values.tolist()))
         return results
-
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        vocab = logits.shape[1]
-        for row, seq in enumerate(seqs):
-            params = seq.sampling
-            if params.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(seq.token_ids)), device=logits.device)
-                seen = seen[seen < vocab]
-                values = logits[row, seen]
-                logits[row, seen] = torch.where(
-                    values > 0,
-                    values / params.repetition_penalty,
-                    values * params.repetition_penalty,
-                )
-            if (params.frequency_penalty or params.presence_penalty) and seq.num_output_tokens:
-                output = torch.tensor(seq.output_token_ids, device=logits.device)
-                counts = torch.bincount(output[output < vocab], minlength=vocab).float()
-                logits[row] -= params.frequency_penalty * counts
-                logits[row] -= params.presence_penalty * (counts > 0).float()
-
-    def _mask_stops_before_min_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        vocab = logits.shape[1]
-        for row, seq in enumerate(seqs):
-            if seq.num_output_tokens < seq.sampling.min_tokens:
-                stops = set(seq.sampling.stop_token_ids)
-                if not seq.sampling.ignore_eos:
-                    stops.update(self.eos_token_ids)
-                for token_id in stops:
-                    if token_id < vocab:
-                        logits[row, token_id] = float("-inf")
-
-    def _truncate(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Mask (``-inf``) the tokens top-k, top-p and min-p exclude."""
-        vocab = logits.shape[1]
-        top_k = [s.sampling.top_k if s.sampling.top_k > 0 else vocab for s in seqs]
-        top_p = [s.sampling.top_p for s in seqs]
-        min_p = [s.sampling.min_p for s in seqs]
-        device = logits.device
-        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            rank = torch.arange(vocab, device=device).unsqueeze(0)
-            k = torch.tensor(top_k, device=device).clamp(max=vocab).unsqueeze(1)
-            sorted_logits.masked_fill_(rank >= k, float("-inf"))
-            probs = sorted_logits.softmax(dim=-1)
-            # Keep a token while the probability of the more likely ones is below top_p;
-            # the most likely token is always kept.
-            mass_before = probs.cumsum(dim=-1) - probs
-            p = torch.tensor(top_p, device=device).unsqueeze(1)
-            sorted_logits.masked_fill_((mass_before >= p) & (rank > 0), float("-inf"))
-            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-        if any(m > 0 for m in min_p):
-            probs = logits.softmax(dim=-1)
-            threshold = torch.tensor(min_p, device=device).unsqueeze(1) * probs.amax(
-                dim=-1, keepdim=True
-            )
-            logits.masked_fill_(probs < threshold, float("-inf"))
-        return logits
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         probs = logits.softmax(dim=-1)
@@ -152,3 +95,67 @@ class Sampler:
             self._generator = torch.Generator(device=device)
             self._generator.manual_seed(self._seed)
         return self._generator
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Repetition, frequency and presence penalties, in place."""
+    vocab = logits.shape[1]
+    for row, seq in enumerate(seqs):
+        params = seq.sampling
+        if params.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.token_ids)), device=logits.device)
+            seen = seen[seen < vocab]
+            values = logits[row, seen]
+            logits[row, seen] = torch.where(
+                values > 0,
+                values / params.repetition_penalty,
+                values * params.repetition_penalty,
+            )
+        if (params.frequency_penalty or params.presence_penalty) and seq.num_output_tokens:
+            output = torch.tensor(seq.output_token_ids, device=logits.device)
+            counts = torch.bincount(output[output < vocab], minlength=vocab).float()
+            logits[row] -= params.frequency_penalty * counts
+            logits[row] -= params.presence_penalty * (counts > 0).float()
+
+
+def mask_stops_before_min_tokens(
+    logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: tuple[int, ...]
+) -> None:
+    """Forbid EOS and stop tokens while a sequence has fewer than min_tokens, in place."""
+    vocab = logits.shape[1]
+    for row, seq in enumerate(seqs):
+        if seq.num_output_tokens < seq.sampling.min_tokens:
+            stops = set(seq.sampling.stop_token_ids)
+            if not seq.sampling.ignore_eos:
+                stops.update(eos_token_ids)
+            for token_id in stops:
+                if token_id < vocab:
+                    logits[row, token_id] = float("-inf")
+
+
+def apply_truncation(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Mask (``-inf``) the tokens top-k, top-p and min-p exclude."""
+    vocab = logits.shape[1]
+    top_k = [s.sampling.top_k if s.sampling.top_k > 0 else vocab for s in seqs]
+    top_p = [s.sampling.top_p for s in seqs]
+    min_p = [s.sampling.min_p for s in seqs]
+    device = logits.device
+    if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        rank = torch.arange(vocab, device=device).unsqueeze(0)
+        k = torch.tensor(top_k, device=device).clamp(max=vocab).unsqueeze(1)
+        sorted_logits.masked_fill_(rank >= k, float("-inf"))
+        probs = sorted_logits.softmax(dim=-1)
+        # Keep a token while the probability of the more likely ones is below top_p;
+        # the most likely token is always kept.
+        mass_before = probs.cumsum(dim=-1) - probs
+        p = torch.tensor(top_p, device=device).unsqueeze(1)
+        sorted_logits.masked_fill_((mass_before >= p) & (rank > 0), float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    if any(m > 0 for m in min_p):
+        probs = logits.softmax(dim=-1)
+        threshold = torch.tensor(min_p, device=device).unsqueeze(1) * probs.amax(
+            dim=-1, keepdim=True
+        )
+        logits.masked_fill_(probs < threshold, float("-inf"))
+    return logits

@@ -48,7 +48,6 @@ class Sequence:
         self.detokenizer = detokenizer
         # A seeded request's own random stream, created by the sampler on first use.
         self.generator: torch.Generator | None = None
-        self.num_preemptions = 0
 
     @property
     def num_tokens(self) -> int:

@@ -18,6 +18,7 @@ from starlette.types import Receive, Scope, Send
 
 from llmctl.errors import InvalidRequest, LlmctlError, UpstreamError
 
+
 class APIError(Exception):
     """An error answered with ``status`` and an OpenAI-shaped body."""
 
@@ -39,16 +40,11 @@ class APIError(Exception):
         self.code = code
         self.headers = dict(headers or {})
 
+    def body(self) -> dict[str, Any]:
+        return {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
+
     def response(self) -> JSONResponse:
-        body = {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        return JSONResponse({"error": self.body()}, status_code=self.status, headers=self.headers)
 
     async def send(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Answer directly from ASGI middleware, before any route runs."""
@@ -110,7 +106,11 @@ def describe_validation_errors(errors: list[Mapping[str, Any]]) -> tuple[str, st
         where = f" at character {loc[0]}" if loc and isinstance(loc[0], int) else ""
         return f"the request body is not valid JSON: {detail}{where}".rstrip(": "), None
     if not loc:
-        return f"the request body must be a JSON object: {first['msg']}", None
+        return (
+            "the request body must be a JSON object, sent with the header "
+            "`Content-Type: application/json`",
+            None,
+        )
     # Drop pydantic's union tags ("str", "list[int]", ...) from the path.
     path = [str(p) for p in loc if isinstance(p, int) or not _is_type_tag(p)]
     field = ".".join(path)

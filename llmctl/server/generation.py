@@ -32,6 +32,7 @@ class ChoiceProgress:
     first_token_at: float | None = None
     last_token_at: float | None = None
     finish_reason: str | None = None
+    refused: bool = False  # the engine turned it down before it started
 
     @property
     def text(self) -> str:
@@ -44,11 +45,17 @@ _DONE = object()  # a choice's pump has ended
 class GenerationStream:
     """``outputs()`` yields ``(choice index, GenerationOutput)`` as the engine produces them."""
 
-    def __init__(self, engine: Engine, requests: list[GenerationRequest], metrics: ServerMetrics):
+    def __init__(
+        self,
+        engine: Engine,
+        requests: list[GenerationRequest],
+        metrics: ServerMetrics,
+        arrived_at: float,
+    ) -> None:
         self.engine = engine
         self.requests = requests
         self.metrics = metrics
-        self.arrived_at = time.monotonic()
+        self.arrived_at = arrived_at  # time.monotonic() when the HTTP request came in
         self.progress = [
             ChoiceProgress(logprobs=[] if request.sampling.logprobs else None)
             for request in requests
@@ -59,10 +66,14 @@ class GenerationStream:
 
     @classmethod
     async def start(
-        cls, engine: Engine, requests: list[GenerationRequest], metrics: ServerMetrics
+        cls,
+        engine: Engine,
+        requests: list[GenerationRequest],
+        metrics: ServerMetrics,
+        arrived_at: float,
     ) -> GenerationStream:
         """Submit every request; raise the engine's error (InvalidRequest...) if any refuses."""
-        stream = cls(engine, requests, metrics)
+        stream = cls(engine, requests, metrics, arrived_at)
         loop = asyncio.get_running_loop()
         ready = [loop.create_future() for _ in requests]
         stream._tasks = [
@@ -70,10 +81,14 @@ class GenerationStream:
             for index, request in enumerate(requests)
         ]
         try:
-            await asyncio.gather(*ready)
-        except BaseException:
+            outcomes = await asyncio.gather(*ready, return_exceptions=True)
+        except BaseException:  # cancelled: the client went away
             await stream.close()
             raise
+        errors = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        if errors:
+            await stream.close()
+            raise errors[0]
         return stream
 
     async def _pump(self, index: int, request: GenerationRequest, ready: asyncio.Future) -> None:
@@ -85,6 +100,7 @@ class GenerationStream:
                 self._queue.put_nowait((index, output))
         except Exception as exc:
             if not ready.done():
+                self.progress[index].refused = True
                 ready.set_exception(exc)  # refused up front: start() raises it
             else:
                 self._queue.put_nowait((index, exc))
@@ -132,10 +148,6 @@ class GenerationStream:
             else:
                 yield index, item
 
-    @property
-    def finished(self) -> bool:
-        return all(p.finish_reason is not None for p in self.progress)
-
     async def close(self) -> None:
         """Abort unfinished choices and wait for their pumps; safe to call twice.
 
@@ -149,7 +161,7 @@ class GenerationStream:
                 task.cancel()  # cancels the engine's generate(), which aborts its request
             await asyncio.gather(*self._tasks, return_exceptions=True)
             for request, progress in zip(self.requests, self.progress):
-                if progress.finish_reason is None:
+                if progress.finish_reason is None and not progress.refused:
                     await self.engine.abort(request.request_id)
                     progress.finish_reason = "abort"
                     self._record_finished(progress)

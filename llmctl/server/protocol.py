@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from llmctl.engine.sampling_params import SamplingParams
 
@@ -19,6 +19,14 @@ DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; we use it for chat 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI accepts ``null`` for any optional field, and some clients send it."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
 
 
 class StreamOptions(_Strict):
@@ -139,7 +147,9 @@ class ChatCompletionRequest(_GenerationFields):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         max_tokens = (
-            self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
         )
         return SamplingParams(**self._sampling(max_tokens, self.logprobs, self.top_logprobs or 0))
 

@@ -17,6 +17,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from llmctl.server.errors import APIError
+
 T = TypeVar("T")
 
 
@@ -37,9 +39,7 @@ class EventStreamResponse(StreamingResponse):
     so a generation slot or an engine request is never leaked.
     """
 
-    def __init__(
-        self, events: AsyncIterable[str], on_close: Callable[[], Awaitable[None]]
-    ) -> None:
+    def __init__(self, events: AsyncIterable[str], on_close: Callable[[], Awaitable[None]]) -> None:
         super().__init__(
             events,
             media_type="text/event-stream",
@@ -61,9 +61,28 @@ class EventStreamResponse(StreamingResponse):
                 except OSError:  # the client went away while we wrote to it
                     pass
                 group.cancel_scope.cancel()
+        except asyncio.CancelledError:
+            # Only the server cancels us from outside: its shutdown timeout ran out.
+            # End the stream properly, so the client sees why it stopped.
+            with anyio.CancelScope(shield=True), anyio.move_on_after(1):
+                await _send_farewell(send)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.on_close()
+
+
+async def _send_farewell(send: Send) -> None:
+    error = APIError(
+        503,
+        "the server shut down before this generation finished",
+        type="server_error",
+        code="server_shutting_down",
+    )
+    body = sse_event({"error": error.body()}) + sse_event("[DONE]")
+    try:
+        await send({"type": "http.response.body", "body": body.encode(), "more_body": False})
+    except OSError:
+        pass  # the client is gone too
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:

@@ -101,3 +101,19 @@ def test_backends_check_explains_each_backend(tmp_path):
     out = " ".join(result.stdout.split())
     assert "turbo" in out and "LoRA" in out
     assert "auto would pick torch" in out
+
+
+def test_models_lists_the_hf_cache_and_resolves_hub_ids(tmp_path, stories_dir):
+    import shutil
+
+    snapshot = tmp_path / "hub" / "models--tiny--stories" / "snapshots" / "abc123"
+    shutil.copytree(stories_dir, snapshot)
+    (tmp_path / "hub" / "models--tiny--stories" / "refs").mkdir()
+    (tmp_path / "hub" / "models--tiny--stories" / "refs" / "main").write_text("abc123")
+    env = {"HF_HUB_CACHE": str(tmp_path / "hub")}
+    listing = run_llmctl("models", env=env)
+    flat = " ".join(listing.stdout.split())
+    assert "tiny/stories" in flat and "LlamaForCausalLM" in flat
+    check = run_llmctl("backends", "check", "tiny/stories", "--backend", "torch", env=env)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "abc123" in " ".join(check.stdout.split()).replace(" ", "")

@@ -32,6 +32,7 @@ import os
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 
 from llmctl.errors import OptionError
 
@@ -61,19 +62,18 @@ def paged_decode_attention(
     scale: float,
 ) -> torch.Tensor:
     """``q: [B, Hq, D]`` → ``[B, Hq, D]``: each query attends to its sequence's context."""
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    keys = _gather(k_cache, block_tables)  # [B, L, Hkv, D]
+    keys = _gather(k_cache, block_tables)  # [B, Hkv, max_blocks * block_size, D]
     values = _gather(v_cache, block_tables)
-    max_len = keys.shape[1]
-    # Grouped-query attention: query heads are grouped by the KV head they share.
-    grouped_q = q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("bhgd,blhd->bhgl", grouped_q, keys.float()) * scale
-    past_end = torch.arange(max_len, device=q.device)[None, :] >= context_lens[:, None]
-    scores.masked_fill_(past_end[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bhgl,blhd->bhgd", probs, values.float())
-    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+    visible = torch.arange(keys.shape[2], device=q.device) < context_lens[:, None]
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2),
+        keys,
+        values,
+        attn_mask=visible[:, None, None, :],
+        scale=scale,
+        enable_gqa=True,
+    )
+    return out.squeeze(2)
 
 
 def paged_prefill_attention(
@@ -103,34 +103,34 @@ def paged_prefill_attention(
         q_len = query_lens[b]
         if q_len <= 1:
             continue
-        num_used_blocks = -(-ctx_len // block_size)
-        blocks = block_tables[b, :num_used_blocks].long()
-        keys = k_cache[blocks].flatten(0, 1)[:ctx_len]  # [L, Hkv, D]
-        values = v_cache[blocks].flatten(0, 1)[:ctx_len]
+        blocks = block_tables[b, : -(-ctx_len // block_size)]
+        keys = k_cache[blocks].flatten(0, 1)[:ctx_len].transpose(0, 1)  # [Hkv, L, D]
+        values = v_cache[blocks].flatten(0, 1)[:ctx_len].transpose(0, 1)
         rows = slice(starts[b], starts[b + 1])
-        out[rows] = _causal_attention(q[rows], keys, values, scale)
+        out[rows] = _causal_attention(q[rows].transpose(0, 1), keys, values, scale).transpose(0, 1)
     return out
 
 
 def _causal_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Dense attention of ``q: [Q, Hq, D]``, the last Q positions of ``keys: [L, Hkv, D]``."""
-    q_len, num_heads, head_dim = q.shape
-    ctx_len, num_kv_heads, _ = keys.shape
-    grouped_q = q.float().view(q_len, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("qhgd,lhd->hgql", grouped_q, keys.float()) * scale
+    """Attention of ``q: [Hq, Q, D]``, the last Q positions of ``keys: [Hkv, L, D]``."""
+    q_len, ctx_len = q.shape[1], keys.shape[1]
+    if q_len == ctx_len:  # the whole sequence: SDPA's own (top-left aligned) causal mask
+        return F.scaled_dot_product_attention(
+            q, keys, values, is_causal=True, scale=scale, enable_gqa=True
+        )
+    # A later chunk: query i sits at position ctx_len - q_len + i.
     query_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
-    future = torch.arange(ctx_len, device=q.device)[None, :] > query_pos[:, None]
-    scores.masked_fill_(future, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("hgql,lhd->qhgd", probs, values.float())
-    return out.reshape(q_len, num_heads, head_dim).to(q.dtype)
+    visible = torch.arange(ctx_len, device=q.device)[None, :] <= query_pos[:, None]
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=visible, scale=scale, enable_gqa=True
+    )
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """``[B, max_blocks * block_size, Hkv, D]``: each sequence's blocks laid end to end."""
-    return cache[block_tables.long()].flatten(1, 2)
+    """``[B, Hkv, max_blocks * block_size, D]``: each sequence's blocks laid end to end."""
+    return cache[block_tables].flatten(1, 2).transpose(1, 2)
 
 
 def attention_ops(device: torch.device | str) -> SimpleNamespace:

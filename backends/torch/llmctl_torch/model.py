@@ -20,10 +20,10 @@ from torch import nn
 from llmctl.engine.model_config import ModelConfig, RopeScaling
 from llmctl.errors import ModelError
 
-# Merged parameter → the HF parameters concatenated (along the output dim) to form it.
+# Merged parameter of each layer → the HF parameters concatenated (output dim) to form it.
 MERGED_PROJECTIONS = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
 }
 
 
@@ -45,9 +45,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # As transformers: normalise in fp32, round to the input dtype, then scale.
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -81,17 +82,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """cos and sin ``[T, head_dim]`` for the given positions, in ``dtype``."""
+        """cos and signed sin ``[T, head_dim]`` for the given positions, in ``dtype``.
+
+        The sin's first half is negated so that ``apply_rotary`` can use one ``roll``
+        instead of transformers' slice-negate-concatenate; the products are the same.
+        """
         freqs = positions[:, None].float() * self.inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x: [T, H, D]`` by the per-token angles (rotate-half layout, as HF Llama)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x: [T, H, D]`` by the per-token angles (rotate-half layout, as HF Llama):
+    ``x * cos + concat(-x2, x1) * sin``, written as a roll of the halves."""
+    rotated_halves = x.roll(x.shape[-1] // 2, dims=-1)
+    return x * cos[:, None, :] + rotated_halves * signed_sin[:, None, :]
 
 
 class Attention(nn.Module):
@@ -118,9 +123,10 @@ class Attention(nn.Module):
         ops: SimpleNamespace,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # Queries and keys rotate together: one set of elementwise ops for both.
+        qk = apply_rotary(qk.view(num_tokens, -1, self.head_dim), cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -221,20 +227,15 @@ def to_model_state(
     """
     state: dict[str, torch.Tensor] = {}
     for layer in range(config.num_layers):
-        for block, merged, parts in (
-            ("self_attn", "qkv_proj", MERGED_PROJECTIONS["qkv_proj"]),
-            ("mlp", "gate_up_proj", MERGED_PROJECTIONS["gate_up_proj"]),
-        ):
+        prefix = f"model.layers.{layer}."
+        for merged, parts in MERGED_PROJECTIONS.items():
             for kind in ("weight", "bias"):
-                prefix = f"model.layers.{layer}.{block}."
                 names = [f"{prefix}{part}.{kind}" for part in parts]
-                present = [name in weights for name in names]
-                if any(present) and not all(present):
-                    missing = [n for n, p in zip(names, present) if not p]
+                missing = [name for name in names if name not in weights]
+                if missing and len(missing) < len(names):
                     raise ModelError(f"checkpoint is missing {', '.join(missing)}")
-                if all(present):
-                    merged_tensor = torch.cat([weights.pop(n) for n in names], dim=0)
-                    state[f"{prefix}{merged}.{kind}"] = merged_tensor
+                if not missing:
+                    state[f"{prefix}{merged}.{kind}"] = torch.cat([weights.pop(n) for n in names])
     for name, tensor in weights.items():
         if name.endswith("rotary_emb.inv_freq"):
             continue  # old checkpoints saved this buffer; it is recomputed
@@ -256,13 +257,8 @@ def build_model(
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        details = []
-        if missing:
-            details.append(f"missing {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-        if unexpected:
-            details.append(
-                f"unexpected {', '.join(unexpected[:5])}" + (" ..." if len(unexpected) > 5 else "")
-            )
+        details = [f"missing {_first_few(missing)}"] if missing else []
+        details += [f"unexpected {_first_few(unexpected)}"] if unexpected else []
         raise ModelError(
             f"the checkpoint does not fit a {config.architecture} with this config.json: "
             + "; ".join(details)
@@ -278,3 +274,9 @@ def build_model(
         )
     model.load_state_dict(state, strict=True, assign=True)
     return model.to(device).requires_grad_(False).eval()
+
+
+def _first_few(names: list[str], limit: int = 5) -> str:
+    return ", ".join(names[:limit]) + (
+        f" and {len(names) - limit} more" if len(names) > limit else ""
+    )

@@ -54,10 +54,6 @@ class TorchModelRunner:
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
 
-    @property
-    def weight_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
-
     def kv_bytes_per_block(self) -> int:
         return self.config.kv_bytes_per_block(self.block_size, self.dtype)
 

@@ -18,8 +18,8 @@ import torch
 
 from llmctl_torch.triton_common import (
     UPCAST_LOADS,
-    check_index,
     check_paged_cache,
+    index_tensor,
     tl,
     triton,
 )
@@ -40,12 +40,9 @@ def _write_kv_kernel(
     stride_kh,
     stride_vt,
     stride_vh,
-    stride_kcb,
-    stride_kct,
-    stride_kch,
-    stride_vcb,
-    stride_vct,
-    stride_vch,
+    stride_cache_block,
+    stride_cache_token,
+    stride_cache_head,
     NUM_KV_HEADS: tl.constexpr,
     HEADS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -61,13 +58,11 @@ def _write_kv_kernel(
     heads = tl.arange(0, HEADS_PAD)
     dims = tl.arange(0, HEAD_DIM_PAD)
     mask = (heads < NUM_KV_HEADS)[:, None] & (dims < HEAD_DIM)[None, :]
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-    k_cache_offsets = (
-        block * stride_kcb + offset * stride_kct + heads[:, None] * stride_kch + dims[None, :]
-    )
-    v_cache_offsets = (
-        block * stride_vcb + offset * stride_vct + heads[:, None] * stride_vch + dims[None, :]
+    cache_offsets = (
+        (slot // BLOCK_SIZE) * stride_cache_block
+        + (slot % BLOCK_SIZE) * stride_cache_token
+        + heads[:, None] * stride_cache_head
+        + dims[None, :]
     )
 
     k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
@@ -75,8 +70,8 @@ def _write_kv_kernel(
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    tl.store(k_cache_ptr + k_cache_offsets, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + v_cache_offsets, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + cache_offsets, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_offsets, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv(
@@ -90,6 +85,7 @@ def write_kv(
     [tokens]`` (converted to the cache's dtype); tokens whose slot is negative (padding)
     are skipped."""
     block_size, num_kv_heads, head_dim = check_paged_cache(k_cache, v_cache)
+    slot_mapping = index_tensor("slot_mapping", slot_mapping, 1, k_cache.device, torch.int64)
     expected = (slot_mapping.shape[0], num_kv_heads, head_dim)
     if k.shape != expected or v.shape != expected:
         raise ValueError(
@@ -100,7 +96,6 @@ def write_kv(
         raise ValueError(f"k and v must be floating point, got {k.dtype} and {v.dtype}")
     if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("k and v must have a contiguous last (head_dim) dimension")
-    check_index("slot_mapping", slot_mapping, 1, k_cache.device)
     if k.device != k_cache.device or v.device != k_cache.device:
         raise ValueError(f"k and v must be on the cache's device {k_cache.device}")
     num_tokens = slot_mapping.shape[0]
@@ -119,9 +114,6 @@ def write_kv(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,

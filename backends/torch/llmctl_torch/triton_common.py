@@ -2,19 +2,32 @@
 
 Import ``triton`` and ``tl`` from here, never directly: on a machine without CUDA,
 Triton can only run kernels through its interpreter, and it decides between compiling
-and interpreting when ``@triton.jit`` runs (at module import), by reading
-``TRITON_INTERPRET``. Setting the variable here, before any kernel module defines a
-kernel, is what lets the same kernels run (slowly, in numpy) on a CPU-only machine.
+and interpreting when ``@triton.jit`` runs (at import, for our kernels and for
+triton.language's own helpers), by reading ``TRITON_INTERPRET``. Setting the variable
+here, before triton is first imported, is what lets the same kernels run (slowly, in
+numpy) on a CPU-only machine.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
-INTERPRET = not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-if INTERPRET:
+_INTERPRETER_ASKED = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRET = _INTERPRETER_ASKED or not torch.cuda.is_available()
+if INTERPRET and not _INTERPRETER_ASKED:
+    if "triton" in sys.modules:
+        # triton.language's own helpers (tl.zeros, tl.max, ...) were then made for the
+        # compiler, and an interpreted kernel calling them fails.
+        raise RuntimeError(
+            "the Triton attention kernels can only run through Triton's interpreter here "
+            "(no CUDA GPU), but triton was imported before it could be switched on (torch "
+            "imports triton lazily, e.g. for torch.compile). Set TRITON_INTERPRET=1 before "
+            "starting Python, import llmctl_torch.triton_attention first, or use "
+            "LLMCTL_TORCH_ATTENTION=torch."
+        )
     os.environ["TRITON_INTERPRET"] = "1"
 
 import triton  # noqa: E402  (must come after the interpreter switch above)
@@ -23,7 +36,7 @@ import triton.language as tl  # noqa: E402
 __all__ = [
     "INTERPRET",
     "UPCAST_LOADS",
-    "check_index",
+    "index_tensor",
     "check_paged_cache",
     "check_query",
     "dot_tile",
@@ -110,10 +123,14 @@ def check_query(q: torch.Tensor, k_cache: torch.Tensor, num_kv_heads: int, head_
     return num_heads // num_kv_heads
 
 
-def check_index(name: str, t: torch.Tensor, dims: int, device: torch.device) -> None:
-    """Index tensors (block tables, lengths, slots) are integer tensors on the cache's device."""
+def index_tensor(
+    name: str, t: torch.Tensor, dims: int, device: torch.device, dtype: torch.dtype = torch.int32
+) -> torch.Tensor:
+    """Check an index tensor (block tables, lengths, slots) and return it contiguous in
+    ``dtype``, the layout the kernels read (a no-op when it already is)."""
     if t.dim() != dims or t.dtype not in (torch.int32, torch.int64) or t.device != device:
         raise ValueError(
             f"{name} must be a {dims}-d int32/int64 tensor on {device}, "
             f"got {t.dim()}-d {t.dtype} on {t.device}"
         )
+    return t.to(dtype).contiguous()

@@ -21,10 +21,10 @@ import torch
 
 from llmctl_torch.triton_common import (
     UPCAST_LOADS,
-    check_index,
     check_paged_cache,
     check_query,
     dot_tile,
+    index_tensor,
     tl,
     triton,
     tuning_configs,
@@ -42,7 +42,7 @@ MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _multiprocessor_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
@@ -65,14 +65,15 @@ def choose_num_splits(programs: int, max_context: int, device: torch.device) -> 
     configs=tuning_configs(
         gpu=[
             ({"TILE_N": 32}, 4, 3),
-            ({"TILE_N": 64}, 4, 2),
             ({"TILE_N": 64}, 4, 3),
-            ({"TILE_N": 64}, 8, 3),
+            ({"TILE_N": 64}, 8, 2),
             ({"TILE_N": 128}, 8, 2),
         ],
         interpreted={"TILE_N": 64},
     ),
-    key=["GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "SPLIT"],
+    # The best tile depends on how many tokens a program walks (tokens_per_split); a new
+    # value costs a re-benchmark of the already compiled configs (well under a second).
+    key=["GROUP_PAD", "HEAD_DIM_PAD", "BLOCK_SIZE", "SPLIT", "tokens_per_split"],
 )
 @triton.jit
 def _decode_kernel(
@@ -234,16 +235,14 @@ def paged_decode_attention(
     """
     block_size, num_kv_heads, head_dim = check_paged_cache(k_cache, v_cache)
     group = check_query(q, k_cache, num_kv_heads, head_dim)
-    check_index("block_tables", block_tables, 2, q.device)
-    check_index("context_lens", context_lens, 1, q.device)
+    block_tables = index_tensor("block_tables", block_tables, 2, q.device)
+    context_lens = index_tensor("context_lens", context_lens, 1, q.device)
     batch, num_heads, _ = q.shape
     if block_tables.shape[0] != batch or context_lens.shape[0] != batch:
         raise ValueError(
             f"block_tables ({block_tables.shape[0]} rows) and context_lens "
             f"({context_lens.shape[0]}) must have one entry per query ({batch})"
         )
-    if block_tables.stride(1) != 1:
-        block_tables = block_tables.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if batch == 0 or block_tables.shape[1] == 0:
         return out.zero_()

@@ -18,10 +18,10 @@ import torch
 
 from llmctl_torch.triton_common import (
     UPCAST_LOADS,
-    check_index,
     check_paged_cache,
     check_query,
     dot_tile,
+    index_tensor,
     tl,
     triton,
     tuning_configs,
@@ -38,7 +38,6 @@ def _keep_tiles_that_fit_the_group(configs, named_args, **kwargs):
 @triton.autotune(
     configs=tuning_configs(
         gpu=[
-            ({"BLOCK_M": 64, "TILE_N": 32}, 4, 3),
             ({"BLOCK_M": 64, "TILE_N": 64}, 4, 2),
             ({"BLOCK_M": 128, "TILE_N": 32}, 4, 3),
             ({"BLOCK_M": 128, "TILE_N": 64}, 8, 2),
@@ -176,9 +175,9 @@ def paged_prefill_attention(
     """
     block_size, num_kv_heads, head_dim = check_paged_cache(k_cache, v_cache)
     group = check_query(q, k_cache, num_kv_heads, head_dim)
-    check_index("block_tables", block_tables, 2, q.device)
-    check_index("query_start_loc", query_start_loc, 1, q.device)
-    check_index("context_lens", context_lens, 1, q.device)
+    block_tables = index_tensor("block_tables", block_tables, 2, q.device)
+    query_start_loc = index_tensor("query_start_loc", query_start_loc, 1, q.device)
+    context_lens = index_tensor("context_lens", context_lens, 1, q.device)
     num_seqs = context_lens.shape[0]
     if block_tables.shape[0] != num_seqs or query_start_loc.shape[0] != num_seqs + 1:
         raise ValueError(
@@ -191,13 +190,13 @@ def paged_prefill_attention(
             f"{group} query heads per KV head is more than the prefill kernel's "
             f"{MAX_GROUP}; use LLMCTL_TORCH_ATTENTION=torch for this model"
         )
-    if block_tables.stride(1) != 1:
-        block_tables = block_tables.contiguous()
     num_tokens = q.shape[0]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if num_tokens == 0 or num_seqs == 0:
         return out
-    group_pad = dot_tile(group)
+    # Rows are (query token, head of the group) pairs: only the row count needs to be a
+    # `tl.dot` tile, so the group pads to a power of two, not to 16 as in decode.
+    group_pad = triton.next_power_of_2(group)
 
     def grid(meta: dict) -> tuple[int, int]:
         # Each sequence wastes at most one partly filled tile: T // BLOCK_Q + B tiles

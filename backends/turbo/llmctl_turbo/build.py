@@ -23,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from llmctl.errors import BackendError
 from llmctl.hardware import Hardware, find_cxx_compiler, find_nvcc
 from llmctl.paths import cache_dir
 
@@ -109,7 +110,7 @@ def build_problem(hardware: Hardware) -> str | None:
 def prepare(hardware: Hardware, force: bool = True) -> str:
     """Build ahead of time (retrying a failed build when ``force``); a one-line summary.
 
-    Raises ``RuntimeError`` with the reason (and the build log's path) if the build fails.
+    Raises ``BackendError`` with the reason (and the build log's path) if the build fails.
     """
     spec = build_spec(hardware)
     if spec.library.is_file() and not (spec.directory / FAILED_MARKER).exists():
@@ -117,7 +118,7 @@ def prepare(hardware: Hardware, force: bool = True) -> str:
     started = time.monotonic()
     problem = _ensure_built(spec, force=force)
     if problem:
-        raise RuntimeError(problem)
+        raise BackendError(problem)
     return f"built turbo native ops in {time.monotonic() - started:.0f} s: {spec.library}"
 
 
@@ -130,7 +131,7 @@ def load_ops(hardware: Hardware | None = None):
         spec = build_spec(hardware)
         problem = _ensure_built(spec, force=False)
         if problem:
-            raise RuntimeError(problem)
+            raise BackendError(problem)
         # A namespace can be registered once per process: the first library loaded wins.
         torch.ops.load_library(str(spec.library))
         _loaded_library = spec.library

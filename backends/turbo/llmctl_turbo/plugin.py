@@ -67,6 +67,12 @@ class TurboBackend(Backend):
         problem = build_problem(hardware)
         return [problem] if problem else []
 
+    def prepare(self, hardware: Hardware) -> str:
+        """Build the native ops now (retrying a build that failed before)."""
+        from llmctl_turbo.build import prepare
+
+        return prepare(hardware)
+
     def option_errors(self, options: Mapping[str, Any], hardware: Hardware) -> dict[str, str]:
         errors = {}
         if options.get("adapters"):

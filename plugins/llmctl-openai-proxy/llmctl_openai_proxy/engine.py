@@ -32,10 +32,16 @@ def create_proxy_engine(model: str, config: ProxyConfig) -> ProxyEngine:
     just works in front of a single-model server.
     """
     cards = list_models(config)
-    if not cards:
-        raise UpstreamError(f"upstream {config.api_root} lists no models in GET /models")
     ids = [card["id"] for card in cards]
-    upstream_model = ids[0] if model == DEMO_NAME else model
+    if model != DEMO_NAME:
+        upstream_model = model
+    elif ids:
+        upstream_model = ids[0]
+    else:
+        raise UpstreamError(
+            f"upstream {config.api_root} lists no models: name the one to use, e.g. "
+            "`llmctl serve MODEL --backend openai-proxy --proxy-url URL`"
+        )
     card = next((c for c in cards if c["id"] == upstream_model), {})
     if not card:  # some servers answer for names they do not list: let the upstream decide
         log.warning("upstream %s does not list %s (it lists %s)", config.api_root, model, ids)

@@ -101,7 +101,7 @@ class StreamTranslator:
             ) from None
         if not isinstance(event, dict):
             raise UpstreamError(f"upstream sent an unexpected event: {payload[:200]!r}")
-        if "error" in event or event.get("object") == "error":  # an error after streaming began
+        if event.get("error") or event.get("object") == "error":  # failed after streaming began
             error = event.get("error")
             message = error.get("message") if isinstance(error, dict) else error
             raise UpstreamError(f"upstream failed mid-stream: {message or event.get('message')}")

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from llmctl.errors import OptionError
 from llmctl_torch import attention
 from llmctl_torch.attention import (
     attention_ops,
@@ -13,6 +11,8 @@ from llmctl_torch.attention import (
     paged_prefill_attention,
     write_kv,
 )
+
+from llmctl.errors import OptionError
 
 
 def dense_reference(q, keys, values, scale):
@@ -42,7 +42,9 @@ def scatter_into_cache(seqs_kv, block_size, num_blocks, generator):
     tables = []
     for keys, values in seqs_kv:
         table = [free.pop() for _ in range(-(-keys.shape[0] // block_size))]
-        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(keys.shape[0])])
+        slots = torch.tensor(
+            [table[p // block_size] * block_size + p % block_size for p in range(keys.shape[0])]
+        )
         write_kv(keys, values, k_cache, v_cache, slots)
         tables.append(table)
     width = max(len(t) for t in tables)
@@ -100,12 +102,17 @@ def test_write_kv_puts_each_token_at_its_slot():
 
 def test_bf16_inputs_give_bf16_outputs_close_to_fp32():
     generator = torch.Generator().manual_seed(2)
-    keys, values = torch.randn(40, 2, 16, generator=generator), torch.randn(40, 2, 16, generator=generator)
+    keys, values = (
+        torch.randn(40, 2, 16, generator=generator),
+        torch.randn(40, 2, 16, generator=generator),
+    )
     k_cache, v_cache, tables = scatter_into_cache([(keys, values)], 16, 8, generator)
     q = torch.randn(1, 4, 16, generator=generator)
     lens = torch.tensor([40], dtype=torch.int32)
     want = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.25)
-    got = paged_decode_attention(q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables, lens, 0.25)
+    got = paged_decode_attention(
+        q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16(), tables, lens, 0.25
+    )
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
 

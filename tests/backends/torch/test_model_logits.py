@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from llmctl_torch.runner import TorchModelRunner
 
 from llmctl.engine.model_config import ModelConfig
-from llmctl_torch.runner import TorchModelRunner
-from tests.backends.torch.conftest import TINY_MODELS, PagedSequences
+from tests.backends.torch.tiny_models import TINY_MODELS, PagedSequences, load_hf_model
 
 ATOL = 1e-4
 DECODE_STEPS = 6
@@ -21,7 +20,7 @@ DECODE_STEPS = 6
 
 def hf_logits(model_dir, sequences):
     """transformers' fp32 logits at every position of each full sequence."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load_hf_model(model_dir)
     with torch.no_grad():
         return [model(torch.tensor([seq])).logits[0] for seq in sequences]
 

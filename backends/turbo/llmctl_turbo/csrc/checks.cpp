@@ -11,6 +11,12 @@ void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, i
               " but the other tensors are on ", device_of.device());
 }
 
+void check_float_type(const at::Tensor& t, const char* name) {
+  const auto type = t.scalar_type();
+  TORCH_CHECK(type == at::kFloat || type == at::kBFloat16 || type == at::kHalf,
+              "turbo's kernels run in float32, bfloat16 or float16, but ", name, " is ", type);
+}
+
 void check_rows_contiguous(const at::Tensor& t, const char* name) {
   int64_t expected = 1;
   for (int64_t d = t.dim() - 1; d >= 1; --d) {

@@ -2,13 +2,16 @@
 // A failed check raises a RuntimeError in Python that names the argument and the rule.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace turbo {
 
 // `t` is a tensor of dtype `dtype` with `dim` dimensions on `device_of`'s device.
 void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim,
                   const at::Tensor& device_of);
+
+// `t` holds floats of a type the kernels run in: float32, bfloat16 or float16.
+void check_float_type(const at::Tensor& t, const char* name);
 
 // Rows of `t` may be strided, the elements inside a row must be contiguous.
 void check_rows_contiguous(const at::Tensor& t, const char* name);

@@ -15,7 +15,7 @@
 //   cos_sin_cache:           float32 [max_positions, D]: cos in the first D/2, sin after
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace turbo {
 

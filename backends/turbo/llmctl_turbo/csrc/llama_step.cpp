@@ -1,5 +1,9 @@
 #include "llama_step.h"
 
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/index_select.h>
+#include <ATen/ops/mm.h>
 #include <c10/core/InferenceMode.h>
 
 #include <cmath>
@@ -75,6 +79,7 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
   const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
   const int64_t qkv_width = q_width + 2 * kv_width;
 
+  check_float_type(embed, "weights[0] (embed_tokens)");
   check_tensor(input_ids, "input_ids", at::kInt, 1, embed);
   check_tensor(positions, "positions", at::kInt, 1, embed);
   check_tensor(slot_mapping, "slot_mapping", at::kInt, 1, embed);
@@ -140,7 +145,7 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
   // Logits only for each sequence's last new token (all tokens when every one decodes).
   const at::Tensor last_rows =
       num_tokens == num_seqs ? normed
-                             : at::index_select(normed, 0, query_start_loc.narrow(0, 1, num_seqs) - 1);
+                             : at::index_select(normed, 0, query_start_loc.narrow(0, 1, num_seqs).sub(1));
   at::Tensor logits = at::mm(last_rows, weights[2]);
   return logits.scalar_type() == at::kFloat ? logits : logits.to(at::kFloat);
 }

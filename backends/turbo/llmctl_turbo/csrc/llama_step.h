@@ -2,7 +2,7 @@
 // (Llama, Mistral, Qwen2) in one call, so Python runs once per step, not once per layer.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace turbo {
 

@@ -1,6 +1,7 @@
 // turbo's ops as seen from Python: torch.ops.llmctl_turbo.<name>. Each checks its
 // arguments (a RuntimeError naming the argument and the rule), then runs the kernel of
 // kernels.h on the tensors' device. Outputs are written into tensors the caller passes.
+#include <ATen/ops/arange.h>
 #include <torch/library.h>
 
 #include "checks.h"
@@ -11,6 +12,7 @@ namespace turbo {
 namespace {
 
 void check_float_rows(const at::Tensor& t, const char* name, const at::Tensor& like) {
+  check_float_type(t, name);
   check_tensor(t, name, like.scalar_type(), like.dim(), like);
   check_rows_contiguous(t, name);
 }
@@ -41,6 +43,7 @@ void add_rms_norm_op(at::Tensor out, at::Tensor residual, const at::Tensor& x,
 }
 
 void check_heads(const at::Tensor& t, const char* name, const at::Tensor& like) {
+  check_float_type(t, name);
   check_tensor(t, name, like.scalar_type(), 3, like);
   check_rows_contiguous(t, name);
 }

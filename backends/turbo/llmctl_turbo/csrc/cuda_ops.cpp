@@ -1,0 +1,103 @@
+// The C++ binding of turbo's CUDA kernels: turbo::cuda::* (kernels.h) unpack tensors into
+// the raw pointers, strides and stream of the C ABI in cuda/turbo_cuda.h. Compiled only
+// into CUDA builds (build.py), where ops.cpp registers the ops for the CUDA key.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "cuda/turbo_cuda.h"
+#include "kernels.h"
+
+namespace turbo::cuda {
+namespace {
+
+int dtype_code(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return TURBO_FLOAT32;
+    case at::kBFloat16:
+      return TURBO_BFLOAT16;
+    case at::kHalf:
+      return TURBO_FLOAT16;
+    default:
+      TORCH_CHECK(false, "turbo's CUDA kernels run in float32, bfloat16 or float16, not ",
+                  t.scalar_type());
+  }
+}
+
+void check_launch(cudaError_t status, const char* kernel) {
+  TORCH_CHECK(status == cudaSuccess, "turbo CUDA kernel ", kernel, " failed: ",
+              cudaGetErrorString(status));
+}
+
+cudaStream_t stream_of(const at::Tensor& t) {
+  return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+}
+
+}  // namespace
+
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(turbo_cuda_rms_norm(dtype_code(x), out.data_ptr(), out.stride(0), x.data_ptr(),
+                                   x.stride(0), nullptr, 0, weight.data_ptr(), x.size(0),
+                                   x.size(1), static_cast<float>(eps), stream_of(x)),
+               "rms_norm");
+}
+
+void add_rms_norm(at::Tensor& out, at::Tensor& residual, const at::Tensor& x,
+                  const at::Tensor& weight, double eps) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_launch(turbo_cuda_rms_norm(dtype_code(x), out.data_ptr(), out.stride(0), x.data_ptr(),
+                                   x.stride(0), residual.data_ptr(), residual.stride(0),
+                                   weight.data_ptr(), x.size(0), x.size(1),
+                                   static_cast<float>(eps), stream_of(x)),
+               "add_rms_norm");
+}
+
+void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
+                      const at::Tensor& cos_sin_cache) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  check_launch(turbo_cuda_rotary_embedding(dtype_code(q), positions.data_ptr<int32_t>(),
+                                           q.data_ptr(), q.stride(0), q.size(1), k.data_ptr(),
+                                           k.stride(0), k.size(1),
+                                           cos_sin_cache.data_ptr<float>(), q.size(0),
+                                           q.size(2), stream_of(q)),
+               "rotary_embedding");
+}
+
+void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
+  const c10::cuda::CUDAGuard guard(out.device());
+  check_launch(turbo_cuda_silu_and_mul(dtype_code(out), out.data_ptr(), out.stride(0),
+                                       gate_up.data_ptr(), gate_up.stride(0), out.size(0),
+                                       out.size(1), stream_of(out)),
+               "silu_and_mul");
+}
+
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  const c10::cuda::CUDAGuard guard(key.device());
+  check_launch(turbo_cuda_write_kv_cache(dtype_code(key), key.data_ptr(), key.stride(0),
+                                         value.data_ptr(), value.stride(0), k_cache.data_ptr(),
+                                         v_cache.data_ptr(), slot_mapping.data_ptr<int32_t>(),
+                                         key.size(0), key.size(1) * key.size(2),
+                                         stream_of(key)),
+               "write_kv_cache");
+}
+
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_tables,
+                     const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                     double scale) {
+  TORCH_CHECK(q.size(2) <= TURBO_CUDA_MAX_HEAD_DIM, "turbo's CUDA attention supports head_dim "
+              "up to ", TURBO_CUDA_MAX_HEAD_DIM, ", got ", q.size(2));
+  const c10::cuda::CUDAGuard guard(q.device());
+  check_launch(turbo_cuda_paged_attention(
+                   dtype_code(q), out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0),
+                   k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr<int32_t>(),
+                   block_tables.stride(0), query_start_loc.data_ptr<int32_t>(),
+                   context_lens.data_ptr<int32_t>(), context_lens.size(0), q.size(0),
+                   q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
+                   static_cast<float>(scale), stream_of(q)),
+               "paged_attention");
+}
+
+}  // namespace turbo::cuda

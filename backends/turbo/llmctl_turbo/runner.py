@@ -1,0 +1,146 @@
+"""TurboModelRunner: the turbo backend's ``ModelRunner`` for the shared engine.
+
+At load it reads the checkpoint with the shared loader and prepares the weights the
+native step wants (q/k/v and gate/up fused, matrices as transposed views). Each
+``execute`` turns the step's lists into int32 tensors and makes ONE native call,
+``llama_step``, which runs every layer and returns the logits.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+from pathlib import Path
+
+import torch
+
+from llmctl.engine.model_config import ModelConfig
+from llmctl.engine.runner import StepBatch
+from llmctl.engine.weights import load_weights
+from llmctl.errors import ModelError
+from llmctl_turbo.build import load_ops
+from llmctl_turbo.rope import model_cos_sin_cache
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def prepare_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> list[torch.Tensor]:
+    """The flat weight list of ``llama_step`` (layout in ``csrc/llama_step.h``).
+
+    Matrices become transposed ``[in, out]`` views, so the step's matmuls need no
+    per-call view; fused matrices are concatenated once here.
+    """
+    if config.mlp_bias:
+        raise ModelError("turbo does not support MLP biases (mlp_bias: true); use the torch backend")
+
+    def take(name: str) -> torch.Tensor:
+        if name not in weights:
+            raise ModelError(f"the checkpoint has no tensor {name!r}")
+        return weights[name]
+
+    embed = take("model.embed_tokens.weight")
+    lm_head = embed if config.tie_word_embeddings else take("lm_head.weight")
+    none = embed.new_empty(0)  # "no bias"
+    prepared = [embed, take("model.norm.weight"), lm_head.t()]
+    for layer in range(config.num_layers):
+        prefix = f"model.layers.{layer}."
+        attn, mlp = prefix + "self_attn.", prefix + "mlp."
+        qkv = torch.cat([take(f"{attn}{p}_proj.weight") for p in "qkv"])
+        qkv_bias = (
+            torch.cat([take(f"{attn}{p}_proj.bias") for p in "qkv"]) if config.qkv_bias else none
+        )
+        gate_up = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+        prepared += [
+            take(prefix + "input_layernorm.weight"),
+            qkv.t(),
+            qkv_bias,
+            take(attn + "o_proj.weight").t(),
+            weights.get(attn + "o_proj.bias", none),
+            take(prefix + "post_attention_layernorm.weight"),
+            gate_up.t(),
+            take(mlp + "down_proj.weight").t(),
+        ]
+    return prepared
+
+
+class TurboModelRunner:
+    """Runs a Llama-family model with turbo's native step over a paged KV cache.
+
+    ``num_blocks`` may be given later through ``allocate_kv_cache`` (the engine sizes
+    the cache from the memory free once the weights are loaded). ``max_model_len``
+    bounds the positions the rotary table covers.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: ModelConfig,
+        *,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        block_size: int = 64,
+        num_blocks: int | None = None,
+        max_model_len: int | None = None,
+    ) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = TORCH_DTYPES[config.resolve_dtype(dtype)] if isinstance(dtype, str) else dtype
+        self.block_size = block_size
+        self.num_blocks = 0
+        self.ops = load_ops()
+        weights = load_weights(model_dir, self.dtype, self.device)
+        self.weights = prepare_weights(weights, config)
+        max_positions = max_model_len or config.session_len()
+        self.cos_sin_cache = model_cos_sin_cache(config, max_positions).to(self.device)
+        self.kv_cache = torch.empty(0, device=self.device)
+        if num_blocks is not None:
+            self.allocate_kv_cache(num_blocks)
+
+    @property
+    def weight_bytes(self) -> int:
+        unique = {w.data_ptr(): w for w in self.weights}.values()  # tied embeddings once
+        return sum(w.numel() * w.element_size() for w in unique)
+
+    def kv_bytes_per_block(self) -> int:
+        return self.config.kv_bytes_per_block(self.block_size, self.dtype)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """One ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` tensor. The
+        kernels read only slots that were written, so it need not be zeroed."""
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        c = self.config
+        self.kv_cache = torch.empty(
+            (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.num_blocks = num_blocks
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """Write the batch's K/V and return fp32 logits ``[num_seqs, vocab]`` of the last new
+        token of each sequence."""
+        if self.num_blocks == 0:
+            raise RuntimeError("allocate_kv_cache(num_blocks) must be called before execute")
+        width = max(len(table) for table in batch.block_tables)
+        block_tables = [table + [0] * (width - len(table)) for table in batch.block_tables]
+        to_device = self._to_device
+        return self.ops.llama_step(
+            to_device(batch.input_ids),
+            to_device(batch.positions),
+            to_device(batch.slot_mapping),
+            to_device(block_tables),
+            to_device(list(accumulate(batch.query_lens, initial=0))),
+            to_device(batch.context_lens),
+            self.weights,
+            self.kv_cache,
+            self.cos_sin_cache,
+            self.config.num_heads,
+            self.config.rms_norm_eps,
+        )
+
+    def _to_device(self, values: list) -> torch.Tensor:
+        tensor = torch.tensor(values, dtype=torch.int32)
+        if self.device.type == "cuda":
+            return tensor.pin_memory().to(self.device, non_blocking=True)
+        return tensor

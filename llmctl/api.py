@@ -1,0 +1,148 @@
+"""The Python API, shaped like vLLM's::
+
+    from llmctl import LLM, SamplingParams
+
+    llm = LLM("demo", backend="auto", cache_block_seq_len=64)
+    for out in llm.generate(["Once upon a time"], SamplingParams(max_tokens=32)):
+        print(out.text)
+
+Options are the unified ones of ``llmctl/options.py`` (``session_len``,
+``cache_max_entry_count``, ...), resolved with a profile and the environment exactly
+as the CLI resolves them. All prompts of one call run concurrently through the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from llmctl.backend import Engine, GenerationOutput, GenerationRequest, TokenLogprob
+from llmctl.engine.sampling_params import SamplingParams
+
+Message = dict[str, Any]
+
+
+@dataclass
+class RequestOutput:
+    """The whole result of one prompt."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+
+
+class LLM:
+    def __init__(
+        self, model: str = "demo", backend: str = "auto", profile: str | None = None, **options
+    ) -> None:
+        from llmctl.selection import open_engine
+
+        opened = open_engine(model, {**options, "backend": backend}, profile=profile)
+        self.engine: Engine = opened.engine
+        self.backend = opened.choice.backend.name
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Complete each prompt (text, or a list of token ids); results in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        requests = [
+            GenerationRequest(
+                request_id=self._next_id(),
+                prompt=p if isinstance(p, str) else None,
+                prompt_token_ids=None if isinstance(p, str) else list(p),
+                sampling=params,
+            )
+            for p, params in zip(prompts, _per_prompt(sampling_params, len(prompts)))
+        ]
+        return self._run(requests)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of messages) or several, via the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        requests = [
+            GenerationRequest(request_id=self._next_id(), messages=list(m), sampling=params)
+            for m, params in zip(conversations, _per_prompt(sampling_params, len(conversations)))
+        ]
+        return self._run(requests)
+
+    def shutdown(self) -> None:
+        _run_sync(self.engine.shutdown())
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.shutdown()
+
+    def _next_id(self) -> str:
+        return f"llm-{next(self._ids)}"
+
+    def _run(self, requests: list[GenerationRequest]) -> list[RequestOutput]:
+        async def run_all() -> list[RequestOutput]:
+            return list(await asyncio.gather(*(self._collect(r) for r in requests)))
+
+        return _run_sync(run_all())
+
+    async def _collect(self, request: GenerationRequest) -> RequestOutput:
+        result = RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=list(request.prompt_token_ids or []),
+            text="",
+            token_ids=[],
+            finish_reason=None,
+        )
+        async for output in self.engine.generate(request):
+            _merge(result, output)
+        return result
+
+
+def _merge(result: RequestOutput, output: GenerationOutput) -> None:
+    if output.prompt_token_ids is not None:
+        result.prompt_token_ids = list(output.prompt_token_ids)
+    result.text += output.text
+    result.token_ids.extend(output.token_ids)
+    if output.logprobs is not None:
+        result.logprobs = (result.logprobs or []) + output.logprobs
+    if output.finished:
+        result.finish_reason = output.finish_reason
+
+
+def _per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+    return list(params)
+
+
+def _run_sync(coroutine):
+    """Run a coroutine to completion, also from code already inside an event loop
+    (a notebook), where it runs on a loop of its own in a helper thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()

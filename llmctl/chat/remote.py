@@ -1,0 +1,196 @@
+"""A chat connection to any OpenAI-compatible server (llmctl's own included)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import httpx
+
+from llmctl.chat.connection import Delta, NoChatTemplate
+from llmctl.engine.sampling_params import SamplingParams
+from llmctl.errors import LlmctlError
+
+
+class ServerError(LlmctlError):
+    """The remote server cannot be reached, refused the request or failed mid-answer."""
+
+
+class RemoteConnection:
+    """Talks to ``/v1/chat/completions`` (or ``/v1/completions``) with ``stream: true``."""
+
+    # Unknown until the server refuses chat messages; see ChatSession.ask.
+    has_chat_template = True
+
+    def __init__(self, url: str, api_key: str | None = None, model: str | None = None) -> None:
+        self.base_url = check_url(url)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.model_name = model or _only_model(self.base_url, headers)
+        # No read timeout: an answer may wait in the server's queue before its first token.
+        self.client = httpx.AsyncClient(
+            base_url=self.base_url, headers=headers, timeout=httpx.Timeout(30.0, read=None)
+        )
+
+    async def stream(
+        self,
+        sampling: SamplingParams,
+        messages: list[dict[str, str]] | None = None,
+        prompt: str | None = None,
+    ) -> AsyncIterator[Delta]:
+        body: dict[str, Any] = {
+            "model": self.model_name,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **_sampling_fields(sampling),
+        }
+        if messages is not None:
+            path, body["messages"] = "/v1/chat/completions", messages
+        else:
+            path, body["prompt"] = "/v1/completions", prompt
+        try:
+            # Leaving this block closes the HTTP stream, which tells the server to stop.
+            async with self.client.stream("POST", path, json=body) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    message = _error_text(response)
+                    if (
+                        response.status_code == 400
+                        and messages is not None
+                        and "no chat template" in message.lower()
+                    ):
+                        raise NoChatTemplate(message)
+                    raise ServerError(_http_error(self.base_url, response.status_code, message))
+                async with aclosing(_sse_events(response)) as events:
+                    async for event in events:
+                        yield chunk_delta(event)
+        except httpx.HTTPError as exc:
+            raise ServerError(f"lost the connection to {self.base_url}: {exc}") from None
+
+    async def stats(self) -> list[tuple[str, str]]:
+        try:
+            response = await self.client.get("/metrics")
+        except httpx.HTTPError as exc:
+            raise ServerError(f"cannot reach {self.base_url}/metrics: {exc}") from None
+        if response.status_code != 200:
+            raise ServerError(
+                _http_error(self.base_url, response.status_code, _error_text(response))
+            )
+        return summarize_metrics(response.text)
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def check_url(url: str) -> str:
+    """The server root, ``http://host:port``, from that, a trailing ``/`` or ``/v1``."""
+    base = url.strip().rstrip("/")
+    if not base.startswith(("http://", "https://")):
+        raise ServerError(f"--url {url!r} must start with http:// or https://")
+    return base.removesuffix("/v1")
+
+
+def _only_model(base_url: str, headers: dict[str, str]) -> str:
+    """The model the server serves, when it serves exactly one (else ask for --model)."""
+    try:
+        response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30.0)
+    except httpx.HTTPError as exc:
+        raise ServerError(
+            f"cannot reach {base_url}: {exc}. Is the server running (`llmctl serve`)?"
+        ) from None
+    if response.status_code != 200:
+        raise ServerError(_http_error(base_url, response.status_code, _error_text(response)))
+    try:
+        names = [entry["id"] for entry in response.json()["data"]]
+    except (ValueError, KeyError, TypeError):
+        raise ServerError(
+            f"{base_url}/v1/models did not answer an OpenAI-style model list: is this an "
+            "OpenAI-compatible server?"
+        ) from None
+    if len(names) != 1:
+        listed = ", ".join(names) if names else "none"
+        raise ServerError(f"{base_url} serves {listed}: name the model with --model NAME")
+    return names[0]
+
+
+def _sampling_fields(sampling: SamplingParams) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "max_tokens": sampling.max_tokens,
+    }
+    if sampling.seed is not None:
+        fields["seed"] = sampling.seed
+    if sampling.top_k > 0:  # not in OpenAI's API: send it only when asked for
+        fields["top_k"] = sampling.top_k
+    return fields
+
+
+async def _sse_events(response: Any) -> AsyncIterator[dict[str, Any]]:
+    """The JSON payloads of a server-sent event stream, up to ``data: [DONE]``."""
+    async with aclosing(response.aiter_lines()) as lines:
+        async for line in lines:
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:") :].strip()
+            if data == "[DONE]":
+                return
+            try:
+                event = json.loads(data)
+            except ValueError:
+                raise ServerError(f"the server sent an event that is not JSON: {data!r}") from None
+            if "error" in event:
+                raise ServerError(f"the server failed mid-answer: {_message_of(event)}")
+            yield event
+
+
+def chunk_delta(event: dict[str, Any]) -> Delta:
+    """A chat (``delta.content``) or completions (``text``) chunk, with usage if present."""
+    delta = Delta()
+    for choice in event.get("choices") or []:
+        delta.text += choice.get("delta", {}).get("content") or choice.get("text") or ""
+        delta.finish_reason = choice.get("finish_reason") or delta.finish_reason
+    if usage := event.get("usage"):
+        delta.completion_tokens = usage.get("completion_tokens")
+    return delta
+
+
+def _error_text(response: Any) -> str:
+    try:
+        return _message_of(response.json())
+    except ValueError:
+        return response.text.strip() or response.reason_phrase
+
+
+def _message_of(body: Any) -> str:
+    """The message of an OpenAI-style ``{"error": {"message": ...}}`` or FastAPI body."""
+    if isinstance(body, dict):
+        error = body.get("error", body.get("detail", body))
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        return str(error)
+    return str(body)
+
+
+def _http_error(base_url: str, status: int, message: str) -> str:
+    if status in (401, 403):
+        return (
+            f"{base_url} refused the API key (HTTP {status}): {message}. "
+            "Pass the server's key with --api-key (or LLMCTL_API_KEY)"
+        )
+    return f"{base_url} answered HTTP {status}: {message}"
+
+
+def summarize_metrics(text: str) -> list[tuple[str, str]]:
+    """The samples of a Prometheus text page worth a glance: no buckets, no process_/python_."""
+    rows = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        base = name.split("{", 1)[0]
+        if base.startswith(("process_", "python_")) or base.endswith(("_bucket", "_created")):
+            continue
+        rows.append((name, value))
+    return rows

@@ -1,0 +1,201 @@
+"""``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``.
+
+Each generation request goes the same way: check the body, turn it into one engine
+request per choice, wait for a generation slot (or get 429), start the engine requests
+(a refusal is a 400), then stream Server-Sent Events or answer the whole result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from llmctl.backend import GenerationRequest, SamplingParams
+from llmctl.errors import LlmctlError
+from llmctl.server.app import ServerState
+from llmctl.server.errors import APIError, api_error_for
+from llmctl.server.generation import GenerationStream
+from llmctl.server.openai_format import ChatFormatter, CompletionFormatter
+from llmctl.server.protocol import ChatCompletionRequest, CompletionRequest
+from llmctl.server.streaming import ClientGone, EventStreamResponse, sse_event, unless_disconnected
+
+log = logging.getLogger("llmctl.server")
+
+router = APIRouter(prefix="/v1")
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client left first"
+
+T = TypeVar("T")
+Formatter = CompletionFormatter | ChatFormatter
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.llmctl
+
+
+@router.get("/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    state = _state(request)
+    model = {
+        "id": state.engine.model_name,
+        "object": "model",
+        "created": state.started_at,
+        "owned_by": "llmctl",
+        "max_model_len": state.engine.max_model_len or None,  # 0: not known (a proxy)
+    }
+    return {"object": "list", "data": [model]}
+
+
+@router.post("/completions")
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    state = _state(request)
+    state.check_model(body.model)
+    prompts = _checked(body.prompts, "prompt")
+    response_id = f"cmpl-{uuid.uuid4().hex}"
+    requests = _engine_requests(response_id, prompts, _checked(body.sampling_params), body.n)
+    formatter = CompletionFormatter(
+        response_id, state.engine.model_name, body.include_usage, len(requests)
+    )
+    return await _respond(request, state, requests, formatter, stream=body.stream, n=body.n)
+
+
+@router.post("/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    state = _state(request)
+    state.check_model(body.model)
+    response_id = f"chatcmpl-{uuid.uuid4().hex}"
+    prompts = [{"messages": body.engine_messages()}]
+    requests = _engine_requests(response_id, prompts, _checked(body.sampling_params), body.n)
+    formatter = ChatFormatter(
+        response_id, state.engine.model_name, body.include_usage, len(requests)
+    )
+    return await _respond(request, state, requests, formatter, stream=body.stream, n=body.n)
+
+
+def _checked(make: Callable[[], T], param: str | None = None) -> T:
+    """Values out of range (SamplingParams' checks) become a 400 naming the field."""
+    try:
+        return make()
+    except ValueError as exc:
+        message = str(exc)
+        field = param or message.split(" ", 1)[0].rstrip(":")
+        raise APIError(400, message, param=field, code="invalid_value") from None
+
+
+def _engine_requests(
+    response_id: str, prompts: list[dict[str, Any]], sampling: SamplingParams, n: int
+) -> list[GenerationRequest]:
+    """``n`` engine requests per prompt; choice ``j`` of a seeded request uses seed + j,
+    so the choices differ yet the whole response reproduces."""
+    requests = []
+    for prompt in prompts:
+        for j in range(n):
+            params = sampling
+            if sampling.seed is not None and j:
+                params = dataclasses.replace(sampling, seed=sampling.seed + j)
+            index = len(requests)
+            requests.append(
+                GenerationRequest(request_id=f"{response_id}-{index}", sampling=params, **prompt)
+            )
+    return requests
+
+
+async def _respond(
+    request: Request,
+    state: ServerState,
+    requests: list[GenerationRequest],
+    formatter: Formatter,
+    *,
+    stream: bool,
+    n: int,
+) -> Response:
+    arrived_at = time.monotonic()
+    _log_start(state, formatter.id, requests)
+    try:
+        generation = await unless_disconnected(request, _begin(state, requests, arrived_at))
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    async def finish() -> None:
+        await generation.close()
+        state.admission.release()
+        _log_end(state, formatter.id, generation, n)
+
+    if stream:
+        return EventStreamResponse(_events(generation, formatter, n), on_close=finish)
+    try:
+        result = await unless_disconnected(request, _collect(generation, formatter, n))
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    finally:
+        await finish()
+    return JSONResponse(result)
+
+
+async def _begin(
+    state: ServerState, requests: list[GenerationRequest], arrived_at: float
+) -> GenerationStream:
+    """Take a generation slot (or 429), then start the engine requests (or their error)."""
+    await state.admission.acquire()
+    try:
+        return await GenerationStream.start(state.engine, requests, state.metrics, arrived_at)
+    except BaseException:
+        state.admission.release()
+        raise
+
+
+async def _events(generation: GenerationStream, formatter: Formatter, n: int) -> AsyncIterator[str]:
+    try:
+        async for index, output in generation.outputs():
+            chunk = formatter.stream_chunk(index, output)
+            if chunk is not None:
+                yield sse_event(chunk)
+        if formatter.include_usage:
+            yield sse_event(formatter.usage_chunk(generation.usage(n)))
+    except Exception as exc:  # headers are sent: the error travels in the stream
+        if not isinstance(exc, (APIError, LlmctlError)):
+            log.error("generation %s failed", formatter.id, exc_info=exc)
+        error = api_error_for(exc)
+        yield sse_event({"error": error.body()})
+    yield sse_event("[DONE]")
+
+
+async def _collect(generation: GenerationStream, formatter: Formatter, n: int) -> dict[str, Any]:
+    async for _ in generation.outputs():
+        pass  # the stream's progress keeps each choice's text and logprobs
+    progress = generation.progress
+    return formatter.response(
+        [p.text for p in progress], [p.logprobs for p in progress], progress, generation.usage(n)
+    )
+
+
+def _log_start(state: ServerState, response_id: str, requests: list[GenerationRequest]) -> None:
+    if state.log_prompts:
+        first = requests[0]
+        prompt = first.prompt if first.prompt is not None else first.prompt_token_ids
+        log.info("%s prompt: %r", response_id, prompt if prompt is not None else first.messages)
+
+
+def _log_end(state: ServerState, response_id: str, generation: GenerationStream, n: int) -> None:
+    """Sizes and timing only; the text itself only with log_prompts."""
+    progress = generation.progress
+    usage = generation.usage(n)
+    log.info(
+        "%s: %d choice(s), %d prompt + %d generated tokens, finish %s, %.2fs",
+        response_id,
+        len(progress),
+        usage["prompt_tokens"],
+        usage["completion_tokens"],
+        ",".join(str(p.finish_reason) for p in progress),
+        time.monotonic() - generation.arrived_at,
+    )
+    if state.log_prompts:
+        for index, p in enumerate(progress):
+            log.info("%s choice %d: %r", response_id, index, p.text)

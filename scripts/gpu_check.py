@@ -1,0 +1,415 @@
+"""Check the torch backend's Triton attention on an NVIDIA GPU; write a markdown report.
+
+    python scripts/gpu_check.py             # on a CUDA machine, about 5-8 minutes
+    python scripts/gpu_check.py --dry-run   # anywhere: tiny shapes, Triton interpreter
+
+Three parts, each recorded in ``docs/benchmarks/gpu_check_<date>.md``:
+
+1. kernel tests: pytest on the Triton kernel and end-to-end tests, compiled natively;
+2. end to end: stories260K's greedy tokens through the torch backend (``llmctl.LLM``,
+   Triton attention) against transformers' (its ``reference_greedy.json``);
+3. decode bandwidth: paged decode attention (bf16, head_dim 128, 32 query / 8 KV heads)
+   timed with CUDA events over block sizes, batches and context lengths, as achieved
+   GB/s of the bytes it must move (K/V, queries, outputs, block tables) and as a
+   fraction of the measured device-to-device copy bandwidth (read + write bytes of a
+   large ``Tensor.copy_``). Goal: >= 70% at batch 64, context 4096, block size 64.
+
+Exits non-zero when there is no CUDA GPU (unless ``--dry-run``) or when a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+STORIES = REPO.parent / "shared" / "models" / "stories260K"
+KERNEL_TESTS = "tests/backends/torch/test_triton_kernels.py"
+E2E_TESTS = "tests/backends/torch/test_triton_e2e.py"
+
+GOAL = dict(block_size=64, batch=64, context=4096, fraction=0.70)
+
+
+@dataclass(frozen=True)
+class BenchGrid:
+    block_sizes: tuple[int, ...]
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    copy_bytes: int
+
+
+GPU_GRID = BenchGrid(
+    block_sizes=(16, 32, 64, 128, 256),
+    batches=(1, 16, 64, 256),
+    contexts=(512, 2048, 4096, 8192),
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    copy_bytes=2 << 30,
+)
+DRY_RUN_GRID = BenchGrid(
+    block_sizes=(16, 32),
+    batches=(1, 2),
+    contexts=(64, 128),
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    copy_bytes=64 << 20,
+)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run every part on tiny shapes, on the CPU through the Triton interpreter "
+        "when there is no GPU (checks the script, not the kernels' speed)",
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        help="report path (default docs/benchmarks/gpu_check_<date>.md; a temporary "
+        "file with --dry-run)",
+    )
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=450.0,
+        help="seconds for the whole run; the bandwidth sweep stops early to stay inside",
+    )
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    start = time.monotonic()
+    import torch
+
+    has_cuda = torch.cuda.is_available()
+    if not has_cuda and not args.dry_run:
+        print(
+            "gpu_check: no CUDA GPU is visible (torch.cuda.is_available() is False). Run it "
+            "on a machine with an NVIDIA GPU, or use --dry-run to exercise the script here.",
+            file=sys.stderr,
+        )
+        return 2
+    if has_cuda:  # compiled kernels, even if the shell asked for the interpreter
+        os.environ.pop("TRITON_INTERPRET", None)
+    output = args.output or default_output(args.dry_run)
+    sections = [header(torch, args.dry_run)]
+    ok = True
+
+    print("[1/3] kernel tests ...", flush=True)
+    passed, text = run_kernel_tests(args.dry_run)
+    ok &= passed
+    sections.append(text)
+
+    print("[2/3] end-to-end greedy comparison ...", flush=True)
+    passed, text = run_end_to_end(args.dry_run, "cuda" if has_cuda else "cpu")
+    ok &= passed
+    sections.append(text)
+
+    print("[3/3] decode attention bandwidth ...", flush=True)
+    deadline = start + args.time_limit
+    grid = DRY_RUN_GRID if args.dry_run else GPU_GRID
+    passed, text = run_bandwidth(grid, "cuda" if has_cuda else "cpu", deadline, args.dry_run)
+    ok &= passed
+    sections.append(text)
+
+    sections.append(f"Total time: {time.monotonic() - start:.0f} s.\n")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text("\n".join(sections))
+    print(f"report written to {output}")
+    print("all checks passed" if ok else "SOME CHECKS FAILED (see the report)")
+    return 0 if ok else 1
+
+
+def default_output(dry_run: bool) -> Path:
+    if dry_run:
+        return Path(tempfile.gettempdir()) / "gpu_check_dry_run.md"
+    today = datetime.date.today().isoformat()
+    return REPO / "docs" / "benchmarks" / f"gpu_check_{today}.md"
+
+
+def header(torch, dry_run: bool) -> str:
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        device = (
+            f"{props.name}, compute capability {props.major}.{props.minor}, "
+            f"{props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB"
+        )
+    else:
+        device = f"CPU only ({platform.processor() or platform.machine()}): Triton interpreter"
+    lines = [
+        f"# GPU check {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+        + (" (dry run: tiny shapes, numbers mean nothing)" if dry_run else ""),
+        "",
+        f"- device: {device}",
+        f"- torch {torch.__version__}, CUDA {torch.version.cuda}, triton {version('triton')}, "
+        f"python {platform.python_version()}",
+        f"- command: `python scripts/gpu_check.py {' '.join(sys.argv[1:])}`",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def child_env() -> dict[str, str]:
+    """The environment for child runs: compiled kernels wherever CUDA is present."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env["LLMCTL_TORCH_ATTENTION"] = "triton"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
+
+
+def run_kernel_tests(dry_run: bool) -> tuple[bool, str]:
+    if dry_run:  # the interpreter is slow: a few quick tests show the plumbing works
+        selection = [KERNEL_TESTS, "-k", "write_kv or bad_inputs or split_count"]
+    else:
+        # everything but the wide kernel grid, whose many shapes would each compile
+        selection = [KERNEL_TESTS, E2E_TESTS, "-m", "slow or not slow", "-k", "not wider_grid"]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection]
+    started = time.monotonic()
+    try:
+        done = subprocess.run(
+            command, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300
+        )
+        passed, log = done.returncode == 0, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as timeout:
+        passed, log = False, f"timed out after {timeout.timeout} s\n{timeout.stdout or ''}"
+    tail = "\n".join(log.strip().splitlines()[-25:])
+    return passed, (
+        "## 1. Kernel tests\n\n"
+        f"`{' '.join(command[1:])}`: **{'passed' if passed else 'FAILED'}** "
+        f"in {time.monotonic() - started:.0f} s\n\n```\n{tail}\n```\n"
+    )
+
+
+def run_end_to_end(dry_run: bool, device: str) -> tuple[bool, str]:
+    """Greedy decoding through the whole torch backend against transformers' tokens."""
+    import json
+
+    title = "## 2. End to end: stories260K, torch backend, Triton attention\n\n"
+    if not (STORIES / "reference_greedy.json").is_file():
+        return False, title + f"stories260K not found at {STORIES}: not run.\n"
+    reference = json.loads((STORIES / "reference_greedy.json").read_text())
+    bos = json.loads((STORIES / "config.json").read_text())["bos_token_id"]
+    cases = [([bos], reference["from_bos_only"]["new_token_ids"])]
+    cases += [(r["prompt_ids"], r["new_token_ids"]) for r in reference["results"]]
+    if dry_run:
+        cases = [(prompt, want[:2]) for prompt, want in cases[:2]]
+
+    os.environ["LLMCTL_TORCH_ATTENTION"] = "triton"
+    from llmctl import LLM, SamplingParams
+
+    started = time.monotonic()
+    with LLM(
+        str(STORIES),
+        backend="torch",
+        device=device,
+        dtype="float32",
+        cache_block_seq_len=16,
+        cache_max_entry_count=256,
+    ) as llm:
+        outputs = llm.generate(
+            [prompt for prompt, _ in cases],
+            [SamplingParams(max_tokens=len(want), temperature=0.0) for _, want in cases],
+        )
+    rows, passed = [], True
+    for (prompt, want), out in zip(cases, outputs):
+        same = list(out.token_ids) == list(want)
+        passed &= same
+        first_diff = next(
+            (i for i, (a, b) in enumerate(zip(out.token_ids, want)) if a != b),
+            None if len(out.token_ids) == len(want) else min(len(out.token_ids), len(want)),
+        )
+        rows.append(
+            f"| {prompt} | {len(want)} | {'yes' if same else 'NO'} | {'' if same else first_diff} |"
+        )
+    text = (
+        title
+        + f"float32, block size 16, {device}; {time.monotonic() - started:.1f} s. "
+        + f"**{'All tokens match' if passed else 'MISMATCH'}.**\n\n"
+        + "| prompt ids | new tokens | identical | first difference |\n|---|---|---|---|\n"
+        + "\n".join(rows)
+        + "\n"
+    )
+    return passed, text
+
+
+class Timer:
+    """Seconds per call: CUDA events around a replayed CUDA graph on a GPU (no launch
+    overhead in the number), the wall clock on the CPU."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+    def __call__(self, fn, iterations: int) -> tuple[float, str]:
+        import torch
+
+        fn()  # warm up: compiles and autotunes
+        if self.device != "cuda":
+            started = time.perf_counter()
+            for _ in range(iterations):
+                fn()
+            return (time.perf_counter() - started) / iterations, "wall clock"
+        torch.cuda.synchronize()
+        how = "CUDA graph"
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+            run = graph.replay
+        except RuntimeError:  # capture refused: time plain launches instead
+            run, how = fn, "launches"
+        run()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iterations):
+            run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / iterations, how
+
+
+def copy_bandwidth(num_bytes: int, device: str) -> float:
+    """Bytes read plus written per second by a large device-to-device copy."""
+    import torch
+
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    seconds, _ = Timer(device)(lambda: dst.copy_(src), iterations=20)
+    return 2 * num_bytes / seconds
+
+
+def run_bandwidth(grid: BenchGrid, device: str, deadline: float, dry_run: bool) -> tuple[bool, str]:
+    import torch
+    from llmctl_torch.triton_decode import choose_num_splits, paged_decode_attention
+
+    timer = Timer(device)
+    copy_bw = copy_bandwidth(grid.copy_bytes, device)
+    dtype = torch.bfloat16
+    max_tokens = max(grid.batches) * max(grid.contexts)
+    gen = torch.Generator(device=device).manual_seed(0)
+    # One pool of K/V tokens, viewed as blocks of each size in turn.
+    kv_shape = (max_tokens, grid.num_kv_heads, grid.head_dim)
+    k_pool = torch.empty(kv_shape, dtype=dtype, device=device).normal_(generator=gen)
+    v_pool = torch.empty(kv_shape, dtype=dtype, device=device).normal_(generator=gen)
+    l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size if device == "cuda" else 0
+
+    points = [
+        (bs, b, ctx) for bs in grid.block_sizes for b in grid.batches for ctx in grid.contexts
+    ]
+    goal = (GOAL["block_size"], GOAL["batch"], GOAL["context"])
+    if goal in points:  # measure the goal first, so it is in the report whatever happens
+        points.remove(goal)
+        points.insert(0, goal)
+    results: dict[tuple[int, int, int], tuple[float, int, str]] = {}
+    skipped = 0
+    for block_size, batch, context in points:
+        if time.monotonic() > deadline:
+            skipped += 1
+            continue
+        blocks_per_seq = context // block_size
+        k_cache = k_pool.view(-1, block_size, grid.num_kv_heads, grid.head_dim)
+        v_cache = v_pool.view(-1, block_size, grid.num_kv_heads, grid.head_dim)
+        order = torch.randperm(k_cache.shape[0], device=device, generator=gen)
+        tables = order[: batch * blocks_per_seq].view(batch, blocks_per_seq).to(torch.int32)
+        lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+        q = torch.randn(batch, grid.num_heads, grid.head_dim, dtype=dtype, device=device)
+        decode = functools.partial(
+            paged_decode_attention, q, k_cache, v_cache, tables, lens, grid.head_dim**-0.5
+        )
+        seconds, how = timer(decode, iterations=20 if not dry_run else 2)
+        kv_bytes = 2 * batch * context * grid.num_kv_heads * grid.head_dim * dtype.itemsize
+        moved = kv_bytes + 2 * q.numel() * dtype.itemsize + tables.numel() * 4
+        splits = choose_num_splits(batch * grid.num_kv_heads, context, torch.device(device))
+        results[(block_size, batch, context)] = (moved / seconds, splits, how)
+        del tables, order
+    return summarize_bandwidth(grid, results, copy_bw, l2_bytes, skipped, dry_run)
+
+
+def summarize_bandwidth(grid, results, copy_bw, l2_bytes, skipped, dry_run) -> tuple[bool, str]:
+    lines = [
+        "## 3. Decode attention bandwidth\n",
+        f"bf16, head_dim {grid.head_dim}, {grid.num_heads} query heads over "
+        f"{grid.num_kv_heads} KV heads, every sequence at the full context, blocks "
+        "shuffled across the cache. Bytes = K/V read + queries + outputs + block tables. "
+        f"Copy bandwidth (read + write of a {grid.copy_bytes >> 20} MiB `copy_`): "
+        f"**{copy_bw / 1e9:.4g} GB/s**.",
+        "",
+    ]
+    goal_key = (GOAL["block_size"], GOAL["batch"], GOAL["context"])
+    passed = True
+    if goal_key in results and not dry_run:
+        achieved = results[goal_key][0] / copy_bw
+        passed = achieved >= GOAL["fraction"]
+        lines.append(
+            f"**Goal** (batch {GOAL['batch']}, context {GOAL['context']}, block size "
+            f"{GOAL['block_size']}): {results[goal_key][0] / 1e9:.4g} GB/s = "
+            f"**{achieved:.0%}** of copy bandwidth (target {GOAL['fraction']:.0%}): "
+            f"**{'met' if passed else 'NOT MET'}**.\n"
+        )
+    hows = sorted({how for _, _, how in results.values()})
+    lines.append(f"Timed by: {', '.join(hows)}. Cells: GB/s (fraction of copy bandwidth).")
+    if l2_bytes:
+        lines.append(
+            f"Cells marked * read less than twice the {l2_bytes >> 20} MiB L2 cache, which "
+            "may serve repeated runs: their numbers can exceed memory bandwidth."
+        )
+    lines.append("")
+    for block_size in grid.block_sizes:
+        lines.append(f"### block size {block_size}\n")
+        lines.append("| batch \\ context | " + " | ".join(str(c) for c in grid.contexts) + " |")
+        lines.append("|---" * (len(grid.contexts) + 1) + "|")
+        for batch in grid.batches:
+            cells = []
+            for context in grid.contexts:
+                if (block_size, batch, context) not in results:
+                    cells.append("skipped")
+                    continue
+                bw, splits, _ = results[(block_size, batch, context)]
+                kv = 2 * batch * context * grid.num_kv_heads * grid.head_dim * 2
+                mark = "*" if kv < 2 * l2_bytes else ""
+                cells.append(f"{bw / 1e9:.4g} ({bw / copy_bw:.0%}){mark} s={splits}")
+            lines.append(f"| {batch} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines.append("`s=` is the number of split-K splits per (sequence, KV head).\n")
+    lines.append(tuned_configs())
+    if skipped:
+        lines.append(f"\n{skipped} points skipped to stay inside the time limit.")
+    return passed, "\n".join(lines) + "\n"
+
+
+def tuned_configs() -> str:
+    """The tile sizes and launch settings the autotuner picked for each decode shape."""
+    from llmctl_torch.triton_decode import _decode_kernel
+
+    cache = getattr(_decode_kernel, "cache", {})
+    if not cache:
+        return "Autotuning: a single configuration (interpreter).\n"
+    lines = [
+        "Decode configs picked by the autotuner (key: group pad, head_dim pad, block size, "
+        "split, tokens per split, dtypes):",
+        "",
+    ]
+    lines += [f"- `{key}`: {config}" for key, config in sorted(cache.items(), key=str)]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

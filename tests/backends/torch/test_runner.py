@@ -1,0 +1,91 @@
+"""The runner on its own: greedy decoding equals transformers' reference tokens, other
+dtypes run and stay close to fp32, and misuse fails clearly."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from llmctl_torch.runner import TorchModelRunner
+
+from llmctl.engine.model_config import ModelConfig
+from llmctl.engine.runner import StepBatch
+from llmctl.errors import ModelError, OptionError
+from tests.backends.torch.tiny_models import PagedSequences
+
+
+def greedy(runner, prompts, max_new_tokens):
+    """Decode all prompts together, greedily, through the paged cache."""
+    paged = PagedSequences(runner)
+    seqs = [paged.add(p) for p in prompts]
+    counts = {s: len(p) for s, p in zip(seqs, prompts)}
+    for _ in range(max_new_tokens):
+        logits = paged.step(counts)
+        for row, seq in enumerate(counts):
+            paged.tokens[seq].append(int(logits[row].argmax()))
+        counts = {s: 1 for s in seqs}
+    return [tokens[len(p) :] for tokens, p in zip(paged.tokens, prompts)]
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_greedy_tokens_equal_the_transformers_reference(stories_dir, block_size):
+    reference = json.loads((stories_dir / "reference_greedy.json").read_text())
+    cases = reference["results"]
+    runner = TorchModelRunner(
+        stories_dir, ModelConfig.from_dir(stories_dir), block_size=block_size, num_blocks=64
+    )
+    steps = reference["generation"]["max_new_tokens"]
+    outputs = greedy(runner, [case["prompt_ids"] for case in cases], steps)
+    for case, output in zip(cases, outputs):
+        assert output == case["new_token_ids"], case["prompt"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_precision_runs_and_stays_close_to_fp32(stories_dir, dtype):
+    config = ModelConfig.from_dir(stories_dir)
+    prompt = json.loads((stories_dir / "reference_greedy.json").read_text())["results"][0]
+    ids = prompt["prompt_ids"] + prompt["new_token_ids"][:20]
+    logits = {}
+    for name in ("float32", dtype):
+        runner = TorchModelRunner(stories_dir, config, dtype=name, block_size=16, num_blocks=8)
+        assert runner.kv_caches[0][0].dtype == getattr(torch, name)
+        paged = PagedSequences(runner)
+        paged.add(ids)
+        logits[name] = torch.cat(
+            [paged.step({0: len(ids) - 3})] + [paged.step({0: 1}) for _ in range(3)]
+        )
+    assert logits[dtype].dtype == torch.float32
+    assert torch.isfinite(logits[dtype]).all()
+    # bf16 keeps 8 mantissa bits: errors of about 1% of the logits' range are expected.
+    scale = logits["float32"].abs().max()
+    assert (logits[dtype] - logits["float32"]).abs().max() < 0.03 * scale
+    assert (logits[dtype].argmax(-1) == logits["float32"].argmax(-1)).float().mean() >= 0.75
+
+
+def test_cache_must_be_allocated_before_execute(stories_dir):
+    runner = TorchModelRunner(stories_dir, ModelConfig.from_dir(stories_dir), block_size=16)
+    batch = StepBatch([1], [0], [1], [1], [[0]], [0])
+    with pytest.raises(RuntimeError, match="allocate_kv_cache"):
+        runner.execute(batch)
+    runner.allocate_kv_cache(4)
+    assert runner.num_blocks == 4
+    assert runner.execute(batch).shape == (1, 512)
+    assert runner.kv_bytes_per_block() == 2 * 5 * 4 * 8 * 16 * 4
+
+
+def test_unknown_dtype_is_refused(stories_dir):
+    with pytest.raises(OptionError, match="dtype 'int8'"):
+        TorchModelRunner(stories_dir, ModelConfig.from_dir(stories_dir), dtype="int8")
+
+
+def test_checkpoint_that_does_not_fit_the_config_is_refused(tiny_model_dir, tmp_path):
+    model_dir = tiny_model_dir("qwen2")
+    config = ModelConfig.from_dir(model_dir)
+    wrong_layers = replace(config, num_layers=3)
+    with pytest.raises(ModelError, match="missing model.layers.2"):
+        TorchModelRunner(model_dir, wrong_layers)
+    wrong_width = replace(config, intermediate_size=80)
+    with pytest.raises(ModelError, match="shapes do not match"):
+        TorchModelRunner(model_dir, wrong_width)

@@ -1,0 +1,20 @@
+"""Fixtures of the turbo backend tests: the native ops (built once, cached across runs)
+and the tiny transformers models of the torch backend's tests."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.backends.torch.conftest import tiny_model_dir  # noqa: F401  (a fixture)
+
+
+@pytest.fixture(scope="session")
+def turbo_ops():
+    """``torch.ops.llmctl_turbo``, built on first use into llmctl's cache dir."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler to build turbo's native ops (install g++)")
+    from llmctl_turbo.build import load_ops
+
+    return load_ops()

@@ -1,0 +1,264 @@
+"""Each native CPU op against a plain-torch reference written here, on random inputs.
+
+The paged tests scatter every sequence over shuffled physical blocks, fill every cache
+slot the op must not read with NaN, and poison outputs with NaN before the call, so a
+kernel that reads outside its context or leaves part of its output unwritten fails.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmctl_turbo.rope import cos_sin_cache, inv_freq
+
+BLOCK_SIZES = [16, 48, 80, 128, 256]
+DTYPES = [torch.float32, torch.bfloat16]
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def poisoned(*shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype)
+
+
+def int32(values) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+# ------------------------------------------------------------------ references
+
+
+def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def ref_rotary(x: torch.Tensor, positions: torch.Tensor, frequencies: torch.Tensor):
+    angles = positions.float()[:, None] * frequencies[None, :]
+    cos = torch.cat((angles.cos(), angles.cos()), -1)[:, None, :]
+    sin = torch.cat((angles.sin(), angles.sin()), -1)[:, None, :]
+    x32 = x.float()
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x32[..., half:], x32[..., :half]), -1)
+    return (x32 * cos + rotated * sin).to(x.dtype)
+
+
+def ref_paged_attention(q, k_cache, v_cache, tables, query_lens, context_lens, scale):
+    """Gather each sequence's keys from its blocks, then dense causal attention."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    group = q.shape[1] // num_kv_heads
+    outputs, start = [], 0
+    for table, q_len, ctx in zip(tables, query_lens, context_lens, strict=True):
+        blocks = torch.tensor(table, dtype=torch.long)
+        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
+        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
+        keys = keys.repeat_interleave(group, dim=1)  # [ctx, H, D]
+        values = values.repeat_interleave(group, dim=1)
+        queries = q[start : start + q_len].float()  # [q_len, H, D]
+        scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale
+        visible = torch.arange(ctx)[None, :] <= (ctx - q_len + torch.arange(q_len))[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
+        start += q_len
+    return torch.cat(outputs).to(q.dtype)
+
+
+# ------------------------------------------------------------------ row ops
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(turbo_ops, dtype):
+    torch.manual_seed(1)
+    x = (3 * torch.randn(37, 200)).to(dtype)
+    weight = (1 + 0.3 * torch.randn(200)).to(dtype)
+    out = poisoned(37, 200, dtype=dtype)
+    turbo_ops.rms_norm(out, x, weight, 1e-6)
+    torch.testing.assert_close(out, ref_rms_norm(x, weight, 1e-6), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_updates_residual(turbo_ops, dtype):
+    torch.manual_seed(2)
+    x = torch.randn(19, 96).to(dtype)
+    residual = torch.randn(19, 96).to(dtype)
+    weight = (1 + 0.3 * torch.randn(96)).to(dtype)
+    expected_residual = residual + x
+    out = poisoned(19, 96, dtype=dtype)
+    turbo_ops.add_rms_norm(out, residual, x, weight, 1e-5)
+    torch.testing.assert_close(residual, expected_residual, **TOLERANCE[dtype])
+    torch.testing.assert_close(
+        out, ref_rms_norm(expected_residual, weight, 1e-5), **TOLERANCE[dtype]
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(turbo_ops, dtype):
+    torch.manual_seed(3)
+    gate_up = (2 * torch.randn(23, 2 * 172)).to(dtype)
+    out = poisoned(23, 172, dtype=dtype)
+    turbo_ops.silu_and_mul(out, gate_up)
+    expected = F.silu(gate_up[:, :172].float()) * gate_up[:, 172:].float()
+    torch.testing.assert_close(out, expected.to(dtype), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "scaling",
+    [None, "llama3"],
+    ids=["default", "llama3"],
+)
+def test_rotary_embedding_on_strided_qkv_views(turbo_ops, dtype, scaling):
+    from llmctl.engine.model_config import RopeScaling
+
+    torch.manual_seed(4)
+    heads, kv_heads, head_dim, tokens = 6, 2, 32, 29
+    rope = (
+        RopeScaling("llama3", 8.0, 1.0, 4.0, original_max_position_embeddings=64)
+        if scaling
+        else None
+    )
+    frequencies = inv_freq(head_dim, 10000.0, rope)
+    table = cos_sin_cache(frequencies, 512)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    positions = torch.randint(0, 512, (tokens,), dtype=torch.int32)
+    expected_q = ref_rotary(q, positions, frequencies)
+    expected_k = ref_rotary(k, positions, frequencies)
+    turbo_ops.rotary_embedding(positions, q, k, table)
+    torch.testing.assert_close(q, expected_q, **TOLERANCE[dtype])
+    torch.testing.assert_close(k, expected_k, **TOLERANCE[dtype])
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)
+
+
+# ------------------------------------------------------------------ paged ops
+
+
+class PagedCache:
+    """A NaN-filled cache whose sequences own shuffled physical blocks."""
+
+    def __init__(self, block_size, context_lens, kv_heads, head_dim, dtype, seed=0):
+        generator = torch.Generator().manual_seed(seed)
+        self.block_size = block_size
+        needed = [math.ceil(c / block_size) for c in context_lens]
+        num_blocks = sum(needed) + 3  # spare blocks nobody owns
+        order = torch.randperm(num_blocks, generator=generator).tolist()
+        self.tables = []
+        for count in needed:
+            self.tables.append(order[:count])
+            order = order[count:]
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.k = poisoned(*shape, dtype=dtype)
+        self.v = poisoned(*shape, dtype=dtype)
+        # Fill exactly the slots inside each context with random K/V.
+        slots = torch.tensor(
+            [
+                table[pos // block_size] * block_size + pos % block_size
+                for table, ctx in zip(self.tables, context_lens, strict=True)
+                for pos in range(ctx)
+            ]
+        )
+        for cache in (self.k, self.v):
+            fresh = torch.randn(len(slots), kv_heads, head_dim, generator=generator)
+            cache.view(-1, kv_heads, head_dim)[slots] = fresh.to(dtype)
+
+    def padded_tables(self) -> torch.Tensor:
+        width = max(len(t) for t in self.tables) + 1  # extra column: never read
+        return int32([t + [-7] * (width - len(t)) for t in self.tables])
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_cache_scatters_and_skips_negative_slots(turbo_ops, block_size, dtype):
+    torch.manual_seed(5)
+    kv_heads, head_dim, num_blocks, tokens = 2, 16, 9, 40
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim).to(dtype)
+    slots = torch.randperm(num_blocks * block_size)[:tokens].to(torch.int32)
+    slots[7] = -1
+    # key and value as strided column views of one fused buffer, as in the step.
+    kv = torch.randn(tokens, 2 * kv_heads * head_dim + 5).to(dtype)
+    key = kv[:, : kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    value = kv[:, kv_heads * head_dim : 2 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    expected_k.view(-1, kv_heads, head_dim)[slots[keep].long()] = key[keep]
+    expected_v.view(-1, kv_heads, head_dim)[slots[keep].long()] = value[keep]
+    turbo_ops.write_kv_cache(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k)
+    assert torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (6, 1)], ids=["gqa", "mha", "mqa"])
+def test_paged_decode_attention(turbo_ops, block_size, dtype, heads, kv_heads):
+    torch.manual_seed(6)
+    head_dim = 32
+    context_lens = [1, block_size, block_size + 1, 3 * block_size - 5, 37]
+    cache = PagedCache(block_size, context_lens, kv_heads, head_dim, dtype, seed=block_size)
+    q = torch.randn(len(context_lens), heads, head_dim).to(dtype)
+    out = poisoned(*q.shape, dtype=dtype)
+    scale = head_dim**-0.5
+    turbo_ops.paged_decode_attention(
+        out, q, cache.k, cache.v, cache.padded_tables(), int32(context_lens), scale
+    )
+    expected = ref_paged_attention(
+        q, cache.k, cache.v, cache.tables, [1] * len(context_lens), context_lens, scale
+    )
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_prefill_attention_ragged_chunks(turbo_ops, block_size, dtype):
+    """Fresh prompts, prompt chunks after cached tokens and decodes in one batch."""
+    torch.manual_seed(7)
+    heads, kv_heads, head_dim = 8, 2, 16
+    query_lens = [5, 1, block_size + 3, 17, 1]
+    context_lens = [5, 2 * block_size + 1, block_size + 3, block_size + 20, 9]
+    cache = PagedCache(block_size, context_lens, kv_heads, head_dim, dtype, seed=block_size + 1)
+    q = torch.randn(sum(query_lens), heads, head_dim).to(dtype)
+    query_start_loc = int32([0, *torch.tensor(query_lens).cumsum(0).tolist()])
+    out = poisoned(*q.shape, dtype=dtype)
+    scale = 0.3
+    turbo_ops.paged_prefill_attention(
+        out, q, cache.k, cache.v, cache.padded_tables(), query_start_loc, int32(context_lens),
+        scale,
+    )
+    expected = ref_paged_attention(
+        q, cache.k, cache.v, cache.tables, query_lens, context_lens, scale
+    )
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_errors_name_the_argument_and_the_rule(turbo_ops):
+    k_cache = torch.randn(4, 16, 2, 8)
+    q = torch.randn(2, 4, 8)
+    out = torch.empty_like(q)
+    tables = int32([[0, 1], [2, 3]])
+    with pytest.raises(RuntimeError, match="context_lens must be Int"):
+        turbo_ops.paged_decode_attention(
+            out, q, k_cache, k_cache, tables, torch.tensor([3, 4]), 1.0
+        )
+    with pytest.raises(RuntimeError, match=r"block_tables\[1\]\[0\] = 9 is outside"):
+        turbo_ops.paged_decode_attention(out, q, k_cache, k_cache, int32([[0], [9]]), int32([3, 4]), 1.0)
+    with pytest.raises(RuntimeError, match="needs 3 blocks"):
+        turbo_ops.paged_decode_attention(out, q, k_cache, k_cache, tables, int32([3, 40]), 1.0)
+    with pytest.raises(RuntimeError, match="q is on|must be Float"):
+        turbo_ops.paged_decode_attention(
+            out, q.double(), k_cache, k_cache, tables, int32([3, 4]), 1.0
+        )
+    with pytest.raises(RuntimeError, match="slot_mapping\\[1\\] = 64 is outside"):
+        key = torch.randn(2, 2, 8)
+        turbo_ops.write_kv_cache(key, key, k_cache, k_cache.clone(), int32([0, 64]))
+    with pytest.raises(RuntimeError, match="positions\\[0\\] = 600 has no row"):
+        turbo_ops.rotary_embedding(int32([600, 1]), q, q[:, :2].clone(), torch.randn(512, 8))

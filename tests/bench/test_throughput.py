@@ -1,0 +1,117 @@
+"""`llmctl bench throughput` on stories260K, beside a real transformers baseline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llmctl.errors import LlmctlError, OptionError
+from tests.bench.cli_runner import invoke, invoke_failing, q, read_json
+
+ENGINE_FIELDS = {
+    "duration_s",
+    "num_requests",
+    "prompt_tokens",
+    "output_tokens",
+    "requests_per_s",
+    "output_tokens_per_s",
+    "total_tokens_per_s",
+    "ttft_ms",
+    "peak_kv_blocks_used",
+    "kv_blocks_total",
+    "block_size",
+    "peak_kv_cache_bytes",
+    "peak_memory_bytes",
+    "memory_measure",
+}
+BASELINE_FIELDS = {
+    "name",
+    "version",
+    "batch_size",
+    "duration_s",
+    "num_requests",
+    "prompt_tokens",
+    "output_tokens",
+    "generated_tokens",
+    "requests_per_s",
+    "output_tokens_per_s",
+    "total_tokens_per_s",
+    "peak_memory_bytes",
+    "memory_measure",
+}
+
+
+def test_throughput_with_transformers_baseline(stories_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "throughput.json"
+    result = invoke(
+        f"bench throughput {q(stories_dir)} --backend torch --cache-block-seq-len 16 -n 6 "
+        "--input-len 8:40 --output-len 3:12 --seed 3 --baseline transformers "
+        f"--baseline-batch-size 4 --output {q(out)} --markdown"
+    )
+    report = read_json(out)
+    workload, engine, baseline = report["workload"], report["engine"], report["baseline"]
+    assert report["kind"] == "throughput" and report["backend"] == "torch"
+    assert report["settings"]["cache_block_seq_len"] == 16
+    assert workload["num_prompts"] == 6 and workload["seed"] == 3
+    assert workload["input_len"] == [8, 40] and workload["output_len"] == [3, 12]
+
+    assert set(engine) == ENGINE_FIELDS
+    assert engine["num_requests"] == 6
+    assert engine["output_tokens"] == workload["output_tokens"]  # ignore_eos: all asked for
+    assert engine["prompt_tokens"] == workload["prompt_tokens"]
+    assert 8 * 6 <= workload["prompt_tokens"] <= 40 * 6
+    for key in ("duration_s", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s"):
+        assert engine[key] > 0
+    assert engine["output_tokens_per_s"] == pytest.approx(
+        engine["output_tokens"] / engine["duration_s"]
+    )
+    assert engine["block_size"] == 16
+    # Every request holds at least one block while it runs; none more than 52/16 -> 4.
+    assert 1 <= engine["peak_kv_blocks_used"] <= 6 * 4 <= engine["kv_blocks_total"]
+    # stories260K: 5 layers x 4 KV heads x head_dim 8 x K and V x fp32 = 1280 B per token.
+    assert engine["peak_kv_cache_bytes"] == engine["peak_kv_blocks_used"] * 16 * 1280
+    assert engine["peak_memory_bytes"] > 50 * 2**20
+    assert 0 < engine["ttft_ms"]["p50"] <= engine["ttft_ms"]["p99"]
+
+    assert set(baseline) == BASELINE_FIELDS
+    assert baseline["num_requests"] == 6 and baseline["batch_size"] == 4
+    assert baseline["output_tokens"] == workload["output_tokens"]
+    assert baseline["generated_tokens"] >= baseline["output_tokens"]  # padding is extra work
+    assert baseline["duration_s"] > 0 and baseline["output_tokens_per_s"] > 0
+    assert report["ratio"] == pytest.approx(
+        engine["output_tokens_per_s"] / baseline["output_tokens_per_s"]
+    )
+    assert "| metric | llmctl (torch) | transformers (batch 4) |" in result.output
+    assert f"{report['ratio']:.2f}x" in result.output
+
+
+def test_throughput_refuses_a_workload_longer_than_the_session(stories_dir: Path) -> None:
+    result = invoke_failing(
+        f"bench throughput {q(stories_dir)} --backend torch --session-len 64 -n 2 "
+        "--input-len 60 --output-len 10"
+    )
+    assert isinstance(result.exception, LlmctlError)
+    assert "session_len is 64" in str(result.exception)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ("--input-len 9:2", "--input-len"),
+        ("--output-len x", "--output-len"),
+        ("--baseline vllm", "only baseline is `transformers`"),
+    ],
+)
+def test_bad_arguments_are_named(args: str, message: str) -> None:
+    result = invoke_failing(f"bench throughput demo {args}")
+    assert isinstance(result.exception, OptionError)
+    assert message in str(result.exception)
+
+
+def test_a_block_size_the_backend_refuses_is_an_error(stories_dir: Path) -> None:
+    result = invoke_failing(
+        f"bench throughput {q(stories_dir)} --backend torch --cache-block-seq-len 48"
+    )
+    assert isinstance(result.exception, LlmctlError)
+    assert "cache_block_seq_len" in str(result.exception)

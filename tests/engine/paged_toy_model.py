@@ -1,0 +1,44 @@
+"""A small deterministic model over a real paged cache, for engine tests without weights.
+
+It implements ``ModelRunner`` honestly: each step writes the new tokens into cache
+slots, then reads every sequence's whole context back through its block table. The
+logits at a position are a fixed random function of all tokens before it (order
+included), so a wrong block table, an overwritten shared block or a stale slot
+changes the generated tokens. Each slot also records the position written there, and
+reading a slot whose position does not match fails loudly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmctl.engine.runner import StepBatch
+
+
+class PagedToyModel:
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 64, seed: int = 0):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        generator = torch.Generator().manual_seed(seed)
+        self.embed = torch.randn(vocab_size, 32, generator=generator)
+        self.position_mix = torch.randn(4096, 32, generator=generator)
+        self.unembed = torch.randn(32, vocab_size, generator=generator) * 3
+        self.token_cache = torch.full((num_blocks * block_size,), -1, dtype=torch.long)
+        self.position_cache = torch.full((num_blocks * block_size,), -1, dtype=torch.long)
+        self.steps = 0
+
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        self.steps += 1
+        slots = torch.tensor(batch.slot_mapping)
+        self.token_cache[slots] = torch.tensor(batch.input_ids)
+        self.position_cache[slots] = torch.tensor(batch.positions)
+        rows = []
+        for table, length in zip(batch.block_tables, batch.context_lens):
+            positions = torch.arange(length)
+            blocks = torch.tensor(table)[positions // self.block_size]
+            context_slots = blocks * self.block_size + positions % self.block_size
+            assert torch.equal(self.position_cache[context_slots], positions), "stale KV slot"
+            tokens = self.token_cache[context_slots]
+            hidden = torch.tanh((self.embed[tokens] * self.position_mix[positions]).sum(0))
+            rows.append(hidden @ self.unembed)
+        return torch.stack(rows)

@@ -1,0 +1,199 @@
+"""AsyncEngine: concurrent streams, refusal before output, abort on disconnect, any loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from llmctl.backend import Engine, GenerationRequest
+from llmctl.engine.async_engine import AsyncEngine
+from llmctl.engine.sampling_params import SamplingParams
+from llmctl.errors import InvalidRequest
+from tests.engine.test_scheduler import make_engine, run, workload
+
+
+@pytest.fixture
+def engine(stories_tokenizer):
+    engine = AsyncEngine(make_engine(stories_tokenizer, num_blocks=48), model_name="toy")
+    yield engine
+    asyncio.run(engine.shutdown())
+
+
+async def collect(engine: AsyncEngine, request: GenerationRequest):
+    tokens, outputs = [], []
+    async for out in engine.generate(request):
+        tokens += out.token_ids
+        outputs.append(out)
+    return tokens, outputs
+
+
+def requests_of(work):
+    return [GenerationRequest(rid, prompt_token_ids=p, sampling=s) for rid, p, s in work]
+
+
+def wait_until_idle(engine: AsyncEngine, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        stats = engine.stats()
+        if stats.running == stats.waiting == stats.kv_blocks_used == 0:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"engine still busy: {engine.stats()}")
+
+
+def test_is_an_engine(engine) -> None:
+    assert isinstance(engine, Engine)
+    assert engine.max_model_len == 128 and engine.model_name == "toy"
+
+
+def test_concurrent_requests_stream_the_same_tokens_as_the_sync_engine(
+    engine, stories_tokenizer
+) -> None:
+    expected = run(make_engine(stories_tokenizer), workload())
+
+    async def main():
+        return await asyncio.gather(*(collect(engine, r) for r in requests_of(workload())))
+
+    results = asyncio.run(main())
+    for (request_id, _, _), (tokens, outputs) in zip(workload(), results):
+        assert (tokens, outputs[-1].finish_reason) == expected[request_id]
+        assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+        assert outputs[-1].completion_tokens == len(tokens)
+        assert outputs[0].prompt_token_ids is not None
+    wait_until_idle(engine)
+
+
+def test_refused_request_raises_before_any_output(engine) -> None:
+    async def main():
+        stream = engine.generate(
+            GenerationRequest("long", prompt_token_ids=[3] * 100, sampling=SamplingParams(50))
+        )
+        with pytest.raises(InvalidRequest, match="session_len 128"):
+            await stream.__anext__()
+
+    asyncio.run(main())
+
+
+def test_text_prompt_is_tokenized(stories_tokenizer) -> None:
+    engine = AsyncEngine(make_engine(stories_tokenizer, vocab_size=512), model_name="toy")
+    request = GenerationRequest("t", prompt="Once upon", sampling=SamplingParams(3, 0))
+    _, outputs = asyncio.run(collect(engine, request))
+    asyncio.run(engine.shutdown())
+    assert outputs[0].prompt_token_ids == stories_tokenizer.encode("Once upon")
+
+
+def test_consumer_leaving_early_aborts_and_frees_blocks(engine) -> None:
+    async def main():
+        request = GenerationRequest("r", prompt_token_ids=[5] * 30, sampling=SamplingParams(60))
+        stream = engine.generate(request)
+        await stream.__anext__()
+        await stream.aclose()  # what a disconnected HTTP client does
+
+    asyncio.run(main())
+    wait_until_idle(engine)
+
+
+def test_cancelled_task_aborts_its_request(engine) -> None:
+    async def main():
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in engine.generate(
+                GenerationRequest("r", prompt_token_ids=[5] * 30, sampling=SamplingParams(90))
+            ):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    wait_until_idle(engine)
+
+
+def test_abort_ends_the_stream_with_abort(engine) -> None:
+    async def main():
+        request = GenerationRequest("r", prompt_token_ids=[5] * 30, sampling=SamplingParams(90))
+        outputs = []
+        async for out in engine.generate(request):
+            outputs.append(out)
+            if len(outputs) == 2:
+                await engine.abort("r")
+        return outputs
+
+    outputs = asyncio.run(main())
+    assert outputs[-1].finish_reason == "abort" and len(outputs) < 90
+    wait_until_idle(engine)
+
+
+def test_duplicate_request_id_is_refused(engine) -> None:
+    async def main():
+        request = GenerationRequest("same", prompt_token_ids=[5] * 3, sampling=SamplingParams(40))
+        first = engine.generate(request)
+        await first.__anext__()
+        with pytest.raises(InvalidRequest, match="already in use"):
+            await engine.generate(request).__anext__()
+        await first.aclose()
+
+    asyncio.run(main())
+
+
+def test_usable_from_several_event_loops_at_once(engine, stories_tokenizer) -> None:
+    expected = run(make_engine(stories_tokenizer), workload())
+    results = {}
+
+    def client(work):
+        async def main():
+            return await asyncio.gather(*(collect(engine, r) for r in requests_of(work)))
+
+        for (request_id, _, _), (tokens, outputs) in zip(work, asyncio.run(main())):
+            results[request_id] = (tokens, outputs[-1].finish_reason)
+
+    threads = [threading.Thread(target=client, args=(workload()[i::3],)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == expected
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_survives(engine, monkeypatch) -> None:
+    runner = engine.engine.runner
+    real_execute = runner.execute
+    failures = iter([True])
+
+    def flaky(batch):
+        if next(failures, False):
+            raise RuntimeError("device lost")
+        return real_execute(batch)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+    request = GenerationRequest("a", prompt_token_ids=[5] * 8, sampling=SamplingParams(4))
+    with pytest.raises(RuntimeError, match="device lost"):
+        asyncio.run(collect(engine, request))
+    tokens, _ = asyncio.run(collect(engine, request))
+    assert len(tokens) == 4
+    wait_until_idle(engine)
+
+
+def test_shutdown_aborts_requests_in_flight(stories_tokenizer) -> None:
+    engine = AsyncEngine(make_engine(stories_tokenizer), model_name="toy")
+
+    async def main():
+        request = GenerationRequest("r", prompt_token_ids=[5] * 8, sampling=SamplingParams(100))
+        outputs = []
+        async for out in engine.generate(request):
+            outputs.append(out)
+            if len(outputs) == 1:
+                await engine.shutdown()
+        return outputs
+
+    outputs = asyncio.run(main())
+    assert outputs[-1].finish_reason == "abort"
+    with pytest.raises(RuntimeError, match="shut down"):
+        asyncio.run(collect(engine, GenerationRequest("x", prompt_token_ids=[3])))

@@ -1,0 +1,153 @@
+"""The batched sampler: exact masks and penalties on crafted logits, seeded reproducibility."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from llmctl.engine.sampler import (
+    Sampler,
+    apply_penalties,
+    apply_truncation,
+    mask_stops_before_min_tokens,
+)
+from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.sequence import Sequence
+
+# Probabilities that are exact in binary, so cumulative sums have no rounding.
+PROBS = [0.5, 0.25, 0.125, 0.0625, 0.0625]
+
+
+def seq(prompt=(0,), output=(), **params) -> Sequence:
+    s = Sequence("r", list(prompt), SamplingParams(max_tokens=64, **params))
+    for token in output:
+        s.append_token(token)
+    return s
+
+
+def kept(params: dict, probs=PROBS) -> set[int]:
+    logits = torch.tensor([probs]).log()
+    masked = apply_truncation(logits, [seq(**params)])
+    return {i for i, v in enumerate(masked[0].tolist()) if v != float("-inf")}
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"),
+    [
+        ({"top_k": 1}, {0}),
+        ({"top_k": 3}, {0, 1, 2}),
+        ({"top_k": 10}, {0, 1, 2, 3, 4}),
+        ({"top_p": 0.5}, {0}),  # the top token alone reaches 0.5
+        ({"top_p": 0.75}, {0, 1}),
+        ({"top_p": 0.76}, {0, 1, 2}),
+        ({"top_p": 0.01}, {0}),  # the most likely token is always kept
+        ({"min_p": 0.25}, {0, 1, 2}),  # threshold 0.125: equal is kept
+        ({"min_p": 0.26}, {0, 1}),
+        ({"min_p": 1.0}, {0}),
+        # top-p applies to the top-k renormalized distribution: 4/7, 2/7, 1/7
+        ({"top_k": 3, "top_p": 0.6}, {0, 1}),
+        ({"top_k": 3, "top_p": 0.86}, {0, 1, 2}),
+        ({"top_k": 4, "min_p": 0.2}, {0, 1, 2}),
+    ],
+)
+def test_truncation_masks_exactly(params: dict, expected: set[int]) -> None:
+    assert kept(params) == expected
+
+
+def test_truncation_is_per_row() -> None:
+    logits = torch.tensor([PROBS, PROBS[::-1]]).log()
+    masked = apply_truncation(logits, [seq(top_k=1), seq(top_p=0.75)])
+    assert torch.isfinite(masked[0]).tolist() == [True, False, False, False, False]
+    assert torch.isfinite(masked[1]).tolist() == [False, False, False, True, True]
+
+
+def test_repetition_penalty_over_prompt_and_output() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5, -1.0]])
+    apply_penalties(logits, [seq(prompt=(0,), output=(1, 1), repetition_penalty=2.0)])
+    assert logits.tolist() == [[1.0, -4.0, 1.0, 0.5, -1.0]]
+
+
+def test_frequency_and_presence_penalties_over_output_only() -> None:
+    logits = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0]])
+    s = seq(prompt=(0, 4), output=(2, 2, 3), frequency_penalty=0.5, presence_penalty=0.25)
+    apply_penalties(logits, [s])
+    assert logits.tolist() == [[1.0, 1.0, 1.0 - 1.0 - 0.25, 1.0 - 0.5 - 0.25, 1.0]]
+
+
+def test_min_tokens_masks_eos_and_stop_ids() -> None:
+    logits = torch.zeros(2, 5)
+    young = seq(output=(1,), min_tokens=2, stop_token_ids=[3])
+    grown = seq(output=(1, 1), min_tokens=2, stop_token_ids=[3])
+    mask_stops_before_min_tokens(logits, [young, grown], eos_token_ids=(4,))
+    assert torch.isinf(logits[0]).tolist() == [False, False, False, True, True]
+    assert not torch.isinf(logits[1]).any()
+
+
+def test_greedy_takes_argmax_after_penalties() -> None:
+    sampler = Sampler()
+    logits = torch.tensor([[3.0, 2.9, 0.0]])
+    assert sampler(logits, [seq(temperature=0)])[0].token_id == 0
+    penalized = seq(output=(0,), temperature=0, presence_penalty=0.5)
+    assert sampler(logits, [penalized])[0].token_id == 1
+
+
+def test_sampling_follows_the_distribution() -> None:
+    torch.manual_seed(0)
+    sampler = Sampler(seed=1)
+    n = 4000
+    logits = torch.tensor([PROBS]).log().repeat(n, 1)
+    tokens = [t.token_id for t in sampler(logits, [seq(temperature=1.0) for _ in range(n)])]
+    for token, p in enumerate(PROBS):
+        assert abs(tokens.count(token) / n - p) < 0.03
+    truncated = [
+        t.token_id for t in sampler(logits, [seq(temperature=1.0, top_k=2) for _ in range(n)])
+    ]
+    assert set(truncated) == {0, 1}
+    assert abs(truncated.count(0) / n - 2 / 3) < 0.03
+
+
+def test_seeded_requests_reproduce_whatever_their_batch_mates() -> None:
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(0))
+
+    def run(batch_mates: int, sampler_seed: int) -> list[int]:
+        sampler = Sampler(seed=sampler_seed)
+        mine = seq(temperature=1.0, seed=1234)
+        others = [seq(temperature=0.7, seed=None if i % 2 else i) for i in range(batch_mates)]
+        tokens = []
+        for _ in range(20):
+            batch = others + [mine]
+            out = sampler(logits.repeat(len(batch), 1), batch)
+            tokens.append(out[-1].token_id)
+        return tokens
+
+    alone = run(0, 0)
+    assert run(3, 7) == alone
+    assert run(5, 99) == alone
+    assert len(set(alone)) > 3  # really sampling, not collapsing to one token
+
+
+def test_unseeded_sampling_reproduces_for_same_engine_seed() -> None:
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    first = [t.token_id for t in Sampler(seed=5)(logits, [seq() for _ in range(4)])]
+    again = [t.token_id for t in Sampler(seed=5)(logits, [seq() for _ in range(4)])]
+    assert first == again
+
+
+def test_logprobs_and_top_logprobs() -> None:
+    logits = torch.tensor([PROBS]).log()
+    out = Sampler()(logits, [seq(temperature=0, logprobs=True, top_logprobs=3)])[0]
+    assert out.token_id == 0
+    assert out.logprob == pytest.approx(math.log(0.5), abs=1e-6)
+    assert [t for t, _ in out.top] == [0, 1, 2]
+    assert [lp for _, lp in out.top] == pytest.approx([math.log(p) for p in PROBS[:3]], abs=1e-6)
+    plain = Sampler()(logits, [seq(temperature=0)])[0]
+    assert plain.logprob is None and plain.top == []
+
+
+def test_logprobs_reflect_temperature() -> None:
+    logits = torch.tensor([PROBS]).log()
+    out = Sampler()(logits, [seq(temperature=0.5, seed=0, logprobs=True)])[0]
+    expected = torch.log_softmax(logits / 0.5, dim=-1)[0, out.token_id]
+    assert out.logprob == pytest.approx(float(expected), abs=1e-6)

@@ -1,0 +1,186 @@
+"""Continuous batching with chunked prefill and preemption, on a real paged toy model.
+
+The reference for every configuration is each request run alone with a large cache:
+batching, chunking, prefix reuse and preemption must never change a token.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from llmctl.engine.config import EngineConfig
+from llmctl.engine.llm_engine import LLMEngine
+from llmctl.engine.sampling_params import SamplingParams
+from llmctl.errors import InvalidRequest
+from tests.engine.paged_toy_model import PagedToyModel
+
+VOCAB = 64
+
+
+class RecordingModel(PagedToyModel):
+    """Also records the shape of every step it runs."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.query_lens: list[list[int]] = []
+
+    def execute(self, batch):
+        self.query_lens.append(list(batch.query_lens))
+        return super().execute(batch)
+
+
+def make_engine(
+    tokenizer, *, num_blocks=256, block_size=4, max_model_len=128, vocab_size=VOCAB, **config
+):
+    model = RecordingModel(num_blocks, block_size, vocab_size)
+    engine_config = EngineConfig(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        vocab_size=vocab_size,
+        **config,
+    )
+    return LLMEngine(model, tokenizer, engine_config)
+
+
+def workload(seed: int = 0, count: int = 10):
+    """Prompts of varied lengths, half sharing a 12-token prefix; greedy and seeded."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, VOCAB) for _ in range(12)]
+    requests = []
+    for i in range(count):
+        own = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 30))]
+        prompt = (shared + own) if i % 2 else own
+        params = (
+            SamplingParams(max_tokens=rng.randrange(4, 24), temperature=0)
+            if i % 3
+            else SamplingParams(max_tokens=rng.randrange(4, 24), temperature=1.0, seed=i)
+        )
+        requests.append((f"r{i}", prompt, params))
+    return requests
+
+
+def run(engine: LLMEngine, requests) -> dict[str, tuple[list[int], str | None]]:
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    results = {request_id: ([], None) for request_id, _, _ in requests}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens, _ = results[out.request_id]
+            results[out.request_id] = (tokens + out.token_ids, out.finish_reason)
+    assert engine.block_manager.num_free_blocks == engine.config.num_blocks
+    assert all(block.ref_count == 0 for block in engine.block_manager.blocks)
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference(stories_tokenizer):
+    """Each request alone, in a roomy cache, prefilled in one step."""
+    results = {}
+    for request in workload():
+        results.update(run(make_engine(stories_tokenizer, enable_prefix_caching=False), [request]))
+    return results
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_batched_runs_equal_requests_run_alone(
+    stories_tokenizer, reference, prefix_caching, block_size
+) -> None:
+    engine = make_engine(
+        stories_tokenizer, block_size=block_size, enable_prefix_caching=prefix_caching
+    )
+    assert run(engine, workload()) == reference
+
+
+def test_chunked_prefill_respects_the_token_and_sequence_budgets(
+    stories_tokenizer, reference
+) -> None:
+    engine = make_engine(stories_tokenizer, max_num_batched_tokens=7, max_num_seqs=3)
+    assert run(engine, workload()) == reference
+    steps = engine.runner.query_lens
+    assert all(sum(lens) <= 7 and len(lens) <= 3 for lens in steps)
+    assert any(sum(lens) == 7 for lens in steps)
+    # Prefill chunks ran in the same steps as other sequences' decodes.
+    assert any(1 in lens and max(lens) > 1 for lens in steps)
+
+
+def test_long_prompt_is_prefilled_over_several_steps(stories_tokenizer) -> None:
+    engine = make_engine(stories_tokenizer, max_num_batched_tokens=8)
+    prompt = list(range(3, 40))
+    alone = run(make_engine(stories_tokenizer), [("a", prompt, SamplingParams(max_tokens=5))])
+    assert run(engine, [("a", prompt, SamplingParams(max_tokens=5))]) == alone
+    assert engine.runner.query_lens[:5] == [[8], [8], [8], [8], [5]]
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_preemption_under_a_tiny_cache_keeps_outputs_exact(
+    stories_tokenizer, reference, prefix_caching
+) -> None:
+    # 14 blocks of 4 tokens: the longest request (up to ~64 tokens) fits alone, but
+    # the batch does not, so sequences are preempted and recomputed.
+    engine = make_engine(
+        stories_tokenizer, num_blocks=16, max_model_len=64, enable_prefix_caching=prefix_caching
+    )
+    assert run(engine, workload()) == reference
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_prefix_cache_skips_shared_prompt_blocks(stories_tokenizer) -> None:
+    engine = make_engine(stories_tokenizer, block_size=4)
+    prompt = list(range(3, 23))
+    run(engine, [("a", prompt, SamplingParams(max_tokens=2, temperature=0))])
+    engine.runner.query_lens.clear()
+    run(engine, [("b", prompt + [5, 6], SamplingParams(max_tokens=2, temperature=0))])
+    assert engine.runner.query_lens[0] == [2]  # 20 of 22 prompt tokens came from the cache
+
+
+def test_request_that_cannot_fit_is_refused_up_front(stories_tokenizer) -> None:
+    engine = make_engine(stories_tokenizer, num_blocks=8, block_size=4, max_model_len=64)
+    with pytest.raises(InvalidRequest, match=r"prompt \(20 tokens\) plus max_tokens \(50\).*64"):
+        engine.add_request("a", list(range(3, 23)), SamplingParams(max_tokens=50))
+    with pytest.raises(InvalidRequest, match=r"needs 10 KV blocks .* the whole cache has 8"):
+        engine.add_request("b", list(range(3, 23)), SamplingParams(max_tokens=20))
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        engine.add_request("c", [3, VOCAB], SamplingParams())
+    with pytest.raises(InvalidRequest, match="empty"):
+        engine.add_request("d", [], SamplingParams())
+    assert not engine.has_unfinished()
+
+
+def test_abort_frees_every_block(stories_tokenizer) -> None:
+    engine = make_engine(stories_tokenizer, num_blocks=64)
+    for request_id, prompt, params in workload():
+        engine.add_request(request_id, prompt, params)
+    for _ in range(4):
+        engine.step()
+    assert engine.block_manager.num_used_blocks > 0
+    aborted = [engine.abort(request_id) for request_id, _, _ in workload()]
+    assert all(out is None or out.finish_reason == "abort" for out in aborted)
+    assert not engine.has_unfinished()
+    assert engine.block_manager.num_free_blocks == 64
+    assert all(block.ref_count == 0 for block in engine.block_manager.blocks)
+
+
+def test_stop_conditions(stories_tokenizer) -> None:
+    prompt = list(range(3, 15))
+    free_run, _ = run(make_engine(stories_tokenizer), [("a", prompt, SamplingParams(20, 0))])["a"]
+    stop_at = next(i for i, t in enumerate(free_run) if free_run.index(t) == i and i >= 3)
+    token = free_run[stop_at]
+
+    def first(config=None, **params):
+        engine = make_engine(stories_tokenizer, **(config or {}))
+        params = SamplingParams(**{"max_tokens": 20, "temperature": 0, **params})
+        return run(engine, [("a", prompt, params)])["a"]
+
+    assert first() == (free_run, "length")
+    assert first(max_tokens=5) == (free_run[:5], "length")
+    assert first(stop_token_ids=[token]) == (free_run[: stop_at + 1], "stop")
+    eos = {"eos_token_ids": (token,)}
+    assert first(eos) == (free_run[: stop_at + 1], "stop")
+    assert first(eos, ignore_eos=True) == (free_run, "length")
+    # min_tokens forbids the EOS token until enough were generated: the path changes.
+    tokens, _ = first(eos, min_tokens=stop_at + 2)
+    assert token not in tokens[: stop_at + 2]

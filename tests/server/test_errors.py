@@ -1,0 +1,204 @@
+"""Malformed requests get a 4xx in OpenAI's error shape, and the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server.conftest import SESSION_LEN, Server
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+# (id, method, path, request kwargs for httpx, status, param, words the message must contain)
+CASES: list[tuple[str, str, str, dict[str, Any], int, str | None, list[str]]] = [
+    ("bad json", "POST", COMPLETIONS, {"content": b'{"prompt": "x",'}, 400, None, ["JSON"]),
+    ("json not an object", "POST", COMPLETIONS, {"json": ["x"]}, 400, None, ["JSON object"]),
+    (
+        "not json content type",
+        "POST",
+        COMPLETIONS,
+        {"content": b"prompt=x", "headers": {"content-type": "text/plain"}},
+        400,
+        None,
+        ["Content-Type"],
+    ),
+    (
+        "max_tokens a string",
+        "POST",
+        COMPLETIONS,
+        {"json": {"prompt": "x", "max_tokens": "ten"}},
+        400,
+        "max_tokens",
+        ["max_tokens", "integer"],
+    ),
+    (
+        "temperature a string",
+        "POST",
+        CHAT,
+        {"json": {"messages": USER, "temperature": "hot"}},
+        400,
+        "temperature",
+        ["temperature"],
+    ),
+    ("prompt a number", "POST", COMPLETIONS, {"json": {"prompt": 5}}, 400, "prompt", ["prompt"]),
+    (
+        "messages not a list",
+        "POST",
+        CHAT,
+        {"json": {"messages": "hi"}},
+        400,
+        "messages",
+        ["messages"],
+    ),
+    (
+        "message without role",
+        "POST",
+        CHAT,
+        {"json": {"messages": [{"content": "hi"}]}},
+        400,
+        "messages",
+        ["role", "required"],
+    ),
+    (
+        "negative max_tokens",
+        "POST",
+        COMPLETIONS,
+        {"json": {"prompt": "x", "max_tokens": -5}},
+        400,
+        "max_tokens",
+        ["max_tokens", "-5"],
+    ),
+    (
+        "top_p out of range",
+        "POST",
+        CHAT,
+        {"json": {"messages": USER, "top_p": 1.5}},
+        400,
+        "top_p",
+        ["top_p", "1.5"],
+    ),
+    (
+        "unknown model",
+        "POST",
+        COMPLETIONS,
+        {"json": {"prompt": "x", "model": "gpt-4o"}},
+        404,
+        "model",
+        ["gpt-4o"],
+    ),
+    ("missing messages", "POST", CHAT, {"json": {"max_tokens": 3}}, 400, "messages", ["messages"]),
+    ("missing prompt", "POST", COMPLETIONS, {"json": {"max_tokens": 3}}, 400, "prompt", ["prompt"]),
+    ("empty messages", "POST", CHAT, {"json": {"messages": []}}, 400, "messages", ["messages"]),
+    (
+        "over-long prompt",
+        "POST",
+        COMPLETIONS,
+        {"json": {"prompt": [5] * 600, "max_tokens": 4}},
+        400,
+        None,
+        ["600", "4", str(SESSION_LEN)],
+    ),
+    (
+        "prompt plus max_tokens too long",
+        "POST",
+        CHAT,
+        {"json": {"messages": USER, "max_tokens": 1000}},
+        400,
+        None,
+        ["1000", str(SESSION_LEN)],
+    ),
+    (
+        "token id outside the vocabulary",
+        "POST",
+        COMPLETIONS,
+        {"json": {"prompt": [1, 99999]}},
+        400,
+        None,
+        ["99999"],
+    ),
+    ("n too large", "POST", COMPLETIONS, {"json": {"prompt": "x", "n": 17}}, 400, "n", ["16"]),
+    (
+        "unsupported field",
+        "POST",
+        CHAT,
+        {"json": {"messages": USER, "logit_bias": {"5": 1}}},
+        400,
+        "logit_bias",
+        ["logit_bias"],
+    ),
+    (
+        "top_logprobs without logprobs",
+        "POST",
+        CHAT,
+        {"json": {"messages": USER, "top_logprobs": 2}},
+        400,
+        "top_logprobs",
+        ["logprobs"],
+    ),
+    (
+        "oversized body",
+        "POST",
+        COMPLETIONS,
+        {"content": json.dumps({"prompt": "a" * (9 * 2**20)}).encode()},
+        413,
+        None,
+        ["limit"],
+    ),
+    ("wrong method", "GET", COMPLETIONS, {}, 405, None, ["Method"]),
+    ("unknown route", "POST", "/v1/embeddings", {"json": {}}, 404, None, ["Not Found"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "kwargs", "status", "param", "words"),
+    [case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
+def test_malformed_request_gets_openai_error(
+    server: Server,
+    method: str,
+    path: str,
+    kwargs: dict[str, Any],
+    status: int,
+    param: str | None,
+    words: list[str],
+) -> None:
+    with server.client() as http:
+        kwargs = {**kwargs}
+        headers = {"content-type": "application/json", **kwargs.pop("headers", {})}
+        response = http.request(method, path, headers=headers, **kwargs)
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"}
+        assert error["param"] == param
+        for word in words:
+            assert word in error["message"], error["message"]
+        # ... and the server still answers everyone else.
+        ok = http.post(COMPLETIONS, json={"prompt": "Once", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+
+
+def test_errors_do_not_leak_kv_blocks(server: Server) -> None:
+    with server.client() as http:
+        http.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 2})  # warm up
+        assert server.metric("llmctl_num_requests_running") == 0
+        used = server.metric("llmctl_kv_blocks_used")
+        for _ in range(3):
+            http.post(COMPLETIONS, json={"prompt": [5] * 600})
+            http.post(COMPLETIONS, json={"prompt": "x", "n": 4, "max_tokens": 1000})
+    assert server.metric("llmctl_kv_blocks_used") == used
+
+
+def test_an_unknown_model_is_model_not_found(server: Server) -> None:
+    response = httpx.post(
+        f"{server.url}{CHAT}",
+        json={"messages": USER, "model": "nope"},
+        headers={"Authorization": f"Bearer {server.api_key}"},
+    )
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] == "model_not_found"
