@@ -44,7 +44,7 @@ def throughput_table(report: dict[str, Any]) -> Rows:
         ("output tokens/s", "output_tokens_per_s", _num),
         ("total tokens/s", "total_tokens_per_s", _num),
         ("duration (s)", "duration_s", lambda v: _num(v, 2)),
-        ("output tokens", "output_tokens", lambda v: str(v)),
+        ("output tokens", "output_tokens", str),
         ("peak memory (MiB)", "peak_memory_bytes", _mib),
     ]
     rows = []

@@ -111,8 +111,9 @@ def write_chart(report: dict[str, Any], path: Path) -> None:
     sizes = [run["block_size"] for run in runs]
     has_serve = all(run["serve"] is not None for run in runs)
     fig, (tps_ax, ttft_ax, kv_ax) = plt.subplots(1, 3, figsize=(15, 4.5))
+    model_name = report["model"].rstrip("/").split("/")[-1]  # a path's last part
     fig.suptitle(
-        f"{report['model']} on {report['backend']} ({report['device']}): "
+        f"{model_name} on {report['backend']} ({report['device']}): "
         f"{report['workload']['num_prompts']} requests"
     )
 

@@ -41,16 +41,22 @@ def serve(
 
     SIGINT/SIGTERM: new requests get 503, running ones finish (up to --shutdown-timeout).
     """
-    from llmctl.selection import open_engine
+    from llmctl.selection import open_engine, resolve_common
     from llmctl.server.app import create_app
     from llmctl.server.run import bind_socket, run_server, url_of
 
     if api_key:
         flags = {**flags, "api_keys": [*flags.get("api_keys", []), *api_key]}
+    # Take the port before loading the model, so a port in use fails in a second.
+    _, common = resolve_common(flags, profile)
+    address = (common["host"].value, common["port"].value)
+    sock = bind_socket(*address)
     with err_console.status("Loading the model…"):
         opened = open_engine(model, flags, profile=profile)
     options = opened.choice.values
-    sock = bind_socket(options["host"], options["port"])
+    if (options["host"], options["port"]) != address:  # the backend's profile section
+        sock.close()
+        sock = bind_socket(options["host"], options["port"])
     app = create_app(
         opened.engine,
         backend_name=opened.choice.backend.name,

@@ -18,7 +18,12 @@ from typing import Any
 
 from llmctl.errors import ModelError, OptionError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
 
 # Bytes per element of the dtypes the engines run in, under every accepted spelling.
 _DTYPE_ALIASES = {
@@ -59,6 +64,7 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: RopeScaling | None
     qkv_bias: bool
+    qk_norm: bool  # Qwen3: RMSNorm over each head's q and k before RoPE
     mlp_bias: bool
     tie_word_embeddings: bool
     max_position_embeddings: int
@@ -141,6 +147,7 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             qkv_bias=qkv_bias,
+            qk_norm=architecture == "Qwen3ForCausalLM",
             mlp_bias=bool(config.get("mlp_bias", False)),
             # transformers' default for the Llama family is untied unless the config says so.
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),

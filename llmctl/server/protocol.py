@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from llmctl.engine.sampling_params import SamplingParams
 
 MAX_N = 16  # choices per request: each one is a full engine request
+MAX_CHOICES = 256  # prompts x n of one batched completion
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; we use it for chat too
 
 
@@ -102,6 +103,16 @@ class CompletionRequest(_GenerationFields):
         if not all(prompt):
             raise ValueError("prompt: each list of token ids must hold at least one id")
         return [{"prompt_token_ids": list(ids)} for ids in prompt]
+
+    def checked_prompts(self) -> list[dict[str, Any]]:
+        """``prompts()``, refusing a batch that would start too many engine requests."""
+        prompts = self.prompts()
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise ValueError(
+                f"prompt: {len(prompts)} prompts x n={self.n} would be "
+                f"{len(prompts) * self.n} generations; at most {MAX_CHOICES} per request"
+            )
+        return prompts
 
     def sampling_params(self) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range."""

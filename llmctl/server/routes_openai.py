@@ -57,7 +57,7 @@ async def list_models(request: Request) -> dict[str, Any]:
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = _state(request)
     state.check_model(body.model)
-    prompts = _checked(body.prompts, "prompt")
+    prompts = _checked(body.checked_prompts, "prompt")
     response_id = f"cmpl-{uuid.uuid4().hex}"
     requests = _engine_requests(response_id, prompts, _checked(body.sampling_params), body.n)
     formatter = CompletionFormatter(

@@ -56,6 +56,8 @@ def test_completion_prompts_in_every_form() -> None:
     assert prompts([[1], [2, 3]]) == [{"prompt_token_ids": [1]}, {"prompt_token_ids": [2, 3]}]
     with pytest.raises(ValueError, match="empty"):
         prompts([])
+    with pytest.raises(ValueError, match="300 generations; at most 256"):
+        CompletionRequest(prompt=["x"] * 20, n=15).checked_prompts()
 
 
 def test_sampling_fields_map_to_sampling_params() -> None:

@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2) in plain torch, over a paged KV cache.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) in plain torch, over a paged KV cache.
 
 It follows transformers' math step for step (RMSNorm in fp32, rotate-half RoPE, SwiGLU)
 so that logits match it to rounding. Two changes for speed, as in nano-vllm: q/k/v and
@@ -112,6 +112,10 @@ class Attention(nn.Module):
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
 
     def forward(
         self,
@@ -124,8 +128,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(num_tokens, -1, self.head_dim)
+        if self.qk_norm:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # Queries and keys rotate together: one set of elementwise ops for both.
-        qk = apply_rotary(qk.view(num_tokens, -1, self.head_dim), cos, sin)
+        qk = apply_rotary(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
@@ -185,7 +193,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral / Qwen2: they differ only in config (biases, tying, RoPE, GQA)."""
+    """Llama / Mistral / Qwen2 / Qwen3: they differ only in config (biases, q/k norms,
+    tying, RoPE, GQA)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

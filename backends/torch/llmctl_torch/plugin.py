@@ -8,10 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmctl.backend import Backend, Engine, Hardware, ModelInfo
+from llmctl.engine.model_config import SUPPORTED_ARCHITECTURES
 from llmctl.kv_budget import KVBudget, parse_kv_budget
 from llmctl.plugins import hookimpl
-
-LLAMA_FAMILY = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class TorchBackend(Backend):
     name = "torch"
     priority = 10
     description = "PyTorch engine: paged KV cache, Triton attention on GPU, plain torch on CPU"
-    supported_architectures = LLAMA_FAMILY
+    supported_architectures = frozenset(SUPPORTED_ARCHITECTURES)
 
     def check_hardware(self, hardware: Hardware) -> list[str]:
         if importlib.util.find_spec("torch") is None:

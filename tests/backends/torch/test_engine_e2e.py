@@ -111,7 +111,7 @@ def test_chunked_prefill_keeps_greedy_exact(stories_case):
     assert [o.token_ids for o in outputs] == expected
 
 
-@pytest.mark.parametrize("kind", ["llama3-rope", "llama-mqa", "mistral", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama3-rope", "llama-mqa", "mistral", "qwen2", "qwen3"])
 def test_tiny_models_greedy_equal_transformers(tiny_model_dir, kind):
     model_dir = tiny_model_dir(kind)
     rng = random.Random(kind)

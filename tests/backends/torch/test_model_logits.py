@@ -81,15 +81,17 @@ def test_tiny_model_logits_match_transformers(tiny_model_dir, kind, block_size):
 
 def test_tiny_models_cover_the_family(tiny_model_dir):
     """The parametrisation above really exercises GQA, MQA, biases, untied heads, RoPE
-    scaling, explicit head_dim and all three architectures."""
+    scaling, explicit head_dim, q/k norms and all four architectures."""
     configs = [ModelConfig.from_dir(tiny_model_dir(kind)) for kind in sorted(TINY_MODELS)]
     assert {c.architecture for c in configs} == {
         "LlamaForCausalLM",
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
     }
     assert {c.num_kv_heads for c in configs if c.num_kv_heads < c.num_heads} >= {1, 2}
     assert any(c.qkv_bias for c in configs)
+    assert any(c.qk_norm for c in configs)
     assert {c.tie_word_embeddings for c in configs} == {True, False}
     assert {c.rope_scaling.rope_type for c in configs if c.rope_scaling} == {"llama3", "linear"}
     assert any(c.head_dim * c.num_heads != c.hidden_size for c in configs)

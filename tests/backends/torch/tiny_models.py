@@ -67,6 +67,11 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
         dict(num_key_value_heads=2, head_dim=16, sliding_window=None, tie_word_embeddings=False),
     ),
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    # Qwen3: RMSNorm on each head's q and k; no q/k/v bias; explicit head_dim.
+    "qwen3": (
+        "Qwen3Config",
+        dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
+    ),
 }
 
 
