@@ -39,6 +39,7 @@ class Option:
     max: float | None = None
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
+    secret: bool = False  # masked wherever llmctl prints resolved values
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -253,6 +254,7 @@ CORE_OPTIONS: tuple[Option, ...] = (
         "API keys clients must send as `Authorization: Bearer KEY`. None: no auth.",
         commands=SERVER_COMMANDS,
         metavar="KEY",
+        secret=True,
     ),
     Option(
         "max_concurrent_requests",

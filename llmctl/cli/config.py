@@ -32,7 +32,7 @@ def show(
     """
     from llmctl.errors import BackendError, LlmctlError
     from llmctl.hardware import Hardware
-    from llmctl.options import did_you_mean
+    from llmctl.options import all_options, did_you_mean
     from llmctl.profiles import describe_source, resolve
     from llmctl.selection import AUTO, choose, installed_backends, model_for, resolve_common
 
@@ -65,8 +65,10 @@ def show(
     table = Table("option", "value", title=f"llmctl configuration ({title})")
     if explain:
         table.add_column("source")
+    secret = {opt.name for opt in all_options() if opt.secret}
     for name, setting in settings.items():
-        row = [name, _format(setting.value)]
+        shown = _format(setting.value)
+        row = [name, "****" if name in secret and setting.value else shown]
         if explain:
             row.append(describe_source(setting))
         table.add_row(*row)

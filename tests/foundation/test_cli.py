@@ -117,3 +117,10 @@ def test_models_lists_the_hf_cache_and_resolves_hub_ids(tmp_path, stories_dir):
     check = run_llmctl("backends", "check", "tiny/stories", "--backend", "torch", env=env)
     assert check.returncode == 0, check.stdout + check.stderr
     assert "abc123" in " ".join(check.stdout.split()).replace(" ", "")
+
+
+def test_config_show_masks_secrets(tmp_path):
+    result = run_llmctl("config", "show", "--backend", "torch", "--api-keys", "sk-hidden")
+    assert result.returncode == 0, result.stderr
+    assert "sk-hidden" not in result.stdout
+    assert any("api_keys" in line and "****" in line for line in result.stdout.splitlines())

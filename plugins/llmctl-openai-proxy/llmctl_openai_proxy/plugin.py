@@ -33,6 +33,7 @@ OPTIONS = (
         "Prefer the environment variable: flags and profiles are easy to leak.",
         commands=ENGINE_COMMANDS,
         metavar="KEY",
+        secret=True,
     ),
     Option(
         "proxy_timeout",
