@@ -193,6 +193,7 @@ def benchmark_throughput(
         "backend": backend,
         "device": "cuda" if cuda else "cpu",
         "dtype": dtype,
+        "machine": _machine(),
         "settings": {opt.name: _jsonable(values[opt.name]) for opt in options_for("bench")},
         "workload": workload.describe(),
         "engine": engine_result,
@@ -243,6 +244,15 @@ def _progress_task(progress: Progress | None, label: str, total_tokens: int) -> 
     if progress is None:
         return None
     return progress.add_task(f"{label}: output tokens", total=total_tokens)
+
+
+def _machine() -> dict[str, Any]:
+    """Where the numbers come from: results on a shared or throttled machine differ."""
+    import torch
+
+    from llmctl.hardware import Hardware
+
+    return {"description": Hardware.probe().describe(), "torch_threads": torch.get_num_threads()}
 
 
 def _jsonable(value: Any) -> Any:

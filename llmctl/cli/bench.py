@@ -95,7 +95,7 @@ def throughput(
 
     JSON fields (--output; details in docs/benchmarks.md):
 
-    - model, backend, device, dtype, settings (every engine option)
+    - model, backend, device, dtype, machine, settings (every engine option)
     - workload: num_prompts, input_len, output_len, seed, prompt_tokens, output_tokens
     - engine: duration_s, num_requests, prompt_tokens, output_tokens, requests_per_s,
       output_tokens_per_s, total_tokens_per_s, ttft_ms {mean, p50, p90, p99},

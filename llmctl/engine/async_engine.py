@@ -91,6 +91,10 @@ class AsyncEngine:
         """Whether ``messages`` go through a chat template (else their contents are joined)."""
         return self.tokenizer.has_chat_template
 
+    def is_alive(self) -> bool:
+        """The engine thread still runs (the server's /health answers 503 otherwise)."""
+        return self._thread.is_alive() and not self._stopping
+
     async def abort(self, request_id: str) -> None:
         self._submit(_Abort(request_id))
 

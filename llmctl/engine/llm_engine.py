@@ -7,6 +7,8 @@ thread-safe; ``AsyncEngine`` drives it from one thread.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from llmctl.backend import GenerationOutput, TokenLogprob
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.config import EngineConfig
@@ -49,7 +51,14 @@ class LLMEngine:
                     f"prompt token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})"
                 )
         prompt_len, limit = len(prompt_token_ids), self.config.max_model_len
-        total = prompt_len + sampling.max_tokens
+        if sampling.max_tokens is None and prompt_len >= limit:
+            raise InvalidRequest(
+                f"the prompt ({prompt_len} tokens) leaves no room to generate within "
+                f"session_len {limit}: shorten the prompt"
+            )
+        total = prompt_len + (
+            limit - prompt_len if sampling.max_tokens is None else sampling.max_tokens
+        )
         if total > limit:
             allowed = f"at most {limit - prompt_len}" if prompt_len < limit else "none"
             raise InvalidRequest(
@@ -72,6 +81,10 @@ class LLMEngine:
         if request_id in self._seqs:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, sampling)
+        if sampling.max_tokens is None:  # "until the session is full"
+            sampling = replace(
+                sampling, max_tokens=self.config.max_model_len - len(prompt_token_ids)
+            )
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling)
         seq = Sequence(request_id, prompt_token_ids, sampling, detokenizer)
         self._seqs[request_id] = seq

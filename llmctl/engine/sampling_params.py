@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 class SamplingParams:
     """How one request picks its tokens and when it stops.
 
-    ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k. Every value is
-    checked in ``__post_init__`` so a bad one fails with a message naming the field.
+    ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k. ``max_tokens=None``
+    means "until the session is full" (OpenAI's chat default); the engine fills it in.
+    Every value is checked in ``__post_init__`` so a bad one fails naming the field.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -38,7 +39,10 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         checks = [
-            (self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}"),
+            (
+                self.max_tokens is None or self.max_tokens >= 1,
+                f"max_tokens must be at least 1, got {self.max_tokens}",
+            ),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= -1, f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}"),
@@ -57,7 +61,7 @@ class SamplingParams:
             ),
             (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
             (
-                self.min_tokens <= self.max_tokens,
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
             ),
             (

@@ -15,7 +15,9 @@ from llmctl.engine.sampling_params import SamplingParams
 
 MAX_N = 16  # choices per request: each one is a full engine request
 MAX_CHOICES = 256  # prompts x n of one batched completion
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions; we use it for chat too
+# OpenAI's defaults: completions stop after 16 tokens; chat runs until the session is full
+# (None: the engine fills in what is left of session_len).
+DEFAULT_COMPLETION_TOKENS = 16
 
 
 class _Strict(BaseModel):
@@ -64,7 +66,7 @@ class _GenerationFields(_Strict):
 
     def _sampling(self, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> dict:
         return dict(
-            max_tokens=DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+            max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -117,7 +119,8 @@ class CompletionRequest(_GenerationFields):
     def sampling_params(self) -> SamplingParams:
         """Raises ValueError naming the field when a value is out of range."""
         wanted = self.logprobs is not None
-        return SamplingParams(**self._sampling(self.max_tokens, wanted, self.logprobs or 0))
+        max_tokens = DEFAULT_COMPLETION_TOKENS if self.max_tokens is None else self.max_tokens
+        return SamplingParams(**self._sampling(max_tokens, wanted, self.logprobs or 0))
 
 
 class TextPart(_Strict):

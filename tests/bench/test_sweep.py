@@ -72,3 +72,18 @@ def test_parse_block_sizes() -> None:
     for bad in ("", "16,x", "0,16", "16,16"):
         with pytest.raises(OptionError, match="--cache-block-seq-len"):
             parse_block_sizes(bad)
+
+
+def test_flags_to_args_gives_serve_the_same_options() -> None:
+    from llmctl.bench.server_process import flags_to_args
+
+    flags = {
+        "backend": "torch",
+        "cache_block_seq_len": 32,
+        "enable_prefix_caching": False,
+        "adapters": ["a", "b"],
+    }
+    assert flags_to_args(flags) == [
+        "--backend", "torch", "--cache-block-seq-len", "32", "--no-enable-prefix-caching",
+        "--adapters", "a", "--adapters", "b",
+    ]  # fmt: skip

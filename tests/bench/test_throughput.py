@@ -53,6 +53,7 @@ def test_throughput_with_transformers_baseline(stories_dir: Path, tmp_path: Path
     workload, engine, baseline = report["workload"], report["engine"], report["baseline"]
     assert report["kind"] == "throughput" and report["backend"] == "torch"
     assert report["settings"]["cache_block_seq_len"] == 16
+    assert report["machine"]["torch_threads"] == 1  # tests/bench/conftest.py
     assert workload["num_prompts"] == 6 and workload["seed"] == 3
     assert workload["input_len"] == [8, 40] and workload["output_len"] == [3, 12]
 

@@ -184,3 +184,14 @@ def test_stop_conditions(stories_tokenizer) -> None:
     # min_tokens forbids the EOS token until enough were generated: the path changes.
     tokens, _ = first(eos, min_tokens=stop_at + 2)
     assert token not in tokens[: stop_at + 2]
+
+
+def test_max_tokens_none_runs_until_the_session_is_full(stories_tokenizer):
+    engine = make_engine(stories_tokenizer, max_model_len=40)
+    prompt = list(range(3, 13))
+    params = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    results = run(engine, [("whole", prompt, params)])
+    tokens, reason = results["whole"]
+    assert (len(tokens), reason) == (40 - len(prompt), "length")
+    with pytest.raises(InvalidRequest, match="leaves no room"):
+        engine.add_request("full", list(range(3, 43)), params)

@@ -5,7 +5,8 @@ Triton can only run kernels through its interpreter, and it decides between comp
 and interpreting when ``@triton.jit`` runs (at import, for our kernels and for
 triton.language's own helpers), by reading ``TRITON_INTERPRET``. Setting the variable
 here, before triton is first imported, is what lets the same kernels run (slowly, in
-numpy) on a CPU-only machine.
+numpy) on a CPU-only machine. ``TRITON_INTERPRET=0`` keeps the kernels compiled even
+without a GPU: they can then be compiled ahead of time for a GPU target, not run.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ import sys
 
 import torch
 
-_INTERPRETER_ASKED = os.environ.get("TRITON_INTERPRET") == "1"
-INTERPRET = _INTERPRETER_ASKED or not torch.cuda.is_available()
-if INTERPRET and not _INTERPRETER_ASKED:
+_ASKED = os.environ.get("TRITON_INTERPRET")  # "1" or "0" decides; unset: by the hardware
+INTERPRET = _ASKED == "1" or (_ASKED != "0" and not torch.cuda.is_available())
+if INTERPRET and _ASKED != "1":
     if "triton" in sys.modules:
         # triton.language's own helpers (tl.zeros, tl.max, ...) were then made for the
         # compiler, and an interpreted kernel calling them fails.

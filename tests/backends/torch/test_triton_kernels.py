@@ -15,7 +15,11 @@ the reference is computed there in float64. Every case:
 from __future__ import annotations
 
 import itertools
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -296,3 +300,68 @@ def test_bad_inputs_are_refused_with_a_reason(change, message):
     lens = torch.ones(2, dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match=message):
         paged_decode_attention(q, k_cache, k_cache.clone(), tables, lens, 1.0)
+
+
+def compile_for_nvidia_gpus() -> None:
+    """Compile every kernel and tuning config for sm_80 and sm_90 (no GPU needed: Triton
+    ships ptxas). Runs in a child process started with ``TRITON_INTERPRET=0``."""
+    from llmctl_torch import triton_attention, triton_decode, triton_prefill
+    from llmctl_torch.triton_common import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def compile_kernel(kernel, constants, arch, dtype, num_warps=4, num_stages=2):
+        fn = kernel.fn if hasattr(kernel, "configs") else kernel  # unwrap the autotuner
+        # Argument types as the launcher infers them from the tensors the wrappers pass.
+        types = {"block_tables_ptr": "*i32", "context_lens_ptr": "*i32", "qk_scale": "fp32"}
+        types |= {"query_start_loc_ptr": "*i32", "slot_mapping_ptr": "*i64"}
+        types |= {"partial_out_ptr": "*fp32", "partial_lse_ptr": "*fp32"}
+        signature = {}
+        for p in fn.params:
+            if p.is_constexpr:
+                signature[p.name] = "constexpr"
+            else:
+                default = f"*{dtype}" if p.name.endswith("_ptr") else "i32"
+                signature[p.name] = types.get(p.name, default)
+        source = ASTSource(fn, signature, constexprs=constants)
+        options = dict(num_warps=num_warps, num_stages=num_stages)
+        triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+
+    shape = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=64)
+    # Every tuning config on Hopper in bf16; one config on Ampere in fp16 and fp32.
+    for arch, dtype, configs in [(90, "bf16", None), (80, "fp16", 1), (80, "fp32", 1)]:
+        for config in triton_decode._decode_kernel.configs[:configs]:
+            for split in (False, True):
+                constants = shape | config.kwargs | dict(SPLIT=split, UPCAST=False)
+                compile_kernel(triton_decode._decode_kernel, constants, arch, dtype,
+                               config.num_warps, config.num_stages)  # fmt: skip
+        for config in triton_prefill._prefill_kernel.configs[:configs]:
+            constants = shape | config.kwargs | dict(GROUP_PAD=4, UPCAST=False)
+            compile_kernel(triton_prefill._prefill_kernel, constants, arch, dtype,
+                           config.num_warps, config.num_stages)  # fmt: skip
+        compile_kernel(
+            triton_decode._combine_splits_kernel,
+            dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_PAD=4),
+            arch,
+            dtype,
+        )
+        compile_kernel(
+            triton_attention._write_kv_kernel,
+            dict(NUM_KV_HEADS=8, HEADS_PAD=8, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_SIZE=64)
+            | dict(UPCAST=False),
+            arch,
+            dtype,
+        )
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_nvidia_gpus_without_one():
+    """The interpreter accepts code the GPU compiler refuses (loop-carried type changes,
+    dot shapes under 16, ...): compile for real so a CPU-only checkout catches it."""
+    repo = Path(__file__).resolve().parents[3]
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(repo))
+    code = "import tests.backends.torch.test_triton_kernels as t; t.compile_for_nvidia_gpus()"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
