@@ -84,7 +84,6 @@ def random_paged_case(block_size: int, dtype, seed: int, small: bool):
 def op_cases(dtype, small: bool):
     """(name, function of a dict of tensors → output tensor, inputs) for every op."""
     import torch
-
     from llmctl_turbo import ops
     from llmctl_turbo.rope import cos_sin_cache, inv_freq
 
@@ -110,29 +109,56 @@ def op_cases(dtype, small: bool):
         return torch.cat([k_cache.flatten(), v_cache.flatten()])
 
     cases = [
-        ("rms_norm", lambda t: ops.rms_norm(t["x"], t["w"], 1e-5),
-         dict(x=randn(tokens, hidden), w=randn(hidden))),
-        ("add_rms_norm", add_norm,
-         dict(x=randn(tokens, hidden), residual=randn(tokens, hidden), w=randn(hidden))),
+        (
+            "rms_norm",
+            lambda t: ops.rms_norm(t["x"], t["w"], 1e-5),
+            dict(x=randn(tokens, hidden), w=randn(hidden)),
+        ),
+        (
+            "add_rms_norm",
+            add_norm,
+            dict(x=randn(tokens, hidden), residual=randn(tokens, hidden), w=randn(hidden)),
+        ),
         ("silu_and_mul", lambda t: ops.silu_and_mul(t["x"]), dict(x=randn(tokens, 2 * hidden))),
-        ("rotary_embedding", rotary,
-         dict(q=randn(tokens, 8, 64), k=randn(tokens, 2, 64),
-              positions=torch.randint(0, 4096, (tokens,), generator=gen, dtype=torch.int32),
-              cos_sin=cos_sin_cache(inv_freq(64, 10000.0, None), 4096))),
-        ("write_kv_cache", write,
-         dict(key=randn(tokens, 2, 64), value=randn(tokens, 2, 64),
-              k_cache=randn(8, 16, 2, 64), v_cache=randn(8, 16, 2, 64),
-              slots=torch.randperm(128, generator=gen)[:tokens].to(torch.int32))),
+        (
+            "rotary_embedding",
+            rotary,
+            dict(
+                q=randn(tokens, 8, 64),
+                k=randn(tokens, 2, 64),
+                positions=torch.randint(0, 4096, (tokens,), generator=gen, dtype=torch.int32),
+                cos_sin=cos_sin_cache(inv_freq(64, 10000.0, None), 4096),
+            ),
+        ),
+        (
+            "write_kv_cache",
+            write,
+            dict(
+                key=randn(tokens, 2, 64),
+                value=randn(tokens, 2, 64),
+                k_cache=randn(8, 16, 2, 64),
+                v_cache=randn(8, 16, 2, 64),
+                slots=torch.randperm(128, generator=gen)[:tokens].to(torch.int32),
+            ),
+        ),
     ]
     for block_size in BLOCK_SIZES:
         case = random_paged_case(block_size, dtype, seed=block_size, small=small)
-        cases.append((
-            f"paged_prefill_attention bs={block_size}",
-            lambda t: ops.paged_prefill_attention(
-                t["q"], t["k_cache"], t["v_cache"], t["block_tables"], t["query_start_loc"],
-                t["context_lens"], t["scale"]),
-            case,
-        ))
+        cases.append(
+            (
+                f"paged_prefill_attention bs={block_size}",
+                lambda t: ops.paged_prefill_attention(
+                    t["q"],
+                    t["k_cache"],
+                    t["v_cache"],
+                    t["block_tables"],
+                    t["query_start_loc"],
+                    t["context_lens"],
+                    t["scale"],
+                ),
+                case,
+            )
+        )
     return cases
 
 
@@ -143,8 +169,9 @@ def check_kernels(device: str, dry_run: bool) -> tuple[bool, str]:
     for dtype_name in ("float32", "bfloat16"):
         dtype = getattr(torch, dtype_name)
         for name, run, inputs in op_cases(dtype, small=dry_run):
-            on_device = {k: v.to(device) if isinstance(v, torch.Tensor) else v
-                         for k, v in inputs.items()}
+            on_device = {
+                k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()
+            }
             expected = run(inputs).float()
             got = run(on_device).float().cpu()
             error = (got - expected).abs().max().item()
@@ -173,8 +200,14 @@ def end_to_end(device: str, dry_run: bool) -> tuple[bool, str]:
     if dry_run:
         cases = [(prompt, want[:4]) for prompt, want in cases[:2]]
     started = time.monotonic()
-    with LLM(str(STORIES), backend="turbo", device=device, dtype="float32",
-             cache_block_seq_len=32, cache_max_entry_count=64) as llm:
+    with LLM(
+        str(STORIES),
+        backend="turbo",
+        device=device,
+        dtype="float32",
+        cache_block_seq_len=32,
+        cache_max_entry_count=64,
+    ) as llm:
         outputs = llm.generate(
             [prompt for prompt, _ in cases],
             [SamplingParams(max_tokens=len(want), temperature=0.0) for _, want in cases],
@@ -212,7 +245,6 @@ def seconds_per_call(fn, device: str, iterations: int) -> float:
 
 def time_decode(device: str, dry_run: bool) -> tuple[bool, str]:
     import torch
-
     from llmctl_turbo.ops import paged_decode_attention as turbo_decode
 
     try:

@@ -36,6 +36,7 @@ import triton.language as tl  # noqa: E402
 
 __all__ = [
     "INTERPRET",
+    "LOG2_E",
     "UPCAST_LOADS",
     "index_tensor",
     "check_paged_cache",
@@ -47,6 +48,9 @@ __all__ = [
 ]
 
 MAX_HEAD_DIM = 256
+# The kernels' softmax works in base 2 (exp2 is what the hardware has): scores are
+# scaled by log2(e) once, folded into the attention scale.
+LOG2_E = 1.4426950408889634
 
 # The interpreter stores bfloat16 through numpy without bfloat16 arithmetic and gets it
 # wrong, so interpreted kernels convert every load to fp32 and convert back at store.

@@ -15,11 +15,11 @@ So the kernel is shaped around reading the cache well:
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
 from llmctl_torch.triton_common import (
+    LOG2_E,
     UPCAST_LOADS,
     check_paged_cache,
     check_query,
@@ -30,13 +30,12 @@ from llmctl_torch.triton_common import (
     tuning_configs,
 )
 
-LOG2_E = 1.4426950408889634
-
-# A split handles a multiple of this many tokens, so every tile size divides it and only
-# the last tile of a sequence is partly masked.
-SPLIT_ALIGN = 128
-# Fewer tokens than this per split and the partial-result traffic outweighs the gain.
-MIN_TOKENS_PER_SPLIT = 256
+# A split covers a power of two of at least this many tokens: every tile size divides
+# it, and the autotuner (keyed on it) meets only a few distinct values.
+SPLIT_GRANULE = 128
+# The default never cuts splits shorter than this: below it, writing and combining the
+# partial results costs more than the extra parallelism gains.
+MIN_DEFAULT_SPLIT_TOKENS = 256
 MAX_SPLITS = 64
 # Aim for this many programs per SM so memory latency is hidden by other programs.
 PROGRAMS_PER_SM = 4
@@ -49,16 +48,24 @@ def _multiprocessor_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_splits(programs: int, max_context: int, device: torch.device) -> int:
-    """How many splits each (sequence, KV head) gets: enough programs to fill the GPU,
-    but never splits shorter than ``MIN_TOKENS_PER_SPLIT`` tokens.
+def plan_splits(
+    programs: int, max_context: int, device: torch.device, num_splits: int | None = None
+) -> tuple[int, int]:
+    """``(num_splits, tokens_per_split)`` for ``programs`` (sequence, KV head) pairs.
 
-    It depends only on shapes (not on the lengths stored on the GPU), so choosing it
-    never waits for the device and a captured CUDA graph stays valid.
+    By default: enough splits to fill the GPU, but none shorter than
+    ``MIN_DEFAULT_SPLIT_TOKENS``. It depends only on shapes (not on the lengths stored
+    on the GPU), so it never waits for the device and a captured CUDA graph stays valid.
     """
-    wanted = triton.cdiv(PROGRAMS_PER_SM * _multiprocessor_count(device), programs)
-    by_length = triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT)
-    return max(1, min(wanted, by_length, MAX_SPLITS))
+    if num_splits is None:
+        wanted = triton.cdiv(PROGRAMS_PER_SM * _multiprocessor_count(device), programs)
+        by_length = triton.cdiv(max_context, MIN_DEFAULT_SPLIT_TOKENS)
+        num_splits = max(1, min(wanted, by_length, MAX_SPLITS))
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
+    per_split = triton.next_power_of_2(triton.cdiv(max_context, num_splits))
+    tokens_per_split = max(SPLIT_GRANULE, per_split)
+    return triton.cdiv(max_context, tokens_per_split), tokens_per_split
 
 
 @triton.autotune(
@@ -249,12 +256,9 @@ def paged_decode_attention(
 
     # The block table's width bounds every context length without reading them back.
     max_context = block_tables.shape[1] * block_size
-    if num_splits is None:
-        num_splits = choose_num_splits(batch * num_kv_heads, max_context, q.device)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
-    tokens_per_split = SPLIT_ALIGN * math.ceil(max_context / num_splits / SPLIT_ALIGN)
-    num_splits = triton.cdiv(max_context, tokens_per_split)
+    num_splits, tokens_per_split = plan_splits(
+        batch * num_kv_heads, max_context, q.device, num_splits
+    )
 
     split = num_splits > 1
     if split:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from llmctl_torch.triton_common import (
+    LOG2_E,
     UPCAST_LOADS,
     check_paged_cache,
     check_query,
@@ -27,7 +28,6 @@ from llmctl_torch.triton_common import (
     tuning_configs,
 )
 
-LOG2_E = 1.4426950408889634
 MAX_GROUP = 128  # the largest tile, in rows, a group of query heads must fit in
 
 

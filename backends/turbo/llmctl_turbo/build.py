@@ -31,7 +31,8 @@ LIBRARY_NAME = "llmctl_turbo_ops"
 CSRC = Path(__file__).resolve().parent / "csrc"
 CPU_SOURCES = ("kernels.cpp", "cpu_kernels.cpp", "checks.cpp", "llama_step.cpp", "ops.cpp")
 CUDA_SOURCES = ("cuda_ops.cpp", "cuda/attention.cu", "cuda/elementwise.cu")
-CXX_FLAGS = ("-O3", "-march=native", "-fopenmp")
+# -fno-trapping-math lets loops with a clamp or a max vectorise; results are unchanged.
+CXX_FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp")
 CUDA_FLAGS = ("-O3",)
 BUILD_LOG = "build.log"
 FAILED_MARKER = "FAILED"  # holds the reason of a failed build

@@ -77,4 +77,3 @@ def paged_prefill_attention(
         out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
     )
     return out
-

@@ -5,9 +5,9 @@ without CUDA they run through the Triton interpreter (slow: about 50 ms per prog
 the default grid is small and a wider one is marked slow. Inputs are drawn on the CPU,
 the reference is computed there in float64. Every case:
 
-- scatters each sequence's K/V into shuffled, non-contiguous cache blocks, with every
-  other slot of the cache NaN and block-table padding pointing at a NaN block, so a
-  kernel reading a token it should mask turns the output NaN;
+- scatters each sequence's K/V into shuffled, non-contiguous cache blocks; the unused
+  slots of the cache are NaN and block-table padding points at a NaN block, so a kernel
+  reading a token it should mask turns the output NaN;
 - fills every tensor the kernels allocate with NaN (``poisoned_allocations``), so an
   output element (or split-K partial) the kernels forget to write fails the comparison.
 """
@@ -28,7 +28,7 @@ from llmctl_torch.triton_attention import (
     paged_prefill_attention,
     write_kv,
 )
-from llmctl_torch.triton_decode import choose_num_splits
+from llmctl_torch.triton_decode import plan_splits
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -226,9 +226,10 @@ def test_prefill_matches_reference(block_size, num_kv_heads, group, head_dim, dt
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
 @pytest.mark.parametrize("block_size", [16, 32, 64, 128, 256])
 def test_kernels_over_a_wider_grid(block_size, group):
-    case = [16, 32, 64, 128, 256].index(block_size) + group
+    # dtype and head_dim vary along the grid: every block size meets all of them
+    case = 4 * [16, 32, 64, 128, 256].index(block_size) + [1, 2, 4, 8].index(group)
     dtype = [F32, F16, BF16][case % 3]
-    head_dim = [24, 64, 8][case % 3]
+    head_dim = [24, 64, 8, 128][case % 4]
     lens = [1, block_size, block_size + 1, 2 * block_size + 7]
     check_decode(block_size, 2, group, head_dim, dtype, lens)
     check_decode(block_size, 2, group, head_dim, dtype, [3 * block_size + 5, 2], num_splits=3)
@@ -276,11 +277,13 @@ def test_write_kv_accepts_strided_inputs_from_a_fused_projection():
     assert torch.equal(v_cache.view(-1, 2, 8)[slots], v)
 
 
-def test_split_count_fills_the_gpu_without_tiny_splits():
+def test_splits_fill_the_gpu_without_tiny_splits():
     cpu = torch.device("cpu")  # one "SM": the programs alone decide
-    assert choose_num_splits(programs=8, max_context=8192, device=cpu) == 1
-    assert choose_num_splits(programs=1, max_context=8192, device=cpu) == 4
-    assert choose_num_splits(programs=1, max_context=100, device=cpu) == 1
+    assert plan_splits(programs=8, max_context=8192, device=cpu) == (1, 8192)
+    assert plan_splits(programs=1, max_context=8192, device=cpu) == (4, 2048)
+    assert plan_splits(programs=1, max_context=100, device=cpu) == (1, 128)
+    # Asked for more splits than whole 128-token pieces: capped.
+    assert plan_splits(programs=1, max_context=300, device=cpu, num_splits=8) == (3, 128)
 
 
 @pytest.mark.parametrize(
@@ -355,6 +358,7 @@ def compile_for_nvidia_gpus() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU the other tests compile for real")
 def test_kernels_compile_for_nvidia_gpus_without_one():
     """The interpreter accepts code the GPU compiler refuses (loop-carried type changes,
     dot shapes under 16, ...): compile for real so a CPU-only checkout catches it."""

@@ -6,10 +6,10 @@ import time
 from dataclasses import replace
 
 import pytest
+from llmctl_turbo import build
 
 from llmctl.errors import BackendError
 from llmctl.hardware import Hardware
-from llmctl_turbo import build
 
 CPU = Hardware(cxx_compiler=build.find_cxx_compiler(), cpu_count=2)
 

@@ -12,7 +12,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from llmctl_turbo.rope import cos_sin_cache, inv_freq
 
 BLOCK_SIZES = [16, 48, 80, 128, 256]
@@ -228,7 +227,13 @@ def test_paged_prefill_attention_ragged_chunks(turbo_ops, block_size, dtype):
     out = poisoned(*q.shape, dtype=dtype)
     scale = 0.3
     turbo_ops.paged_prefill_attention(
-        out, q, cache.k, cache.v, cache.padded_tables(), query_start_loc, int32(context_lens),
+        out,
+        q,
+        cache.k,
+        cache.v,
+        cache.padded_tables(),
+        query_start_loc,
+        int32(context_lens),
         scale,
     )
     expected = ref_paged_attention(
@@ -250,10 +255,12 @@ def test_errors_name_the_argument_and_the_rule(turbo_ops):
             out, q, k_cache, k_cache, tables, torch.tensor([3, 4]), 1.0
         )
     with pytest.raises(RuntimeError, match=r"block_tables\[1\]\[0\] = 9 is outside"):
-        turbo_ops.paged_decode_attention(out, q, k_cache, k_cache, int32([[0], [9]]), int32([3, 4]), 1.0)
+        turbo_ops.paged_decode_attention(
+            out, q, k_cache, k_cache, int32([[0], [9]]), int32([3, 4]), 1.0
+        )
     with pytest.raises(RuntimeError, match="needs 3 blocks"):
         turbo_ops.paged_decode_attention(out, q, k_cache, k_cache, tables, int32([3, 40]), 1.0)
-    with pytest.raises(RuntimeError, match="q is on|must be Float"):
+    with pytest.raises(RuntimeError, match="run in float32, bfloat16 or float16, but q is Double"):
         turbo_ops.paged_decode_attention(
             out, q.double(), k_cache, k_cache, tables, int32([3, 4]), 1.0
         )

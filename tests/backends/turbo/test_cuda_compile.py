@@ -10,9 +10,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from llmctl_turbo.build import CSRC
 
 from llmctl.hardware import find_nvcc
-from llmctl_turbo.build import CSRC
 
 CUDA_SOURCES = sorted((CSRC / "cuda").glob("*.cu"))
 
@@ -28,8 +28,17 @@ def test_cu_file_compiles(source: Path, arch: str, tmp_path: Path):
     if nvcc is None:
         pytest.skip("nvcc not found (install the CUDA toolkit or set CUDA_HOME)")
     result = subprocess.run(
-        [nvcc, "-c", f"-arch={arch}", "-O3", "-Werror", "all-warnings", str(source),
-         "-o", str(tmp_path / f"{source.stem}.o")],
+        [
+            nvcc,
+            "-c",
+            f"-arch={arch}",
+            "-O3",
+            "-Werror",
+            "all-warnings",
+            str(source),
+            "-o",
+            str(tmp_path / f"{source.stem}.o"),
+        ],
         capture_output=True,
         text=True,
     )
