@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
+from gpu_check_turbo import turbo_section  # scripts/ is on sys.path when run as a script
+
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO.parent / "shared" / "models" / "stories260K"
 KERNEL_TESTS = "tests/backends/torch/test_triton_kernels.py"
@@ -126,7 +128,9 @@ def main() -> int:
     parts = [
         ("1. Kernel tests", run_kernel_tests, (args.dry_run,)),
         ("2. End to end", run_end_to_end, (args.stories, args.dry_run, device)),
-        ("3. Decode attention bandwidth", run_bandwidth,
+        # turbo before the sweep: the sweep stops at the deadline, whatever is left.
+        ("3. Turbo native kernels", turbo_section, (device, args.dry_run)),
+        ("4. Decode attention bandwidth", run_bandwidth,
          (grid, device, start + args.time_limit, args.dry_run)),
     ]  # fmt: skip
     for name, part, part_args in parts:

@@ -85,7 +85,9 @@ def op_cases(dtype, small: bool):
     """(name, function of a dict of tensors → output tensor, inputs) for every op."""
     import torch
     from llmctl_turbo import ops
-    from llmctl_turbo.rope import cos_sin_cache, inv_freq
+    from llmctl_turbo.rope import cos_sin_cache
+
+    from llmctl.engine.rope import rope_inv_freq
 
     gen = torch.Generator().manual_seed(0)
     hidden, tokens = (64, 7) if small else (4096, 64)
@@ -127,7 +129,7 @@ def op_cases(dtype, small: bool):
                 q=randn(tokens, 8, 64),
                 k=randn(tokens, 2, 64),
                 positions=torch.randint(0, 4096, (tokens,), generator=gen, dtype=torch.int32),
-                cos_sin=cos_sin_cache(inv_freq(64, 10000.0, None), 4096),
+                cos_sin=cos_sin_cache(rope_inv_freq(64, 10000.0, None), 4096),
             ),
         ),
         (

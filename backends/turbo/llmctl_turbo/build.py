@@ -6,7 +6,7 @@ the sources, torch and Python versions, the compiler, the flags and (because of
 ``-march=native``) this CPU. The compile runs in a child process whose whole output goes
 to ``build.log`` beside the library, under a file lock so that concurrent processes
 build once. A failed build is remembered for its key, so later checks answer at once;
-``prepare(force=True)`` (``llmctl backends build turbo``) tries again.
+``prepare`` (``llmctl backends build turbo``) tries again.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ CXX_FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp")
 CUDA_FLAGS = ("-O3",)
 BUILD_LOG = "build.log"
 FAILED_MARKER = "FAILED"  # holds the reason of a failed build
+BUILT_MARKER = "BUILT"  # written last: a build killed half-way never counts as done
 SPINNER_TEXT = "building turbo native ops (first use, ~30 s)…"
 
 _loaded_library: Path | None = None
@@ -74,6 +75,10 @@ class BuildSpec:
     def log(self) -> Path:
         return self.directory / BUILD_LOG
 
+    @property
+    def is_built(self) -> bool:
+        return (self.directory / BUILT_MARKER).is_file()
+
     def sources(self) -> list[Path]:
         names = CPU_SOURCES + (CUDA_SOURCES if self.with_cuda else ())
         return [CSRC / name for name in names]
@@ -108,16 +113,16 @@ def build_problem(hardware: Hardware) -> str | None:
     return _ensure_built(spec, force=False)
 
 
-def prepare(hardware: Hardware, force: bool = True) -> str:
-    """Build ahead of time (retrying a failed build when ``force``); a one-line summary.
+def prepare(hardware: Hardware) -> str:
+    """Build ahead of time, retrying a build that failed before; a one-line summary.
 
     Raises ``BackendError`` with the reason (and the build log's path) if the build fails.
     """
     spec = build_spec(hardware)
-    if spec.library.is_file() and not (spec.directory / FAILED_MARKER).exists():
+    if spec.is_built:
         return f"turbo native ops already built: {spec.library}"
     started = time.monotonic()
-    problem = _ensure_built(spec, force=force)
+    problem = _ensure_built(spec, force=True)
     if problem:
         raise BackendError(problem)
     return f"built turbo native ops in {time.monotonic() - started:.0f} s: {spec.library}"
@@ -141,14 +146,14 @@ def load_ops(hardware: Hardware | None = None):
 
 def _ensure_built(spec: BuildSpec, force: bool) -> str | None:
     failed = spec.directory / FAILED_MARKER
-    if spec.library.is_file() and not failed.exists():
+    if spec.is_built:
         return None
     if failed.exists() and not force:
         return failed.read_text()
     spec.directory.mkdir(parents=True, exist_ok=True)
     with _file_lock(spec.directory.with_suffix(".lock")):
         # Another process may have finished (or failed) while we waited for the lock.
-        if spec.library.is_file() and not failed.exists():
+        if spec.is_built:
             return None
         if failed.exists() and not force:
             return failed.read_text()
@@ -181,6 +186,7 @@ def _compile_in_child(spec: BuildSpec) -> str | None:
         result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, check=False)
         log.write(f"\nexit status {result.returncode} after {time.monotonic() - started:.1f} s\n")
     if result.returncode == 0 and spec.library.is_file():
+        (spec.directory / BUILT_MARKER).touch()
         return None
     return (
         f"building turbo's native ops failed (exit status {result.returncode}); "

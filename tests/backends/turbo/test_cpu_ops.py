@@ -12,7 +12,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from llmctl_turbo.rope import cos_sin_cache, inv_freq
+from llmctl_turbo.rope import cos_sin_cache
+
+from llmctl.engine.rope import rope_inv_freq
 
 BLOCK_SIZES = [16, 48, 80, 128, 256]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -120,7 +122,7 @@ def test_rotary_embedding_on_strided_qkv_views(turbo_ops, dtype, scaling):
         if scaling
         else None
     )
-    frequencies = inv_freq(head_dim, 10000.0, rope)
+    frequencies = rope_inv_freq(head_dim, 10000.0, rope)
     table = cos_sin_cache(frequencies, 512)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)

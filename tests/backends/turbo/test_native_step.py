@@ -88,3 +88,17 @@ def test_step_refuses_inconsistent_batch(turbo_ops, stories_dir):
     )
     with pytest.raises(RuntimeError, match=r"block_tables\[0\]\[0\] = 7 is outside"):
         runner.execute(bad)
+
+
+@pytest.mark.parametrize("dtype,atol", [("bfloat16", 0.5), ("float16", 0.06)])
+def test_half_precision_step_stays_close_to_fp32_transformers(turbo_ops, stories_dir, dtype, atol):
+    """bf16 / fp16 weights, cache and kernels: logits within the dtype's rounding."""
+    config = ModelConfig.from_dir(stories_dir)
+    runner = TurboModelRunner(stories_dir, config, dtype=dtype, block_size=16, num_blocks=8)
+    tokens = torch.randint(3, config.vocab_size, (40,), generator=torch.Generator().manual_seed(3))
+    expected = hf_logits(stories_dir, tokens.tolist())
+    driver = PagedSequences(runner, seed=2)
+    seq = driver.add(tokens.tolist())
+    for count in (25, 15):  # a chunked prefill
+        logits = driver.step({seq: count})[0]
+        torch.testing.assert_close(logits, expected[driver.cached[seq] - 1], atol=atol, rtol=0)
