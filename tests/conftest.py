@@ -24,3 +24,14 @@ def _no_user_llmctl_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("LLMCTL_") and name not in ("LLMCTL_CACHE_DIR",):
             monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module: the test machine is shared, tiny models gain nothing."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

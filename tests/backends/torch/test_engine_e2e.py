@@ -10,37 +10,15 @@ import json
 import random
 
 import pytest
-import torch
 
 from llmctl import LLM, SamplingParams
-from tests.backends.torch.tiny_models import load_hf_model
+from tests.backends.torch.tiny_models import hf_greedy, load_hf_model
 from tests.conftest import STORIES
 
 NEW_TOKENS = 24
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the test machine is shared; tiny models gain nothing
-    yield
-    torch.set_num_threads(threads)
-
-
-def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, one at a time (no padding)."""
-    outputs = []
-    for prompt in prompts:
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=max_new_tokens,
-                pad_token_id=0,
-            )
-        outputs.append(out[0, len(prompt) :].tolist())
-    return outputs
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def open_llm(model_dir, **options) -> LLM:

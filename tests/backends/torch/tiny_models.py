@@ -145,3 +145,19 @@ class PagedSequences:
             ]
             self.cached[seq] = end
         return self.runner.execute(batch)
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one at a time (no padding)."""
+    outputs = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=0,
+            )
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
