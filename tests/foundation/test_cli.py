@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from tests.foundation.cli import run_llmctl
+from tests.helpers.cli import run_llmctl
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.foundation.cli import run_llmctl
+from tests.helpers.cli import run_llmctl
 
 FIXTURES = REPO / "tests" / "fixtures"
 

@@ -4,10 +4,7 @@
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import re
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -36,30 +33,6 @@ def require_plugin_installed() -> None:
 def require_stories() -> None:
     if not (STORIES / "config.json").is_file():
         pytest.skip(f"stories260K not found at {STORIES} (it lives in ../shared/models/)")
-
-
-def run_llmctl(
-    *args: str,
-    env: dict[str, str] | None = None,
-    cwd: Path | None = None,
-    python: str = "",
-    stdin: str | None = None,
-) -> subprocess.CompletedProcess[str]:
-    """The real ``llmctl`` command in a subprocess, with no LLMCTL_* from the test's shell."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("LLMCTL_")}
-    if "LLMCTL_CACHE_DIR" in os.environ:
-        full_env["LLMCTL_CACHE_DIR"] = os.environ["LLMCTL_CACHE_DIR"]
-    full_env.update({"COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"})
-    full_env.update(env or {})
-    return subprocess.run(
-        [python or sys.executable, "-m", "llmctl", *args],
-        cwd=cwd,
-        env=full_env,
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
 
 
 def metric(url: str, name: str, labels: str = "") -> float:

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.plugins.conftest import DISTRIBUTION, PLUGIN_DIR, require_plugin_installed, run_llmctl
+from tests.helpers.cli import run_llmctl
+from tests.plugins.conftest import DISTRIBUTION, PLUGIN_DIR, require_plugin_installed
 
 # `llmctl backends` runs every backend's hardware check, and turbo's builds its native
 # code when it is not built yet (minutes): the listings below leave turbo out, as it is

@@ -14,13 +14,13 @@ import openai
 import pytest
 
 from tests.conftest import STORIES
+from tests.helpers.cli import run_llmctl
 from tests.helpers.server_process import ServerProcess
 from tests.plugins.conftest import (
     UPSTREAM_KEY,
     metric,
     require_plugin_installed,
     require_stories,
-    run_llmctl,
     start_proxy,
 )
 

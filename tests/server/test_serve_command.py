@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
-from tests.foundation.cli import run_llmctl
+from tests.helpers.cli import run_llmctl
 from tests.server.conftest import Server
 
 
