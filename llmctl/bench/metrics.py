@@ -7,7 +7,6 @@ import os
 import resource
 import sys
 import threading
-from typing import Any
 
 
 def summarize(values: list[float]) -> dict[str, float] | None:
@@ -42,9 +41,9 @@ def current_rss_bytes() -> int:
 class MemoryPeak:
     """Peak memory over a ``with`` block: process RSS on CPU, allocated memory on CUDA.
 
-    RSS is sampled by a background thread (torch releases the GIL in its kernels, so
-    the thread keeps sampling during a long synchronous ``generate``); on CUDA torch's
-    own peak counter is exact. RSS includes whatever the process held before the block.
+    On Linux the kernel's own high-water mark is reset at the start (``clear_refs``) and
+    read at the end (``VmHWM``), so even a short-lived allocation counts. Elsewhere RSS
+    is sampled by a background thread. On CUDA torch's peak counter is exact.
     """
 
     def __init__(self, cuda: bool, interval_s: float = 0.02) -> None:
@@ -63,7 +62,7 @@ class MemoryPeak:
             import torch
 
             torch.cuda.reset_peak_memory_stats()
-        else:
+        elif not _reset_rss_high_water_mark():
             self.peak_bytes = current_rss_bytes()
             self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
@@ -78,11 +77,30 @@ class MemoryPeak:
             import torch
 
             self.peak_bytes = torch.cuda.max_memory_allocated()
+        elif self._thread is None:
+            self.peak_bytes = _rss_high_water_mark()
         else:
             self._stop.set()
-            assert self._thread is not None
             self._thread.join()
             self.peak_bytes = max(self.peak_bytes, current_rss_bytes())
+
+
+def _reset_rss_high_water_mark() -> bool:
+    """Reset this process's peak RSS (Linux ``clear_refs`` 5); False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _rss_high_water_mark() > 0
+    except OSError:
+        return False
+
+
+def _rss_high_water_mark() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def uses_cuda(device_option: str) -> bool:
@@ -92,24 +110,3 @@ def uses_cuda(device_option: str) -> bool:
     import torch
 
     return torch.cuda.is_available()
-
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def resolve_dtype(config: dict[str, Any], dtype_option: str, cuda: bool) -> str:
-    """The dtype an engine runs in: ``auto`` is float32 on CPU, the model's dtype on GPU."""
-    if dtype_option != "auto":
-        return dtype_option
-    if not cuda:
-        return "float32"
-    dtype = config.get("torch_dtype") or config.get("dtype") or "float32"
-    return dtype if dtype in _DTYPE_BYTES else "float32"
-
-
-def kv_bytes_per_token(config: dict[str, Any], dtype: str) -> int:
-    """Bytes of K and V one token takes across all layers, from the model config."""
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    kv_heads = config.get("num_key_value_heads") or heads
-    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * _DTYPE_BYTES[dtype]

@@ -18,8 +18,6 @@ from typing import TYPE_CHECKING, Any
 from llmctl.backend import Engine, GenerationRequest, ModelInfo, SamplingParams
 from llmctl.bench.metrics import (
     MemoryPeak,
-    kv_bytes_per_token,
-    resolve_dtype,
     summarize,
     uses_cuda,
 )
@@ -30,6 +28,8 @@ from llmctl.bench.workload import (
     make_workload,
     ordinary_token_ids,
 )
+from llmctl.engine.assemble import engine_dtype
+from llmctl.engine.model_config import ModelConfig
 from llmctl.errors import LlmctlError
 
 if TYPE_CHECKING:
@@ -168,8 +168,11 @@ def benchmark_throughput(
 
     opened = open_engine(model, flags, profile=profile)
     info, backend, values = opened.model, opened.choice.backend.name, opened.choice.values
+    import torch
+
     cuda = uses_cuda(values["device"])
-    dtype = resolve_dtype(info.config, values["dtype"], cuda)
+    model_config = ModelConfig.from_dict(info.config)
+    dtype = engine_dtype(values["dtype"], model_config, torch.device("cuda" if cuda else "cpu"))
     workload = workload_for(info, spec)
     warmup = _warmup_request(info, spec.seed)
     engine, opened = opened.engine, None
@@ -182,11 +185,9 @@ def benchmark_throughput(
         import torch
 
         torch.cuda.empty_cache()
-    engine_result["peak_kv_cache_bytes"] = (
-        engine_result["peak_kv_blocks_used"]
-        * engine_result["block_size"]
-        * kv_bytes_per_token(info.config, dtype)
-    )
+    engine_result["peak_kv_cache_bytes"] = engine_result[
+        "peak_kv_blocks_used"
+    ] * model_config.kv_bytes_per_block(engine_result["block_size"], dtype)
     report: dict[str, Any] = {
         "kind": "throughput",
         "model": info.name,
@@ -194,7 +195,9 @@ def benchmark_throughput(
         "device": "cuda" if cuda else "cpu",
         "dtype": dtype,
         "machine": _machine(),
-        "settings": {opt.name: _jsonable(values[opt.name]) for opt in options_for("bench")},
+        "settings": {
+            opt.name: _setting(opt.name, values[opt.name]) for opt in options_for("bench")
+        },
         "workload": workload.describe(),
         "engine": engine_result,
         "baseline": None,
@@ -253,6 +256,14 @@ def _machine() -> dict[str, Any]:
     from llmctl.hardware import Hardware
 
     return {"description": Hardware.probe().describe(), "torch_threads": torch.get_num_threads()}
+
+
+def _setting(name: str, value: Any) -> Any:
+    """An option value as the JSON report shows it; keys (a plugin's ``proxy_api_key``,
+    say) are masked, since reports get shared."""
+    if "key" in name and value:
+        return "***"
+    return _jsonable(value)
 
 
 def _jsonable(value: Any) -> Any:

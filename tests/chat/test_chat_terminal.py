@@ -17,6 +17,9 @@ def test_chat_in_process(stories: Path, tmp_path: Path) -> None:
         transcript = converse(chat, tmp_path, idle_stats=r"requests running: 0\r?\n")
         # Ctrl-C at the prompt drops the line being typed and stays.
         chat.send("half a line")
+        # As a person would: Ctrl-C once the line is on screen. (A SIGINT that lands
+        # before readline waits for input is only seen at the next key press.)
+        chat.expect_exact("half a line")
         chat.sendintr()
         chat.expect_exact("(Ctrl-D or /exit leaves)")
         chat.expect_exact(PROMPT)
