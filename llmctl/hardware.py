@@ -53,6 +53,12 @@ class Hardware:
             memory_bytes=total_memory_bytes(),
         )
 
+    def device_for(self, requested: str) -> str:
+        """The device the ``device`` option names here: ``auto`` is CUDA when available."""
+        if requested == "auto":
+            return "cuda" if self.cuda_available else "cpu"
+        return requested
+
     def describe(self) -> str:
         gpu = (
             f"{self.gpu_name} (compute capability {self.compute_capability[0]}."

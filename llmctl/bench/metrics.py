@@ -101,12 +101,3 @@ def _rss_high_water_mark() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def uses_cuda(device_option: str) -> bool:
-    """Whether an engine given the ``device`` option runs on CUDA (``auto``: if available)."""
-    if device_option == "cpu":
-        return False
-    import torch
-
-    return torch.cuda.is_available()

@@ -19,7 +19,6 @@ from llmctl.backend import Engine, GenerationRequest, ModelInfo, SamplingParams
 from llmctl.bench.metrics import (
     MemoryPeak,
     summarize,
-    uses_cuda,
 )
 from llmctl.bench.workload import (
     BenchRequest,
@@ -31,6 +30,7 @@ from llmctl.bench.workload import (
 from llmctl.engine.assemble import engine_dtype
 from llmctl.engine.model_config import ModelConfig
 from llmctl.errors import LlmctlError
+from llmctl.hardware import Hardware
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -170,7 +170,7 @@ def benchmark_throughput(
     info, backend, values = opened.model, opened.choice.backend.name, opened.choice.values
     import torch
 
-    cuda = uses_cuda(values["device"])
+    cuda = Hardware.probe().device_for(values["device"]) == "cuda"
     model_config = ModelConfig.from_dict(info.config)
     dtype = engine_dtype(values["dtype"], model_config, torch.device("cuda" if cuda else "cpu"))
     workload = workload_for(info, spec)

@@ -15,7 +15,7 @@ from llmctl_torch.runner import TorchModelRunner
 def create_torch_engine(model: ModelInfo, config: TorchConfig, hardware: Hardware) -> AsyncEngine:
     """Load ``model`` with the torch runner and wrap it in the shared async engine."""
     model_config = ModelConfig.from_dir(model.path)
-    device = torch.device(resolve_device(config.device, hardware))
+    device = torch.device(hardware.device_for(config.device))
     max_model_len = model_config.session_len(config.max_model_len)
     runner = TorchModelRunner(
         model.path,
@@ -37,10 +37,3 @@ def create_torch_engine(model: ModelInfo, config: TorchConfig, hardware: Hardwar
         model_name=config.served_model_name or model.name,
     )
     return assemble_engine(model, model_config, runner, settings, device)
-
-
-def resolve_device(device: str, hardware: Hardware) -> str:
-    """``auto`` is CUDA when this machine has a GPU, else the CPU."""
-    if device == "auto":
-        return "cuda" if hardware.cuda_available else "cpu"
-    return device

@@ -12,14 +12,14 @@ from llmctl.backend import Hardware, ModelInfo
 from llmctl.engine.assemble import EngineSettings, assemble_engine, engine_dtype
 from llmctl.engine.async_engine import AsyncEngine
 from llmctl.engine.model_config import ModelConfig
-from llmctl_turbo.plugin import TurboConfig, uses_cuda
+from llmctl_turbo.plugin import TurboConfig
 from llmctl_turbo.runner import TurboModelRunner
 
 
 def create_turbo_engine(model: ModelInfo, config: TurboConfig, hardware: Hardware) -> AsyncEngine:
     """Load ``model`` with the turbo runner and wrap it in the shared async engine."""
     model_config = ModelConfig.from_dir(model.path)
-    device = torch.device("cuda" if uses_cuda({"device": config.device}, hardware) else "cpu")
+    device = torch.device(hardware.device_for(config.device))
     max_model_len = model_config.session_len(config.session_len)
     runner = TurboModelRunner(
         model.path,

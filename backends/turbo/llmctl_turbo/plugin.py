@@ -31,11 +31,6 @@ class TurboConfig:
     model_name: str | None
 
 
-def uses_cuda(options: Mapping[str, Any], hardware: Hardware) -> bool:
-    device = options.get("device", "auto")
-    return device == "cuda" or (device == "auto" and hardware.cuda_available)
-
-
 def block_size_rule(on_cuda: bool, hardware: Hardware) -> tuple[int, str]:
     """The multiple turbo's kernels need, and why (the rules of DESIGN.md)."""
     if not on_cuda:
@@ -77,7 +72,7 @@ class TurboBackend(Backend):
         errors = {}
         if options.get("adapters"):
             errors["adapters"] = "turbo does not support LoRA adapters (use the torch backend)"
-        on_cuda = uses_cuda(options, hardware)
+        on_cuda = hardware.device_for(options.get("device", "auto")) == "cuda"
         if options.get("device") == "cuda" and not hardware.cuda_available:
             errors["device"] = "device 'cuda' asked for, but no CUDA GPU is available here"
         block = options.get("cache_block_seq_len")
