@@ -45,7 +45,7 @@ class _Abort:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
         self.model_name = model_name
-        self.max_model_len = engine.config.max_model_len
+        self.max_model_len = engine.max_model_len
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._lock = threading.Condition()  # guards the three fields below
