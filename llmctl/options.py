@@ -219,6 +219,15 @@ CORE_OPTIONS: tuple[Option, ...] = (
         choices=("auto", "cpu", "cuda"),
     ),
     Option(
+        "cpu_threads",
+        "int",
+        None,
+        "Threads the engine computes with on the CPU. Default: torch's (one per core, or "
+        "OMP_NUM_THREADS). Applies to the whole process.",
+        min=1,
+        metavar="N",
+    ),
+    Option(
         "adapters",
         "list",
         None,

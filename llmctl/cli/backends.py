@@ -28,19 +28,59 @@ def list_backends(ctx: typer.Context) -> None:
         return
     from llmctl.hardware import Hardware
     from llmctl.plugins.manager import get_plugin_manager, registered_backends
+    from llmctl.profiles import selected_profile
 
     hardware = Hardware.probe()
-    table = Table("backend", "distribution", "version", "priority", "runs here", title="Backends")
+    profile = selected_profile(None)
+    table = Table(
+        "backend",
+        "distribution",
+        "version",
+        "priority",
+        "CPU threads",
+        "runs here",
+        title="Backends",
+    )
     for name, entry in registered_backends().items():
         reasons = entry.backend.check_hardware(hardware)
         runs = "[green]yes[/]" if not reasons else "[red]no[/]: " + "; ".join(reasons)
         table.add_row(
-            name, entry.plugin.distribution, entry.plugin.version, str(entry.backend.priority), runs
+            name,
+            entry.plugin.distribution,
+            entry.plugin.version,
+            str(entry.backend.priority),
+            cpu_threads(entry.backend, profile),
+            runs,
         )
     console.print(table)
     console.print(f"This machine: {hardware.describe()}")
     for failure in get_plugin_manager().failed:
         console.print(f"[red]plugin {failure.name} failed to load[/]: {failure.error} — skipped")
+
+
+def cpu_threads(backend, profile) -> str:
+    """The threads a local backend computes with on the CPU (the cpu_threads option as
+    the profile, LLMCTL_CPU_THREADS or the backend set it, else torch's count) and where
+    that comes from."""
+    from llmctl.options import option_named
+    from llmctl.profiles import describe_source, resolve
+
+    if not backend.loads_local_model:
+        return "-"
+    setting = resolve(
+        {},
+        profile=profile,
+        backend=backend.name,
+        backend_defaults=backend.option_defaults,
+        options=[option_named("cpu_threads")],
+    )["cpu_threads"]
+    if setting.value is not None:
+        return f"{setting.value} ({describe_source(setting)})"
+    try:
+        import torch
+    except ImportError:
+        return "-"
+    return f"{torch.get_num_threads()} (torch's default)"
 
 
 @schema_options("backends check", skip=("model",))

@@ -8,6 +8,8 @@ the checks around allocating it.
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -57,7 +59,9 @@ class ModelRunner(Protocol):
 class PagedRunner:
     """Base of a runner over a paged KV cache of ``num_blocks`` blocks.
 
-    ``dtype`` is a name (``auto`` is the checkpoint's) or a ``torch.dtype``. The engine
+    ``dtype`` is a name (``auto`` is the checkpoint's) or a ``torch.dtype``.
+    ``cpu_threads`` is how many threads compute on the CPU (``None``: torch's current
+    count); like torch's own setting it holds for the whole process. The engine
     sizes the cache from the memory free once the weights are loaded, then calls
     ``allocate_kv_cache``; tests may pass ``num_blocks`` to the subclass directly.
     Subclasses implement ``_allocate(num_blocks)`` and ``execute``.
@@ -70,9 +74,13 @@ class PagedRunner:
         dtype: str | torch.dtype,
         device: str | torch.device,
         block_size: int,
+        cpu_threads: int | None = None,
     ) -> None:
         self.config = config
         self.device = torch.device(device)
+        if cpu_threads and self.device.type == "cpu":
+            torch.set_num_threads(cpu_threads)
+        self.cpu_threads = cpu_threads or torch.get_num_threads()
         self.dtype = TORCH_DTYPES[config.resolve_dtype(dtype)] if isinstance(dtype, str) else dtype
         self.block_size = block_size
         self.num_blocks = 0
@@ -88,6 +96,17 @@ class PagedRunner:
 
     def _allocate(self, num_blocks: int) -> None:
         raise NotImplementedError
+
+    def new_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A zeroed KV-cache tensor. On the CPU it takes memory only as its pages are
+        first written: fresh anonymous pages from the OS are zero already, so nothing is
+        written up front, and the resident size follows the blocks in use, not the
+        budget (``torch.zeros`` would touch every page at once)."""
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+        num_bytes = math.prod(shape) * self.dtype.itemsize
+        pages = mmap.mmap(-1, num_bytes)  # the tensor keeps the mapping alive
+        return torch.frombuffer(pages, dtype=torch.uint8).view(self.dtype).view(shape)
 
     def check_allocated(self) -> None:
         if self.num_blocks == 0:

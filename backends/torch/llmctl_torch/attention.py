@@ -21,22 +21,27 @@ Cache slots nobody has written yet must hold finite values (the runner allocates
 cache zeroed): the decode path reads whole blocks and gives the slots past a
 sequence's end zero weight, and 0 * NaN would still be NaN.
 
-Dispatch: ``LLMCTL_TORCH_ATTENTION=triton|torch`` forces one; by default Triton on CUDA
-and plain torch elsewhere. The Triton module is imported only when chosen.
+Dispatch: ``LLMCTL_TORCH_ATTENTION=triton|native|torch`` forces one; by default Triton
+on CUDA, and on the CPU turbo's native ops (``native_attention.py``) when llmctl-turbo
+is installed and its ops build here, else plain torch. The others' modules are imported
+only when chosen.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-from llmctl.errors import OptionError
+from llmctl.errors import BackendError, OptionError
 
 ENV_VAR = "LLMCTL_TORCH_ATTENTION"
+CHOICES = ("torch", "triton", "native")
+logger = logging.getLogger("llmctl")
 
 
 def write_kv(
@@ -134,17 +139,22 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 
 def attention_ops(device: torch.device | str) -> SimpleNamespace:
-    """The three kernels to use on ``device``: Triton on CUDA, plain torch elsewhere,
-    unless ``LLMCTL_TORCH_ATTENTION`` names one."""
+    """The three kernels to use on ``device``: Triton on CUDA; on the CPU turbo's native
+    ops where they build, else plain torch; unless ``LLMCTL_TORCH_ATTENTION`` names one."""
     choice = os.environ.get(ENV_VAR, "").strip().lower()
-    if choice not in ("", "torch", "triton"):
-        raise OptionError(f"{ENV_VAR}={choice!r}: use 'triton' or 'torch' (or leave it unset)")
+    if choice and choice not in CHOICES:
+        raise OptionError(
+            f"{ENV_VAR}={choice!r}: use {', '.join(CHOICES)} (or leave it unset)"
+        )
     if not choice:
-        choice = "triton" if torch.device(device).type == "cuda" else "torch"
-    module = (
-        importlib.import_module("llmctl_torch.triton_attention")
-        if choice == "triton"
-        else importlib.import_module(__name__)
+        if torch.device(device).type == "cuda":
+            choice = "triton"
+        else:
+            choice = "native" if native_problem() is None else "torch"
+    elif choice == "native" and (problem := native_problem()):
+        raise OptionError(f"{ENV_VAR}=native: {problem}")
+    module = importlib.import_module(
+        __name__ if choice == "torch" else f"llmctl_torch.{choice}_attention"
     )
     return SimpleNamespace(
         name=choice,
@@ -152,3 +162,17 @@ def attention_ops(device: torch.device | str) -> SimpleNamespace:
         paged_decode_attention=module.paged_decode_attention,
         paged_prefill_attention=module.paged_prefill_attention,
     )
+
+
+def native_problem() -> str | None:
+    """Why turbo's native ops cannot serve here (``None``: they can; built if needed)."""
+    try:
+        from llmctl_turbo.build import load_ops
+    except ImportError:
+        return "llmctl-turbo is not installed"
+    try:
+        load_ops()
+    except BackendError as exc:
+        logger.info("torch backend: plain-torch attention on the CPU (%s)", exc)
+        return str(exc)
+    return None

@@ -25,6 +25,7 @@ class TorchConfig:
     enable_prefix_caching: bool
     dtype: str
     device: str
+    cpu_threads: int | None
     lora_adapters: tuple[str, ...]
     seed: int
     chat_template: str | None
@@ -42,6 +43,7 @@ class TorchConfig:
             enable_prefix_caching=options["enable_prefix_caching"],
             dtype=options["dtype"],
             device=options["device"],
+            cpu_threads=options["cpu_threads"],
             lora_adapters=tuple(options["adapters"] or ()),
             seed=options["seed"],
             chat_template=options["chat_template"],
@@ -66,5 +68,6 @@ RULES = (
         "a power of two >= 16",
         lambda value, options, hardware: block_size_problem(value),
     ),
+    OptionRule("cpu_threads", "torch.set_num_threads", lambda value, options, hardware: None),
     DEVICE_RULE,
 )

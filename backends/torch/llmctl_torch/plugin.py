@@ -41,6 +41,7 @@ class TorchBackend(Backend):
                 model_config,
                 dtype=dtype,
                 device=device,
+                cpu_threads=config.cpu_threads,
                 block_size=config.block_size,
                 adapters=config.lora_adapters,
             )

@@ -38,8 +38,11 @@ class TorchModelRunner(PagedRunner):
         block_size: int = 64,
         num_blocks: int | None = None,
         adapters: Sequence[str | Path] = (),
+        cpu_threads: int | None = None,
     ) -> None:
-        super().__init__(config, dtype=dtype, device=device, block_size=block_size)
+        super().__init__(
+            config, dtype=dtype, device=device, block_size=block_size, cpu_threads=cpu_threads
+        )
         self.ops = attention_ops(self.device)
         weights = load_weights(model_dir, self.dtype, self.device)
         apply_lora_adapters(weights, adapters)
@@ -51,12 +54,11 @@ class TorchModelRunner(PagedRunner):
     def _allocate(self, num_blocks: int) -> None:
         """One ``[2, layers, num_blocks, block_size, kv_heads, head_dim]`` tensor, viewed
         as a (K, V) pair per layer. Zeroed, not empty: attention masks unwritten slots
-        with a zero weight, and 0 * NaN from uninitialised memory would still be NaN."""
+        with a zero weight, and 0 * NaN from uninitialised memory would still be NaN.
+        On the CPU its memory is taken as blocks are first used (``new_cache``)."""
         c = self.config
-        cache = torch.zeros(
-            (2, c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim),
-            dtype=self.dtype,
-            device=self.device,
+        cache = self.new_cache(
+            (2, c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
         )
         self.kv_caches = [(cache[0, layer], cache[1, layer]) for layer in range(c.num_layers)]
 

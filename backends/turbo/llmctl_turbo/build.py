@@ -2,10 +2,11 @@
 
 The C++ sources in ``csrc/`` are compiled with ``torch.utils.cpp_extension.load`` into
 ``cache_dir()/turbo/<key>/``, where the key hashes everything the binary depends on:
-the sources, torch and Python versions, the compiler, the flags and (because of
-``-march=native``) this CPU. The compile runs in a child process whose whole output goes
-to ``build.log`` beside the library, under a file lock so that concurrent processes
-build once. A failed build is remembered for its key, so later checks answer at once;
+the sources, torch and Python versions, the compiler and the flags. The binary is not
+tied to this CPU: the CPU kernels are compiled for AVX-512, AVX2 and portable code and
+pick one at run time (``csrc/cpu/isa.h``). The compile runs in a child process whose
+whole output goes to ``build.log`` beside the library, under a file lock so that
+concurrent processes build once. A failed build is remembered for its key, so later checks answer at once;
 ``prepare`` (``llmctl backends build turbo``) tries again.
 """
 
@@ -29,10 +30,20 @@ from llmctl.paths import cache_dir
 
 LIBRARY_NAME = "llmctl_turbo_ops"
 CSRC = Path(__file__).resolve().parent / "csrc"
-CPU_SOURCES = ("kernels.cpp", "cpu_kernels.cpp", "checks.cpp", "llama_step.cpp", "ops.cpp")
+CPU_SOURCES = (
+    "kernels.cpp",
+    "cpu_kernels.cpp",
+    "cpu/isa.cpp",
+    "cpu/thread_pool.cpp",
+    "checks.cpp",
+    "llama_step.cpp",
+    "ops.cpp",
+)
 CUDA_SOURCES = ("cuda_ops.cpp", "cuda/attention.cu", "cuda/elementwise.cu")
 # -fno-trapping-math lets loops with a clamp or a max vectorise; results are unchanged.
-CXX_FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp")
+# -ffp-contract=fast lets a multiply and an add become one FMA (the ISO modes forbid it).
+# No -march: wider instruction sets are enabled per function (csrc/cpu_kernels.cpp).
+CXX_FLAGS = ("-O3", "-fno-trapping-math", "-ffp-contract=fast")
 CUDA_FLAGS = ("-O3",)
 BUILD_LOG = "build.log"
 FAILED_MARKER = "FAILED"  # holds the reason of a failed build
@@ -52,7 +63,6 @@ class BuildSpec:
     compiler: str
     cxx_flags: tuple[str, ...]
     cuda_version: str | None  # None: a CPU-only build
-    cpu: str  # -march=native ties the binary to this CPU
 
     @property
     def with_cuda(self) -> bool:
@@ -103,7 +113,6 @@ def build_spec(hardware: Hardware | None = None) -> BuildSpec:
         compiler=hardware.cxx_compiler or find_cxx_compiler() or "none",
         cxx_flags=CXX_FLAGS,
         cuda_version=cuda_version,
-        cpu=_cpu_identity(),
     )
 
 
@@ -173,7 +182,6 @@ def _compile_in_child(spec: BuildSpec) -> str | None:
         "sources": [str(p) for p in spec.sources()],
         "extra_cflags": spec.cxx_flags_with_defines(),
         "extra_cuda_cflags": list(CUDA_FLAGS),
-        "extra_ldflags": ["-fopenmp"],
         "build_directory": str(spec.directory),
         "with_cuda": spec.with_cuda,
     }
@@ -213,16 +221,6 @@ def _hash_sources() -> str:
             digest.update(str(path.relative_to(CSRC)).encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()
-
-
-def _cpu_identity() -> str:
-    """The CPU model and feature flags (what -march=native compiles for)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
-        return hashlib.sha256("".join(lines).encode()).hexdigest()[:16]
-    except OSError:
-        return f"{platform.machine()} {platform.processor()}"
 
 
 def _child_main(request_json: str) -> None:

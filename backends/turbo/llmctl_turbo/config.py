@@ -28,6 +28,7 @@ class TurboConfig:
     enable_prefix_caching: bool
     dtype: str
     device: str
+    cpu_threads: int | None
     seed: int
     chat_template: str | None
     model_name: str | None
@@ -43,6 +44,7 @@ class TurboConfig:
             enable_prefix_caching=options["enable_prefix_caching"],
             dtype=options["dtype"],
             device=options["device"],
+            cpu_threads=options["cpu_threads"],
             seed=options["seed"],
             chat_template=options["chat_template"],
             model_name=options["model_name"],
@@ -85,6 +87,12 @@ RULES = (
         lambda value, options, hardware: (
             "turbo does not support LoRA adapters (use the torch backend)" if value else None
         ),
+    ),
+    OptionRule(
+        "cpu_threads",
+        "sizes turbo's own thread pool (work-sharing, so a busy core does not stall a step) "
+        "and torch's",
+        lambda value, options, hardware: None,
     ),
     DEVICE_RULE,
 )

@@ -51,6 +51,7 @@ class TurboBackend(Backend):
                 model_config,
                 dtype=dtype,
                 device=device,
+                cpu_threads=config.cpu_threads,
                 block_size=config.cache_block_seq_len,
                 max_model_len=max_model_len,
             )

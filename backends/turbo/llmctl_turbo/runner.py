@@ -1,9 +1,9 @@
 """TurboModelRunner: the turbo backend's ``ModelRunner`` for the shared engine.
 
 At load it reads the checkpoint with the shared loader and prepares the weights the
-native step wants (q/k/v and gate/up fused, matrices as transposed views). Each
-``execute`` turns the step's lists into int32 tensors and makes ONE native call,
-``llama_step``, which runs every layer and returns the logits.
+native step wants (q/k/v and gate/up fused; on the CPU each matrix packed for turbo's
+own linear kernels). Each ``execute`` turns the step's lists into int32 tensors and
+makes ONE native call, ``llama_step``, which runs every layer and returns the logits.
 """
 
 from __future__ import annotations
@@ -21,12 +21,17 @@ from llmctl_turbo.build import load_ops
 from llmctl_turbo.config import LLAMA_FAMILY
 from llmctl_turbo.rope import model_cos_sin_cache
 
+CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
-def prepare_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> list[torch.Tensor]:
+
+def prepare_weights(
+    weights: dict[str, torch.Tensor], config: ModelConfig, pack: bool = False
+) -> list[torch.Tensor]:
     """The flat weight list of ``llama_step`` (layout in ``csrc/llama_step.h``).
 
-    Matrices become transposed ``[in, out]`` views, so the step's matmuls need no
-    per-call view; fused matrices are concatenated once here.
+    Fused matrices are concatenated once here. With ``pack`` (turbo's CPU kernels) each
+    matrix is packed into the panels those kernels read (``pack_linear_weight`` in
+    ``csrc/kernels.h``); the checkpoint's copy is then dropped, so memory does not grow.
     """
     if config.architecture not in LLAMA_FAMILY:
         raise ModelError(
@@ -43,10 +48,13 @@ def prepare_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> li
             raise ModelError(f"the checkpoint has no tensor {name!r}")
         return weights[name]
 
+    def matrix(tensor: torch.Tensor, groups: int = 1) -> torch.Tensor:
+        return load_ops().pack_linear_weight(tensor, groups) if pack else tensor
+
     embed = take("model.embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings else take("lm_head.weight")
     none = embed.new_empty(0)  # "no bias"
-    prepared = [embed, take("model.norm.weight"), lm_head.t()]
+    prepared = [embed, take("model.norm.weight"), matrix(lm_head)]
     for layer in range(config.num_layers):
         prefix = f"model.layers.{layer}."
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
@@ -57,13 +65,13 @@ def prepare_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> li
         gate_up = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
         prepared += [
             take(prefix + "input_layernorm.weight"),
-            qkv.t(),
+            matrix(qkv),
             qkv_bias,
-            take(attn + "o_proj.weight").t(),
+            matrix(take(attn + "o_proj.weight")),
             weights.get(attn + "o_proj.bias", none),
             take(prefix + "post_attention_layernorm.weight"),
-            gate_up.t(),
-            take(mlp + "down_proj.weight").t(),
+            matrix(gate_up, groups=2),
+            matrix(take(mlp + "down_proj.weight")),
         ]
     return prepared
 
@@ -73,7 +81,8 @@ class TurboModelRunner(PagedRunner):
 
     ``num_blocks`` may be given later through ``allocate_kv_cache`` (the engine sizes
     the cache from the memory free once the weights are loaded). ``max_model_len``
-    bounds the positions the rotary table covers.
+    bounds the positions the rotary table covers. ``cpu_threads`` sizes the native
+    kernels' thread pool (and torch's) on the CPU.
     """
 
     def __init__(
@@ -86,12 +95,21 @@ class TurboModelRunner(PagedRunner):
         block_size: int = 64,
         num_blocks: int | None = None,
         max_model_len: int | None = None,
+        cpu_threads: int | None = None,
     ) -> None:
-        super().__init__(config, dtype=dtype, device=device, block_size=block_size)
+        super().__init__(
+            config, dtype=dtype, device=device, block_size=block_size, cpu_threads=cpu_threads
+        )
+        ops = load_ops()
         # The op's overload itself: calling it skips the overload lookup of every call.
-        self._llama_step = load_ops().llama_step.default
+        self._llama_step = ops.llama_step.default
+        # turbo's own CPU kernels run fp32 and bf16 (fp16 on a CPU goes through ATen).
+        on_cpu_kernels = self.device.type == "cpu" and self.dtype in CPU_KERNEL_DTYPES
+        if self.device.type == "cpu":
+            ops.set_cpu_threads(self.cpu_threads)
         weights = load_weights(model_dir, self.dtype, self.device)
-        self.weights = prepare_weights(weights, config)
+        self.weights = prepare_weights(weights, config, pack=on_cpu_kernels)
+        del weights  # the checkpoint's copies of packed matrices
         max_positions = max_model_len or config.session_len()
         self.cos_sin_cache = model_cos_sin_cache(config, max_positions).to(self.device)
         self.kv_cache = torch.empty(0, device=self.device)
@@ -99,13 +117,11 @@ class TurboModelRunner(PagedRunner):
             self.allocate_kv_cache(num_blocks)
 
     def _allocate(self, num_blocks: int) -> None:
-        """One ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` tensor. The
-        kernels read only slots that were written, so it need not be zeroed."""
+        """One ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` tensor. On the
+        CPU its memory is taken as blocks are first used (``new_cache``)."""
         c = self.config
-        self.kv_cache = torch.empty(
-            (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim),
-            dtype=self.dtype,
-            device=self.device,
+        self.kv_cache = self.new_cache(
+            (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
         )
 
     @torch.inference_mode()

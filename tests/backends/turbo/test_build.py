@@ -14,14 +14,13 @@ from llmctl.hardware import Hardware
 CPU = Hardware(cxx_compiler=build.find_cxx_compiler(), cpu_count=2)
 
 
-def test_key_covers_sources_flags_torch_and_cpu():
+def test_key_covers_sources_flags_and_torch():
     spec = build.build_spec(CPU)
     assert build.build_spec(CPU).key == spec.key
     for change in (
         dict(sources_sha256="0" * 64),
         dict(cxx_flags=(*spec.cxx_flags, "-DEXTRA")),
         dict(torch_version="0.0"),
-        dict(cpu="another cpu"),
         dict(cuda_version="12.4"),
     ):
         assert replace(spec, **change).key != spec.key

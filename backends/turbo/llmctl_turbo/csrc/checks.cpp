@@ -1,5 +1,7 @@
 #include "checks.h"
 
+#include "kernels.h"
+
 namespace turbo {
 
 void check_tensor(const at::Tensor& t, const char* name, at::ScalarType dtype, int64_t dim,
@@ -25,6 +27,32 @@ void check_rows_contiguous(const at::Tensor& t, const char* name) {
                 t.strides(), " for shape ", t.sizes(), " (call .contiguous())");
     expected *= t.size(d);
   }
+}
+
+void check_linear_weight(const at::Tensor& w, const std::string& name, const at::Tensor& like,
+                         int64_t in_features, int64_t features, int64_t groups) {
+  check_float_type(w, name.c_str());
+  TORCH_CHECK(w.scalar_type() == like.scalar_type() && w.device() == like.device(), name,
+              " is ", w.scalar_type(), " on ", w.device(), " but must be ", like.scalar_type(),
+              " on ", like.device());
+  TORCH_CHECK((w.dim() == 2 || w.dim() == 3) && w.size(1) == in_features, name, " must take ",
+              in_features, " input features: [", features, ", ", in_features,
+              "] or packed [panels, ", in_features, ", ", kPanelWidth, "], got shape ",
+              w.sizes());
+  if (w.dim() == 2) {
+    TORCH_CHECK(w.size(0) == features && w.stride(1) == 1, name, " must be a [", features,
+                ", ", in_features, "] matrix with contiguous rows (row-major, as nn.Linear "
+                "stores it), got shape ", w.sizes(), " and strides ", w.strides());
+    return;
+  }
+  const int64_t panels = groups * ((features / groups + kPanelWidth - 1) / kPanelWidth);
+  TORCH_CHECK(w.is_cpu() && w.scalar_type() != at::kHalf, "packed weights run on turbo's CPU "
+              "kernels, in float32 or bfloat16; ", name, " is ", w.scalar_type(), " on ",
+              w.device());
+  TORCH_CHECK(w.is_contiguous() && w.size(0) == panels && w.size(2) == kPanelWidth, name,
+              " must be packed by pack_linear_weight for ", features, " outputs in ", groups,
+              " group(s): a contiguous [", panels, ", ", in_features, ", ", kPanelWidth,
+              "] tensor, got ", w.sizes());
 }
 
 void check_cache(const at::Tensor& cache, const char* name, const at::Tensor& like) {

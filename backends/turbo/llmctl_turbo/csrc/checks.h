@@ -4,6 +4,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
+
 namespace turbo {
 
 // `t` is a tensor of dtype `dtype` with `dim` dimensions on `device_of`'s device.
@@ -15,6 +17,12 @@ void check_float_type(const at::Tensor& t, const char* name);
 
 // Rows of `t` may be strided, the elements inside a row must be contiguous.
 void check_rows_contiguous(const at::Tensor& t, const char* name);
+
+// A linear weight from `in_features` to `features` outputs in `groups` row groups, with
+// `like`'s dtype and device: the checkpoint's [out, in] matrix with contiguous rows, or
+// that matrix packed by pack_linear_weight (kernels.h) for the CPU kernels.
+void check_linear_weight(const at::Tensor& w, const std::string& name, const at::Tensor& like,
+                         int64_t in_features, int64_t features, int64_t groups);
 
 // One KV-cache tensor of one layer: [num_blocks, block_size, num_kv_heads, head_dim].
 void check_cache(const at::Tensor& cache, const char* name, const at::Tensor& like);

@@ -2,6 +2,10 @@
 // this build has one, everything else to the CPU kernels.
 #include "kernels.h"
 
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+
 namespace turbo {
 
 #ifdef LLMCTL_TURBO_CUDA
@@ -16,6 +20,34 @@ namespace turbo {
     cpu::fn(__VA_ARGS__);                                                                  \
   } while (0)
 #endif
+
+at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t groups) {
+  return cpu::pack_linear_weight(weight, groups);
+}
+
+void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+            const at::Tensor& bias) {
+  if (weight.dim() == 3) {
+    cpu::linear(out, x, weight, bias);
+  } else if (bias.numel() == 0) {
+    at::mm_out(out, x, weight.t());
+  } else {
+    at::addmm_out(out, bias, x, weight.t());
+  }
+}
+
+void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& gate_up,
+                     at::Tensor& gate_up_buffer) {
+  if (gate_up.dim() == 3) {
+    cpu::linear_silu_mul(out, x, gate_up);
+    return;
+  }
+  if (!gate_up_buffer.defined() || gate_up_buffer.size(0) != x.size(0)) {
+    gate_up_buffer = at::empty({x.size(0), gate_up.size(0)}, x.options());
+  }
+  at::mm_out(gate_up_buffer, x, gate_up.t());
+  silu_and_mul(out, gate_up_buffer);
+}
 
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
   TURBO_ON_DEVICE(x, rms_norm, out, x, weight, eps);

@@ -19,6 +19,27 @@
 
 namespace turbo {
 
+// Linear layers. A weight is the checkpoint's [N, K] matrix (rows contiguous), or, for
+// turbo's own CPU kernels (fp32, bf16), that matrix packed by pack_linear_weight into
+// [panels, K, 16]: panel p holds output features 16p .. 16p + 15 side by side for each
+// input feature, zero-padded. Packed weights run on the CPU kernels (cpu/row_kernels.h),
+// the others through ATen's matmul.
+//
+// `groups` packs equal row groups separately (each padded to whole panels): 2 for the
+// MLP's [gate; up], so that each gate panel has a matching up panel.
+constexpr int64_t kPanelWidth = 16;
+at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t groups);
+
+// out [T, N] = x [T, K] @ weight^T (+ bias [N]; an empty bias is none).
+void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+            const at::Tensor& bias);
+
+// out [T, I] = silu(x @ gate^T) * (x @ up^T) for gate_up = [gate; up] ([2I, K], or packed
+// with groups = 2). Unpacked, the product goes through `gate_up_buffer` ([T, 2I],
+// allocated here on first use and reused by later calls).
+void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& gate_up,
+                     at::Tensor& gate_up_buffer);
+
 // out[t] = x[t] / rms(x[t]) * weight
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
 
@@ -47,6 +68,10 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                      double scale);
 
 namespace cpu {
+at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t groups);
+void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+            const at::Tensor& bias);
+void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed);
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm(at::Tensor& out, at::Tensor& residual, const at::Tensor& x,
                   const at::Tensor& weight, double eps);

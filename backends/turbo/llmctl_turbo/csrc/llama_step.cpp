@@ -1,12 +1,11 @@
 #include "llama_step.h"
 
-#include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/index_select.h>
-#include <ATen/ops/mm.h>
 #include <c10/core/InferenceMode.h>
 
 #include <cmath>
+#include <string>
 
 #include "checks.h"
 #include "kernels.h"
@@ -14,43 +13,28 @@
 namespace turbo {
 namespace {
 
-// out = x @ w_t (+ bias): the one matmul shape of the model, through ATen (BLAS).
-void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& w_t, const at::Tensor& bias) {
-  if (bias.numel() == 0) {
-    at::mm_out(out, x, w_t);
-  } else {
-    at::addmm_out(out, bias, x, w_t);
-  }
-}
-
 // Checks that the prepared weights fit together, once per call (cheap: shapes only).
 void check_weights(at::TensorList weights, int64_t num_layers, int64_t hidden,
-                   int64_t qkv_width, int64_t attn_width, const at::Tensor& like) {
+                   int64_t qkv_width, int64_t attn_width, const at::Tensor& embed) {
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kHeadWeights + kLayerWeights * num_layers,
               "weights must hold ", kHeadWeights, " + ", kLayerWeights, " x ", num_layers,
               " layers = ", kHeadWeights + kLayerWeights * num_layers, " tensors, got ",
               weights.size());
   for (size_t i = 0; i < weights.size(); ++i) {
     const at::Tensor& w = weights[i];
-    TORCH_CHECK(w.scalar_type() == like.scalar_type() && w.device() == like.device(),
+    TORCH_CHECK(w.scalar_type() == embed.scalar_type() && w.device() == embed.device(),
                 "weights[", i, "] is ", w.scalar_type(), " on ", w.device(), "; every weight "
-                "must be ", like.scalar_type(), " on ", like.device());
+                "must be ", embed.scalar_type(), " on ", embed.device());
   }
-  TORCH_CHECK(weights[2].dim() == 2 && weights[2].size(0) == hidden,
-              "weights[2] (lm_head^T) must be [", hidden, ", vocab], got ", weights[2].sizes());
+  check_linear_weight(weights[2], "weights[2] (lm_head)", embed, hidden, embed.size(0), 1);
   for (int64_t l = 0; l < num_layers; ++l) {
     const at::Tensor* w = weights.data() + kHeadWeights + kLayerWeights * l;
-    TORCH_CHECK(w[1].dim() == 2 && w[1].size(0) == hidden && w[1].size(1) == qkv_width,
-                "layer ", l, ": qkv^T must be [", hidden, ", ", qkv_width, "], got ",
-                w[1].sizes());
-    TORCH_CHECK(w[3].dim() == 2 && w[3].size(0) == attn_width && w[3].size(1) == hidden,
-                "layer ", l, ": o_proj^T must be [", attn_width, ", ", hidden, "], got ",
-                w[3].sizes());
-    TORCH_CHECK(w[6].dim() == 2 && w[6].size(0) == hidden && w[6].size(1) % 2 == 0,
-                "layer ", l, ": gate_up^T must be [", hidden, ", 2 x intermediate], got ",
-                w[6].sizes());
-    TORCH_CHECK(w[7].dim() == 2 && w[7].size(0) == w[6].size(1) / 2 && w[7].size(1) == hidden,
-                "layer ", l, ": down^T must be [intermediate, ", hidden, "], got ", w[7].sizes());
+    const std::string layer = "layer " + std::to_string(l) + ": ";
+    const int64_t intermediate = w[7].dim() >= 2 ? w[7].size(1) : -1;
+    check_linear_weight(w[1], layer + "qkv", embed, hidden, qkv_width, 1);
+    check_linear_weight(w[3], layer + "o_proj", embed, attn_width, hidden, 1);
+    check_linear_weight(w[6], layer + "gate_up", embed, hidden, 2 * intermediate, 2);
+    check_linear_weight(w[7], layer + "down", embed, intermediate, hidden, 1);
   }
 }
 
@@ -97,7 +81,7 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
   check_slots(slot_mapping, num_blocks * block_size);
   check_positions(positions, cos_sin_cache.size(0));
 
-  const int64_t intermediate = weights[kHeadWeights + 6].size(1) / 2;
+  const int64_t intermediate = weights[kHeadWeights + 7].size(1);
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   const auto options = embed.options();
 
@@ -107,7 +91,7 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
   at::Tensor projected = at::empty({num_tokens, hidden}, options);
   at::Tensor qkv = at::empty({num_tokens, qkv_width}, options);
   at::Tensor attn = at::empty({num_tokens, num_heads, head_dim}, options);
-  at::Tensor gate_up = at::empty({num_tokens, 2 * intermediate}, options);
+  at::Tensor gate_up;  // allocated by linear_silu_mul where it does not fuse (kernels.h)
   at::Tensor activated = at::empty({num_tokens, intermediate}, options);
   // Views of qkv's columns, as [T, heads, D] with strided rows.
   at::Tensor q = qkv.narrow(1, 0, q_width).view({num_tokens, num_heads, head_dim});
@@ -115,6 +99,7 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
   at::Tensor v =
       qkv.narrow(1, q_width + kv_width, kv_width).view({num_tokens, num_kv_heads, head_dim});
   const at::Tensor attn_rows = attn.view({num_tokens, q_width});
+  const at::Tensor no_bias = at::empty({0}, options);
 
   for (int64_t l = 0; l < num_layers; ++l) {
     const at::Tensor* w = weights.data() + kHeadWeights + kLayerWeights * l;
@@ -136,9 +121,8 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
 
     // MLP block.
     add_rms_norm(normed, residual, projected, w[5], rms_norm_eps);
-    at::mm_out(gate_up, normed, w[6]);
-    silu_and_mul(activated, gate_up);
-    at::mm_out(projected, activated, w[7]);
+    linear_silu_mul(activated, normed, w[6], gate_up);
+    linear(projected, activated, w[7], no_bias);
   }
   add_rms_norm(normed, residual, projected, weights[1], rms_norm_eps);
 
@@ -146,7 +130,8 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
   const at::Tensor last_rows =
       num_tokens == num_seqs ? normed
                              : at::index_select(normed, 0, query_start_loc.narrow(0, 1, num_seqs).sub(1));
-  at::Tensor logits = at::mm(last_rows, weights[2]);
+  at::Tensor logits = at::empty({num_seqs, embed.size(0)}, options);
+  linear(logits, last_rows, weights[2], no_bias);
   return logits.scalar_type() == at::kFloat ? logits : logits.to(at::kFloat);
 }
 

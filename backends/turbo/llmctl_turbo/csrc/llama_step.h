@@ -13,12 +13,12 @@ constexpr int64_t kLayerWeights = 8;
 // Runs every layer over the step's T new tokens and returns fp32 logits [B, vocab] for
 // the last new token of each of the B sequences.
 //
-// weights (prepared once at load by runner.py; matrices are transposed [in, out] views
-// of the checkpoint's [out, in] weights, so each matmul is one at::mm_out):
-//   embed_tokens [V, hidden], final norm [hidden], lm_head^T [hidden, V], then per layer:
-//   input norm, qkv^T [hidden, (H + 2 KVH) D], qkv bias ((H + 2 KVH) D, or empty),
-//   o_proj^T [H D, hidden], o_proj bias (hidden, or empty), post-attention norm,
-//   gate_up^T [hidden, 2 I] (gate columns first), down^T [I, hidden].
+// weights (prepared once at load by runner.py; each matrix is the checkpoint's [out, in]
+// weight, or on the CPU that weight packed for turbo's kernels: see linear in kernels.h):
+//   embed_tokens [V, hidden], final norm [hidden], lm_head [V, hidden], then per layer:
+//   input norm, qkv [(H + 2 KVH) D, hidden], qkv bias ((H + 2 KVH) D, or empty),
+//   o_proj [hidden, H D], o_proj bias (hidden, or empty), post-attention norm,
+//   gate_up [2 I, hidden] (gate rows first; packed in 2 groups), down [hidden, I].
 // kv_cache: [layers, 2 (K, V), num_blocks, block_size, KVH, D], written in place.
 // The batch tensors are int32 and follow kernels.h.
 at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,

@@ -4,7 +4,11 @@
 #include <ATen/ops/arange.h>
 #include <torch/library.h>
 
+#include <string>
+
 #include "checks.h"
+#include "cpu/isa.h"
+#include "cpu/thread_pool.h"
 #include "kernels.h"
 #include "llama_step.h"
 
@@ -76,6 +80,43 @@ void silu_and_mul_op(at::Tensor out, const at::Tensor& gate_up) {
   silu_and_mul(out, gate_up);
 }
 
+at::Tensor pack_linear_weight_op(const at::Tensor& weight, int64_t groups) {
+  check_float_type(weight, "weight");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_cpu() && weight.scalar_type() != at::kHalf,
+              "pack_linear_weight packs a float32 or bfloat16 [out, in] matrix on the CPU, got ",
+              weight.scalar_type(), " ", weight.sizes(), " on ", weight.device());
+  TORCH_CHECK(groups >= 1 && weight.size(0) % groups == 0, "groups (", groups,
+              ") must divide the ", weight.size(0), " rows of weight");
+  return pack_linear_weight(weight, groups);
+}
+
+void linear_op(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
+               const at::Tensor& bias) {
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, in_features], got shape ", x.sizes());
+  check_float_rows(x, "x", x);
+  check_float_rows(out, "out", x);
+  TORCH_CHECK(out.size(0) == x.size(0), "out must have x's ", x.size(0), " rows, got ",
+              out.sizes());
+  check_linear_weight(weight, "weight", x, x.size(1), out.size(1), 1);
+  if (bias.numel() != 0) {
+    check_tensor(bias, "bias", x.scalar_type(), 1, x);
+    TORCH_CHECK(bias.size(0) == out.size(1) && bias.is_contiguous(), "bias must be empty "
+                "or a contiguous [", out.size(1), "] tensor, got ", bias.sizes());
+  }
+  linear(out, x, weight, bias);
+}
+
+void linear_silu_mul_op(at::Tensor out, const at::Tensor& x, const at::Tensor& gate_up) {
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, in_features], got shape ", x.sizes());
+  check_float_rows(x, "x", x);
+  check_float_rows(out, "out", x);
+  TORCH_CHECK(out.size(0) == x.size(0), "out must have x's ", x.size(0), " rows, got ",
+              out.sizes());
+  check_linear_weight(gate_up, "gate_up", x, x.size(1), 2 * out.size(1), 2);
+  at::Tensor buffer;
+  linear_silu_mul(out, x, gate_up, buffer);
+}
+
 void write_kv_cache_op(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache,
                        at::Tensor v_cache, const at::Tensor& slot_mapping) {
   check_heads(key, "key", key);
@@ -132,6 +173,9 @@ void paged_decode_attention_op(at::Tensor out, const at::Tensor& q, const at::Te
 }  // namespace
 
 TORCH_LIBRARY(llmctl_turbo, m) {
+  m.def("pack_linear_weight(Tensor weight, int groups=1) -> Tensor");
+  m.def("linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor bias) -> ()");
+  m.def("linear_silu_mul(Tensor(a!) out, Tensor x, Tensor gate_up) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor x, Tensor weight, "
         "float eps) -> ()");
@@ -148,10 +192,22 @@ TORCH_LIBRARY(llmctl_turbo, m) {
         "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, Tensor[] weights, "
         "Tensor(a!) kv_cache, Tensor cos_sin_cache, int num_heads, float rms_norm_eps) "
         "-> Tensor");
+  // The CPU kernels' threads and instruction set (cpu/thread_pool.h, cpu/isa.h).
+  m.def("cpu_threads() -> int", [] { return static_cast<int64_t>(cpu::num_threads()); });
+  m.def("set_cpu_threads(int threads) -> ()", [](int64_t threads) {
+    TORCH_CHECK(threads >= 1 && threads <= 4096, "the CPU thread count must be between 1 and "
+                "4096, got ", threads);
+    cpu::set_num_threads(static_cast<int>(threads));
+  });
+  m.def("cpu_isa() -> str", [] { return std::string(cpu::isa_name(cpu::active_isa())); });
+  m.def("set_cpu_isa(str name) -> ()", [](std::string name) { cpu::set_isa(name); });
 }
 
 // The same checked entry points serve CPU and CUDA tensors: kernels.h picks the device.
 #define TURBO_REGISTER_OPS(m)                                    \
+  m.impl("pack_linear_weight", &pack_linear_weight_op);          \
+  m.impl("linear", &linear_op);                                  \
+  m.impl("linear_silu_mul", &linear_silu_mul_op);                \
   m.impl("rms_norm", &rms_norm_op);                              \
   m.impl("add_rms_norm", &add_rms_norm_op);                      \
   m.impl("rotary_embedding", &rotary_embedding_op);              \

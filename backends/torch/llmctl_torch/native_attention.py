@@ -1,0 +1,29 @@
+"""Paged attention on the CPU through turbo's native C++ ops, as plain torch ops.
+
+turbo registers its kernels as ``torch.ops.llmctl_turbo.*``; on the CPU their paged
+attention reads each sequence's keys and values in place, from its own blocks, so the
+cost follows the real context lengths (the plain-torch path gathers every sequence's
+blocks into a padded tensor at every layer and step, then runs masked SDPA over the
+padding). The same three functions as ``attention.py``; used when llmctl-turbo is
+installed and its ops build here (``attention.attention_ops`` decides).
+"""
+
+from __future__ import annotations
+
+import torch
+from llmctl_turbo import ops as turbo_ops
+from llmctl_turbo.build import load_ops
+
+paged_decode_attention = turbo_ops.paged_decode_attention
+paged_prefill_attention = turbo_ops.paged_prefill_attention
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store ``k, v: [T, Hkv, D]`` at ``slot_mapping: [T]`` (the native op takes int32)."""
+    load_ops().write_kv_cache(k, v, k_cache, v_cache, slot_mapping.to(torch.int32))

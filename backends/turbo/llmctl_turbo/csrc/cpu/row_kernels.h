@@ -1,0 +1,459 @@
+// turbo's CPU kernels over raw rows, written once and compiled once per instruction set:
+// cpu_kernels.cpp includes this file inside namespaces turbo::cpu::avx512 / avx2 /
+// portable, each under its own target pragma, after defining in that namespace
+//   kVectorWidth  floats in one vector register (16, 8 or 4),
+//   kTileRows     rows of x and kTilePanels weight panels in one linear tile (sized so
+//                 the tile's accumulators and loads fit the register file),
+// and kPanelWidth (cpu_kernels.cpp) is the width of a packed weight panel.
+// No include guard and no includes here: the headers are included before the pragmas,
+// so nothing outside these namespaces is compiled for a wider instruction set.
+//
+// Arithmetic is fp32 whatever the storage type; a value transformers rounds to the
+// model dtype between two ops (the residual sum, the normalised row, silu(gate), each
+// linear's output) is rounded here at the same place, so bf16 results follow it closely.
+// Loops split across threads with parallel_for (cpu/thread_pool.h) only when there is
+// enough work to pay for waking the threads.
+
+// ---------------------------------------------------------------------------------
+// Vectors: GCC/Clang vector extensions, lowered to the registers of the target (one
+// zmm, one ymm, or an SSE/NEON register).
+
+typedef float FloatVec __attribute__((vector_size(kVectorWidth * sizeof(float))));
+typedef uint16_t Bits16Vec __attribute__((vector_size(kVectorWidth * sizeof(uint16_t))));
+typedef uint32_t Bits32Vec __attribute__((vector_size(kVectorWidth * sizeof(uint32_t))));
+
+inline FloatVec load_vec(const float* p) {
+  FloatVec v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// bf16 is the top half of an fp32: widen and shift.
+inline FloatVec load_vec(const c10::BFloat16* p) {
+  Bits16Vec half;
+  __builtin_memcpy(&half, p, sizeof(half));
+  const Bits32Vec bits = __builtin_convertvector(half, Bits32Vec) << 16;
+  FloatVec v;
+  __builtin_memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+inline float reduce_add(FloatVec v) {
+  float sum = 0.f;
+  for (int i = 0; i < kVectorWidth; ++i) sum += v[i];
+  return sum;
+}
+
+// Elements of work below which one thread does it all: waking a thread costs a few
+// microseconds, as much as a thread computes in that time.
+constexpr int64_t kMinWorkPerThread = 1 << 14;
+
+inline int64_t grain_for(int64_t work_per_item) {
+  return std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(1, work_per_item));
+}
+
+template <typename scalar_t>
+inline scalar_t round_to(float value) {
+  return static_cast<scalar_t>(value);
+}
+
+inline float silu(float x) { return x / (1.f + std::exp(-x)); }
+
+// exp(x) for the softmax numerators (x <= 0), written so the compiler vectorises the
+// loop around it (libm's expf is a call per element): x = n ln2 + r with |r| <= ln2 / 2,
+// exp(r) by Cephes' degree-6 polynomial, 2^n put straight into the exponent bits.
+// Relative error below 2e-7, the size of fp32 rounding.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);  // below this 2^n leaves the normal range; exp is ~0 anyway
+  constexpr float kRoundingShift = 12582912.f;  // 1.5 * 2^23: adding it rounds to integer
+  const float shifted = x * 1.44269504088896341f + kRoundingShift;
+  const float n = shifted - kRoundingShift;
+  const float r = (x - n * 0.693359375f) - n * -2.12194440e-4f;  // ln2 in two parts
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &shifted, sizeof(bits));
+  bits = (bits - 0x4B400000 + 127) << 23;  // the integer n, as a float exponent
+  float two_to_n;
+  std::memcpy(&two_to_n, &bits, sizeof(two_to_n));
+  return p * two_to_n;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  FloatVec acc = {};
+  int64_t i = 0;
+  for (; i + kVectorWidth <= n; i += kVectorWidth) acc += load_vec(a + i) * load_vec(b + i);
+  float sum = reduce_add(acc);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// The row as fp32: the row itself for fp32 storage, else converted into `buffer`.
+template <typename scalar_t>
+const float* as_float(const scalar_t* row, float* buffer, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return row;
+  } else {
+    for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(row[i]);
+    return buffer;
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// Linear layers: out = x @ w^T for the checkpoint's w [N, K], packed once at load into
+// panels of kPanelWidth output features: packed[p][k][c] = w[p * kPanelWidth + c][k]
+// (pack_linear_weight in kernels.h; the last panel is zero-padded).
+//
+// A tile is MR rows of x against NP panels: each k broadcasts MR values of x and loads NP
+// panel rows (contiguous), and MR x NP x kPanelWidth accumulators stay in registers, so
+// no horizontal sums are needed. Threads split the panels, so each streams its own slice
+// of the weights from memory exactly once per step for all the step's rows (decode:
+// every sequence at once). For many rows (prefill) the rows go in blocks that fit in L2.
+// The weight type is a template parameter (fp32, bf16): a per-channel int8 variant adds
+// a load_vec overload and scales each column's sums in the store.
+
+constexpr int kPanelVecs = kPanelWidth / kVectorWidth;  // vector registers per panel row
+
+// sums[r][j] for rows r < MR and columns j < NP * kPanelWidth of the panels `panels`.
+template <int MR, int NP, typename W>
+inline void panel_tile(const float* x, int64_t x_stride, const W* const (&panels)[NP], int64_t K,
+                       float (&sums)[MR][NP * kPanelWidth]) {
+  FloatVec acc[MR][NP * kPanelVecs] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    FloatVec w[NP * kPanelVecs];
+    for (int p = 0; p < NP; ++p) {
+      for (int v = 0; v < kPanelVecs; ++v) {
+        w[p * kPanelVecs + v] = load_vec(panels[p] + k * kPanelWidth + v * kVectorWidth);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const float xr = x[r * x_stride + k];
+      for (int j = 0; j < NP * kPanelVecs; ++j) acc[r][j] += w[j] * xr;
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    for (int j = 0; j < NP * kPanelVecs; ++j) {
+      __builtin_memcpy(&sums[r][j * kVectorWidth], &acc[r][j], sizeof(FloatVec));
+    }
+  }
+}
+
+// Rows [m_begin, m_end) of x against the NP panels, MR rows at a time (then fewer):
+// store(row, sums) per row.
+template <int MR, int NP, typename W, typename Store>
+inline void rows_against_panels(const float* x, int64_t x_stride, int64_t m_begin,
+                                int64_t m_end, int64_t K, const W* const (&panels)[NP],
+                                const Store& store) {
+  int64_t m = m_begin;
+  for (; m + MR <= m_end; m += MR) {
+    float sums[MR][NP * kPanelWidth];
+    panel_tile<MR, NP>(x + m * x_stride, x_stride, panels, K, sums);
+    for (int r = 0; r < MR; ++r) store(m + r, sums[r]);
+  }
+  if constexpr (MR > 1) {
+    if (m < m_end) rows_against_panels<MR - 1, NP>(x, x_stride, m, m_end, K, panels, store);
+  }
+}
+
+// Tiles [tile_begin, tile_end) of NP panels each against every row of x, the rows in
+// blocks that stay in L2 while a tile's panels are read from L1/L2.
+// tile_panels(tile, panels) fills a tile's panel pointers; store(m, tile, sums).
+template <int NP, typename W, typename TilePanels, typename Store>
+inline void panel_tiles(const float* x, int64_t x_stride, int64_t M, int64_t K,
+                        int64_t tile_begin, int64_t tile_end, const TilePanels& tile_panels,
+                        const Store& store) {
+  constexpr int64_t kRowBlockBytes = 256 * 1024;
+  const int64_t row_block = std::max<int64_t>(
+      kTileRows, kRowBlockBytes / (K * int64_t{sizeof(float)}) / kTileRows * kTileRows);
+  for (int64_t m0 = 0; m0 < M; m0 += row_block) {
+    const int64_t m1 = std::min(M, m0 + row_block);
+    for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
+      const W* panels[NP];
+      tile_panels(tile, panels);
+      rows_against_panels<kTileRows, NP>(
+          x, x_stride, m0, m1, K, panels,
+          [&](int64_t m, const float(&sums)[NP * kPanelWidth]) { store(m, tile, sums); });
+    }
+  }
+}
+
+// Tiles per parallel chunk: at least 64 KiB of weights, so that a chunk streams long
+// enough to amortise claiming it, unless many rows of x make fewer tiles worth a thread.
+template <typename W>
+inline int64_t tiles_grain(int64_t K, int64_t M, int64_t panels_per_tile) {
+  const int64_t tile_bytes = panels_per_tile * kPanelWidth * K * int64_t{sizeof(W)};
+  const int64_t by_bytes = (64 * 1024 + tile_bytes - 1) / tile_bytes;
+  const int64_t by_work = grain_for(panels_per_tile * kPanelWidth * K * M);
+  return std::max<int64_t>(1, std::min(by_bytes, by_work));
+}
+
+// out[m, n] = x[m] . w[n] (+ bias[n]) for n < N, rounded to the output type.
+template <typename W, typename Out>
+void linear_rows(Out* out, int64_t out_stride, const float* x, int64_t x_stride, int64_t M,
+                 int64_t K, const W* packed, int64_t N, const Out* bias) {
+  const int64_t panel_elems = K * kPanelWidth;
+  const int64_t num_panels = (N + kPanelWidth - 1) / kPanelWidth;
+  auto store = [&](int64_t m, int64_t first_panel, const float* sums, int panels) {
+    const int64_t n0 = first_panel * kPanelWidth;
+    const int64_t count = std::min<int64_t>(panels * kPanelWidth, N - n0);
+    Out* o = out + m * out_stride + n0;
+    for (int64_t c = 0; c < count; ++c) {
+      o[c] = round_to<Out>(bias ? sums[c] + static_cast<float>(bias[n0 + c]) : sums[c]);
+    }
+  };
+  const int64_t full_tiles = num_panels / kTilePanels;
+  parallel_for(0, full_tiles, tiles_grain<W>(K, M, kTilePanels), [&](int64_t begin, int64_t end) {
+    panel_tiles<kTilePanels, W>(
+        x, x_stride, M, K, begin, end,
+        [&](int64_t tile, const W*(&panels)[kTilePanels]) {
+          for (int p = 0; p < kTilePanels; ++p) {
+            panels[p] = packed + (tile * kTilePanels + p) * panel_elems;
+          }
+        },
+        [&](int64_t m, int64_t tile, const float(&sums)[kTilePanels * kPanelWidth]) {
+          store(m, tile * kTilePanels, sums, kTilePanels);
+        });
+  });
+  // The panels left over, one at a time.
+  panel_tiles<1, W>(
+      x, x_stride, M, K, full_tiles * kTilePanels, num_panels,
+      [&](int64_t panel, const W*(&panels)[1]) { panels[0] = packed + panel * panel_elems; },
+      [&](int64_t m, int64_t panel, const float(&sums)[kPanelWidth]) {
+        store(m, panel, sums, 1);
+      });
+}
+
+// out[m, j] = silu(x[m] . gate[j]) * (x[m] . up[j]) for j < I, from gate_up packed in two
+// groups (gate's panels, then up's): the MLP's first linear and its activation in one
+// pass, without an [M, 2I] buffer. A tile is one gate panel and the matching up panel.
+template <typename W, typename Out>
+void linear_silu_mul_rows(Out* out, int64_t out_stride, const float* x, int64_t x_stride,
+                          int64_t M, int64_t K, const W* packed, int64_t I) {
+  const int64_t panel_elems = K * kPanelWidth;
+  const int64_t group_panels = (I + kPanelWidth - 1) / kPanelWidth;
+  parallel_for(0, group_panels, tiles_grain<W>(K, M, 2), [&](int64_t begin, int64_t end) {
+    panel_tiles<2, W>(
+        x, x_stride, M, K, begin, end,
+        [&](int64_t panel, const W*(&panels)[2]) {
+          panels[0] = packed + panel * panel_elems;
+          panels[1] = packed + (group_panels + panel) * panel_elems;
+        },
+        [&](int64_t m, int64_t panel, const float(&sums)[2 * kPanelWidth]) {
+          const int64_t j0 = panel * kPanelWidth;
+          const int64_t count = std::min<int64_t>(kPanelWidth, I - j0);
+          Out* o = out + m * out_stride + j0;
+          for (int64_t c = 0; c < count; ++c) {
+            // As transformers in the model dtype: gate and up rounded, silu(gate) rounded.
+            const float gate = static_cast<float>(round_to<Out>(sums[c]));
+            const float up = static_cast<float>(round_to<Out>(sums[kPanelWidth + c]));
+            const float act = static_cast<float>(round_to<Out>(silu(gate)));
+            o[c] = round_to<Out>(act * up);
+          }
+        });
+  });
+}
+
+// ---------------------------------------------------------------------------------
+// RMSNorm, optionally with the residual add fused in front.
+
+template <typename scalar_t>
+void rms_norm_rows(scalar_t* out, int64_t out_stride, const scalar_t* x, int64_t x_stride,
+                   scalar_t* residual, int64_t residual_stride, const scalar_t* weight,
+                   int64_t rows, int64_t dim, float eps) {
+  parallel_for(0, rows, grain_for(dim), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* in = x + r * x_stride;
+      if (residual != nullptr) {
+        // transformers adds in the model dtype, then normalises the rounded sum.
+        scalar_t* res = residual + r * residual_stride;
+        for (int64_t i = 0; i < dim; ++i) {
+          res[i] = round_to<scalar_t>(static_cast<float>(res[i]) + static_cast<float>(in[i]));
+        }
+        in = res;
+      }
+      float sum_sq = 0.f;
+      for (int64_t i = 0; i < dim; ++i) {
+        const float v = static_cast<float>(in[i]);
+        sum_sq += v * v;
+      }
+      const float inv_rms = 1.f / std::sqrt(sum_sq / static_cast<float>(dim) + eps);
+      scalar_t* o = out + r * out_stride;
+      for (int64_t i = 0; i < dim; ++i) {
+        const float normed =
+            static_cast<float>(round_to<scalar_t>(static_cast<float>(in[i]) * inv_rms));
+        o[i] = round_to<scalar_t>(static_cast<float>(weight[i]) * normed);
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------
+// Rotary embedding, rotate-half layout: element i pairs with element i + D/2.
+
+template <typename scalar_t>
+void rotate_heads(scalar_t* row, int64_t num_heads, int64_t head_dim, const float* cos,
+                  const float* sin) {
+  const int64_t half = head_dim / 2;
+  for (int64_t h = 0; h < num_heads; ++h) {
+    scalar_t* x = row + h * head_dim;
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = static_cast<float>(x[i]);
+      const float x2 = static_cast<float>(x[i + half]);
+      x[i] = round_to<scalar_t>(x1 * cos[i] - x2 * sin[i]);
+      x[i + half] = round_to<scalar_t>(x2 * cos[i] + x1 * sin[i]);
+    }
+  }
+}
+
+template <typename scalar_t>
+void rotary_rows(const int32_t* positions, scalar_t* q, int64_t q_stride, int64_t num_heads,
+                 scalar_t* k, int64_t k_stride, int64_t num_kv_heads, const float* cos_sin,
+                 int64_t num_tokens, int64_t head_dim) {
+  const int64_t work = (num_heads + num_kv_heads) * head_dim;
+  parallel_for(0, num_tokens, grain_for(work), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* cos = cos_sin + static_cast<int64_t>(positions[t]) * head_dim;
+      const float* sin = cos + head_dim / 2;
+      rotate_heads(q + t * q_stride, num_heads, head_dim, cos, sin);
+      rotate_heads(k + t * k_stride, num_kv_heads, head_dim, cos, sin);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------
+// SiLU(gate) * up
+
+template <typename scalar_t>
+void silu_and_mul_rows(scalar_t* out, int64_t out_stride, const scalar_t* gate_up,
+                       int64_t in_stride, int64_t rows, int64_t width) {
+  parallel_for(0, rows, grain_for(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* gate = gate_up + r * in_stride;
+      const scalar_t* up = gate + width;
+      scalar_t* o = out + r * out_stride;
+      for (int64_t i = 0; i < width; ++i) {
+        const float act = static_cast<float>(round_to<scalar_t>(silu(static_cast<float>(gate[i]))));
+        o[i] = round_to<scalar_t>(act * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------
+// Paged KV cache write
+
+template <typename scalar_t>
+void write_kv_rows(const scalar_t* key, int64_t key_stride, const scalar_t* value,
+                   int64_t value_stride, scalar_t* k_cache, scalar_t* v_cache,
+                   const int32_t* slots, int64_t num_tokens, int64_t row_elems) {
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    std::memcpy(k_cache + slot * row_elems, key + t * key_stride, row_elems * sizeof(scalar_t));
+    std::memcpy(v_cache + slot * row_elems, value + t * value_stride, row_elems * sizeof(scalar_t));
+  }
+}
+
+// ---------------------------------------------------------------------------------
+// Paged attention. One work item is (query token, kv head): the `group` query heads that
+// share a kv head read each key and value row once, straight from the sequence's blocks,
+// so the cost follows each sequence's own context length. Scores are kept for the whole
+// context (two-pass softmax), which the context lengths served on a CPU afford.
+
+template <typename scalar_t>
+void paged_attention_rows(scalar_t* out, const scalar_t* q, const scalar_t* k_cache,
+                          const scalar_t* v_cache, const int32_t* block_tables,
+                          const int32_t* query_start_loc, const int32_t* context_lens,
+                          const AttentionShape& s, float scale) {
+  const int64_t D = s.head_dim;
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  const int64_t row_elems = s.num_kv_heads * D;  // one token of one block
+  const int64_t block_elems = s.block_size * row_elems;
+
+  std::vector<int32_t> seq_of_token(s.num_tokens);
+  int64_t total_keys = 0, max_context = 1;
+  for (int64_t b = 0; b < s.num_seqs; ++b) {
+    const int64_t q_len = query_start_loc[b + 1] - query_start_loc[b];
+    for (int32_t t = query_start_loc[b]; t < query_start_loc[b + 1]; ++t) seq_of_token[t] = b;
+    total_keys += q_len * context_lens[b];
+    max_context = std::max<int64_t>(max_context, context_lens[b]);
+  }
+
+  // Work per item on average, so that a batch of short contexts stays on one thread.
+  const int64_t work_per_item = std::max<int64_t>(1, total_keys / s.num_tokens) * group * D * 2;
+  parallel_for(0, s.num_tokens * s.num_kv_heads, grain_for(work_per_item),
+               [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scratch;
+    scratch.resize(group * (max_context + 2 * D + 1) + D);
+    float* scores = scratch.data();
+    float* q_scaled = scores + group * max_context;
+    float* acc = q_scaled + group * D;
+    float* sums = acc + group * D;
+    float* row_buffer = sums + group;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / s.num_kv_heads;
+      const int64_t kv_head = item % s.num_kv_heads;
+      const int64_t b = seq_of_token[t];
+      const int64_t q_len = query_start_loc[b + 1] - query_start_loc[b];
+      const int64_t num_keys = context_lens[b] - q_len + (t - query_start_loc[b]) + 1;
+      const int32_t* table = block_tables + b * s.table_stride;
+      const int64_t first_head = kv_head * group;
+
+      for (int64_t h = 0; h < group; ++h) {
+        const scalar_t* qh = q + t * s.q_stride + (first_head + h) * D;
+        for (int64_t d = 0; d < D; ++d) q_scaled[h * D + d] = static_cast<float>(qh[d]) * scale;
+      }
+
+      // Pass 1: scores, block by block (no division per key).
+      for (int64_t start = 0; start < num_keys; start += s.block_size) {
+        const scalar_t* block = k_cache + table[start / s.block_size] * block_elems + kv_head * D;
+        const int64_t count = std::min(s.block_size, num_keys - start);
+        for (int64_t j = 0; j < count; ++j) {
+          const float* k = as_float(block + j * row_elems, row_buffer, D);
+          for (int64_t h = 0; h < group; ++h) {
+            scores[h * max_context + start + j] = dot(q_scaled + h * D, k, D);
+          }
+        }
+      }
+
+      // Softmax numerators (normalised at the end).
+      for (int64_t h = 0; h < group; ++h) {
+        float* sh = scores + h * max_context;
+        float max_score = sh[0];
+        for (int64_t j = 1; j < num_keys; ++j) max_score = std::max(max_score, sh[j]);
+        float sum = 0.f;
+        for (int64_t j = 0; j < num_keys; ++j) {
+          sh[j] = exp_nonpositive(sh[j] - max_score);
+          sum += sh[j];
+        }
+        sums[h] = sum;
+      }
+
+      // Pass 2: weighted sum of values.
+      std::fill(acc, acc + group * D, 0.f);
+      for (int64_t start = 0; start < num_keys; start += s.block_size) {
+        const scalar_t* block = v_cache + table[start / s.block_size] * block_elems + kv_head * D;
+        const int64_t count = std::min(s.block_size, num_keys - start);
+        for (int64_t j = 0; j < count; ++j) {
+          const float* v = as_float(block + j * row_elems, row_buffer, D);
+          for (int64_t h = 0; h < group; ++h) {
+            const float p = scores[h * max_context + start + j];
+            float* ah = acc + h * D;
+            for (int64_t d = 0; d < D; ++d) ah[d] += p * v[d];
+          }
+        }
+      }
+
+      for (int64_t h = 0; h < group; ++h) {
+        const float inv_sum = 1.f / sums[h];
+        scalar_t* oh = out + t * s.out_stride + (first_head + h) * D;
+        for (int64_t d = 0; d < D; ++d) oh[d] = round_to<scalar_t>(acc[h * D + d] * inv_sum);
+      }
+    }
+  });
+}

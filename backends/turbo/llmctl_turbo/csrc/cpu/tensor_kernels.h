@@ -1,0 +1,110 @@
+// The tensor entry points of the CPU kernels (shapes were checked by the caller; see
+// kernels.h): unpack pointers and strides, pick the row kernel for the storage type.
+// Included after row_kernels.h in each instruction-set namespace of cpu_kernels.cpp.
+
+// x as fp32 rows: x itself when it is fp32, else converted once into a per-thread buffer.
+inline const float* float_rows(const at::Tensor& x, int64_t& stride) {
+  if (x.scalar_type() == at::kFloat) {
+    stride = x.stride(0);
+    return x.data_ptr<float>();
+  }
+  thread_local std::vector<float> buffer;
+  const int64_t rows = x.size(0), cols = x.size(1);
+  buffer.resize(rows * cols);
+  float* converted = buffer.data();
+  TURBO_DISPATCH_FLOAT_TYPES(x.scalar_type(), "float_rows", [&] {
+    const scalar_t* in = x.data_ptr<scalar_t>();
+    const int64_t in_stride = x.stride(0);
+    parallel_for(0, rows, grain_for(cols), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t i = 0; i < cols; ++i) converted[r * cols + i] = static_cast<float>(in[r * in_stride + i]);
+      }
+    });
+  });
+  stride = cols;
+  return converted;
+}
+
+void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+            const at::Tensor& bias) {
+  int64_t x_stride;
+  const float* xf = float_rows(x, x_stride);
+  TURBO_DISPATCH_LINEAR_TYPES(packed.scalar_type(), "linear", [&] {
+    linear_rows<scalar_t, scalar_t>(out.data_ptr<scalar_t>(), out.stride(0), xf, x_stride,
+                                    x.size(0), x.size(1), packed.data_ptr<scalar_t>(),
+                                    out.size(1),
+                                    bias.numel() ? bias.data_ptr<scalar_t>() : nullptr);
+  });
+}
+
+void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed) {
+  int64_t x_stride;
+  const float* xf = float_rows(x, x_stride);
+  TURBO_DISPATCH_LINEAR_TYPES(packed.scalar_type(), "linear_silu_mul", [&] {
+    linear_silu_mul_rows<scalar_t, scalar_t>(out.data_ptr<scalar_t>(), out.stride(0), xf,
+                                             x_stride, x.size(0), x.size(1),
+                                             packed.data_ptr<scalar_t>(), out.size(1));
+  });
+}
+
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TURBO_DISPATCH_FLOAT_TYPES(x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), out.stride(0), x.data_ptr<scalar_t>(),
+                            x.stride(0), nullptr, 0, weight.data_ptr<scalar_t>(), x.size(0),
+                            x.size(1), static_cast<float>(eps));
+  });
+}
+
+void add_rms_norm(at::Tensor& out, at::Tensor& residual, const at::Tensor& x,
+                  const at::Tensor& weight, double eps) {
+  TURBO_DISPATCH_FLOAT_TYPES(x.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), out.stride(0), x.data_ptr<scalar_t>(),
+                            x.stride(0), residual.data_ptr<scalar_t>(), residual.stride(0),
+                            weight.data_ptr<scalar_t>(), x.size(0), x.size(1),
+                            static_cast<float>(eps));
+  });
+}
+
+void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
+                      const at::Tensor& cos_sin_cache) {
+  TURBO_DISPATCH_FLOAT_TYPES(q.scalar_type(), "rotary_embedding", [&] {
+    rotary_rows<scalar_t>(positions.data_ptr<int32_t>(), q.data_ptr<scalar_t>(), q.stride(0),
+                          q.size(1), k.data_ptr<scalar_t>(), k.stride(0), k.size(1),
+                          cos_sin_cache.data_ptr<float>(), q.size(0), q.size(2));
+  });
+}
+
+void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
+  TURBO_DISPATCH_FLOAT_TYPES(out.scalar_type(), "silu_and_mul", [&] {
+    silu_and_mul_rows<scalar_t>(out.data_ptr<scalar_t>(), out.stride(0),
+                                gate_up.data_ptr<scalar_t>(), gate_up.stride(0), out.size(0),
+                                out.size(1));
+  });
+}
+
+void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+  TURBO_DISPATCH_FLOAT_TYPES(key.scalar_type(), "write_kv_cache", [&] {
+    write_kv_rows<scalar_t>(key.data_ptr<scalar_t>(), key.stride(0), value.data_ptr<scalar_t>(),
+                            value.stride(0), k_cache.data_ptr<scalar_t>(),
+                            v_cache.data_ptr<scalar_t>(), slot_mapping.data_ptr<int32_t>(),
+                            key.size(0), key.size(1) * key.size(2));
+  });
+}
+
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_tables,
+                     const at::Tensor& query_start_loc, const at::Tensor& context_lens,
+                     double scale) {
+  const AttentionShape shape{context_lens.size(0), q.size(0),        q.size(1),
+                             k_cache.size(2),      q.size(2),        k_cache.size(1),
+                             q.stride(0),          out.stride(0),    block_tables.stride(0)};
+  TURBO_DISPATCH_FLOAT_TYPES(q.scalar_type(), "paged_attention", [&] {
+    paged_attention_rows<scalar_t>(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
+                                   k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                                   block_tables.data_ptr<int32_t>(),
+                                   query_start_loc.data_ptr<int32_t>(),
+                                   context_lens.data_ptr<int32_t>(), shape,
+                                   static_cast<float>(scale));
+  });
+}
