@@ -68,6 +68,13 @@ def make_random_llama(
     return sum(p.numel() for p in model.parameters())
 
 
+def default_random_llama(out_dir: Path) -> Path:
+    """The default 24M model in ``out_dir``, made there first if absent (for benchmarks)."""
+    if not (out_dir / "config.json").is_file():
+        make_random_llama(out_dir)
+    return out_dir
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path, help="Directory to write the model into.")

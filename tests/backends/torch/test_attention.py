@@ -117,9 +117,11 @@ def test_bf16_inputs_give_bf16_outputs_close_to_fp32():
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
 
 
-def test_dispatch_defaults_to_torch_on_cpu_and_honours_the_env_var(monkeypatch):
-    assert attention_ops("cpu").paged_decode_attention is attention.paged_decode_attention
+def test_dispatch_on_cpu_prefers_turbos_native_op_and_honours_the_env_var(monkeypatch):
+    expected = "native" if attention.native_problem() is None else "torch"
+    assert attention_ops("cpu").name == expected
     monkeypatch.setenv("LLMCTL_TORCH_ATTENTION", "torch")
+    assert attention_ops("cpu").paged_decode_attention is attention.paged_decode_attention
     assert attention_ops("cuda").name == "torch"
     monkeypatch.setenv("LLMCTL_TORCH_ATTENTION", "flash")
     with pytest.raises(OptionError, match="LLMCTL_TORCH_ATTENTION"):

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from llmctl_torch.attention import native_problem
 from llmctl_torch.runner import TorchModelRunner
 
 from llmctl.engine.model_config import ModelConfig
@@ -30,12 +31,20 @@ def greedy(runner, prompts, max_new_tokens):
 
 
 @pytest.mark.parametrize("block_size", [16, 64])
-def test_greedy_tokens_equal_the_transformers_reference(stories_dir, block_size):
+@pytest.mark.parametrize("attention", ["native", "torch"])
+def test_greedy_tokens_equal_the_transformers_reference(
+    stories_dir, block_size, attention, monkeypatch
+):
+    """With turbo's native CPU attention (the default where it builds) and plain torch."""
+    if attention == "native" and (problem := native_problem()):
+        pytest.skip(f"turbo's native ops do not build here: {problem}")
+    monkeypatch.setenv("LLMCTL_TORCH_ATTENTION", attention)
     reference = json.loads((stories_dir / "reference_greedy.json").read_text())
     cases = reference["results"]
     runner = TorchModelRunner(
         stories_dir, ModelConfig.from_dir(stories_dir), block_size=block_size, num_blocks=64
     )
+    assert runner.ops.name == attention
     steps = reference["generation"]["max_new_tokens"]
     outputs = greedy(runner, [case["prompt_ids"] for case in cases], steps)
     for case, output in zip(cases, outputs):

@@ -38,10 +38,70 @@ inline FloatVec load_vec(const c10::BFloat16* p) {
   return v;
 }
 
-inline float reduce_add(FloatVec v) {
-  float sum = 0.f;
-  for (int i = 0; i < kVectorWidth; ++i) sum += v[i];
-  return sum;
+// The sum of a vector's lanes, by halving (log2 width shuffles and adds). A template so
+// that only the branch of this vector width is instantiated.
+template <typename Vec>
+inline float reduce_add(Vec v) {
+  constexpr int kWidth = sizeof(Vec) / sizeof(float);
+  if constexpr (kWidth == 16) {
+    v += __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  } else if constexpr (kWidth == 8) {
+    v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+  } else {
+    static_assert(kWidth == 4);
+    v += __builtin_shufflevector(v, v, 2, 3, 0, 1);
+    v += __builtin_shufflevector(v, v, 1, 0, 3, 2);
+  }
+  return v[0];
+}
+
+// The lane sums of four vectors at once: the vectors are folded into each other, so the
+// four sums cost about as much as one.
+template <typename Vec>
+inline void reduce_add4(Vec a, Vec b, Vec c, Vec d, float (&sums)[4]) {
+  constexpr int kWidth = sizeof(Vec) / sizeof(float);
+  if constexpr (kWidth == 16) {
+    // Halves: a's pair sums in lanes 0-7 and b's in 8-15 (c, d likewise).
+    const Vec ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
+                                                20, 21, 22, 23) +
+                        __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
+                                                27, 28, 29, 30, 31);
+    const Vec cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
+                                                20, 21, 22, 23) +
+                        __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26,
+                                                27, 28, 29, 30, 31);
+    // Quarters: a in lanes 0-3, b in 4-7, c in 8-11, d in 12-15.
+    Vec t = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24,
+                                         25, 26, 27) +
+                 __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28,
+                                         29, 30, 31);
+    t += __builtin_shufflevector(t, t, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    t += __builtin_shufflevector(t, t, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    sums[0] = t[0], sums[1] = t[4], sums[2] = t[8], sums[3] = t[12];
+  } else if constexpr (kWidth == 8) {
+    const Vec ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+                        __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+    const Vec cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 8, 9, 10, 11) +
+                        __builtin_shufflevector(c, d, 4, 5, 6, 7, 12, 13, 14, 15);
+    Vec t = __builtin_shufflevector(ab, cd, 0, 1, 4, 5, 8, 9, 12, 13) +
+                 __builtin_shufflevector(ab, cd, 2, 3, 6, 7, 10, 11, 14, 15);
+    t += __builtin_shufflevector(t, t, 1, 0, 3, 2, 5, 4, 7, 6);
+    sums[0] = t[0], sums[1] = t[2], sums[2] = t[4], sums[3] = t[6];
+  } else {
+    static_assert(kWidth == 4);
+    const Vec ab =
+        __builtin_shufflevector(a, b, 0, 1, 4, 5) + __builtin_shufflevector(a, b, 2, 3, 6, 7);
+    const Vec cd =
+        __builtin_shufflevector(c, d, 0, 1, 4, 5) + __builtin_shufflevector(c, d, 2, 3, 6, 7);
+    const Vec t = __builtin_shufflevector(ab, cd, 0, 2, 4, 6) +
+                       __builtin_shufflevector(ab, cd, 1, 3, 5, 7);
+    sums[0] = t[0], sums[1] = t[1], sums[2] = t[2], sums[3] = t[3];
+  }
 }
 
 // Elements of work below which one thread does it all: waking a thread costs a few
@@ -91,17 +151,6 @@ inline float dot(const float* a, const float* b, int64_t n) {
   float sum = reduce_add(acc);
   for (; i < n; ++i) sum += a[i] * b[i];
   return sum;
-}
-
-// The row as fp32: the row itself for fp32 storage, else converted into `buffer`.
-template <typename scalar_t>
-const float* as_float(const scalar_t* row, float* buffer, int64_t n) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return row;
-  } else {
-    for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(row[i]);
-    return buffer;
-  }
 }
 
 // ---------------------------------------------------------------------------------
@@ -365,6 +414,66 @@ void write_kv_rows(const scalar_t* key, int64_t key_stride, const scalar_t* valu
 // so the cost follows each sequence's own context length. Scores are kept for the whole
 // context (two-pass softmax), which the context lengths served on a CPU afford.
 
+// Rows of a cache block as fp32 (rows `stride` apart): the block itself for fp32 storage,
+// else converted into `buffer` (rows D apart).
+template <typename scalar_t>
+const float* rows_as_float(const scalar_t* rows, int64_t stride, int64_t count, int64_t D,
+                           float* buffer, int64_t& float_stride) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    float_stride = stride;
+    return rows;
+  } else {
+    for (int64_t j = 0; j < count; ++j) {
+      for (int64_t d = 0; d < D; ++d) buffer[j * D + d] = static_cast<float>(rows[j * stride + d]);
+    }
+    float_stride = D;
+    return buffer;
+  }
+}
+
+// scores[j * score_stride] = q . keys[j] for `count` keys `stride` apart, four keys at a
+// time so that one horizontal sum serves four scores.
+inline void score_keys(const float* q, const float* keys, int64_t stride, int64_t count,
+                       int64_t D, float* scores) {
+  const int64_t vec_end = D / kVectorWidth * kVectorWidth;
+  int64_t j = 0;
+  for (; j + 4 <= count; j += 4) {
+    const float* k = keys + j * stride;
+    FloatVec a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int64_t d = 0; d < vec_end; d += kVectorWidth) {
+      const FloatVec qv = load_vec(q + d);
+      a0 += qv * load_vec(k + d);
+      a1 += qv * load_vec(k + stride + d);
+      a2 += qv * load_vec(k + 2 * stride + d);
+      a3 += qv * load_vec(k + 3 * stride + d);
+    }
+    float s[4];
+    reduce_add4(a0, a1, a2, a3, s);
+    for (int64_t d = vec_end; d < D; ++d) {
+      for (int i = 0; i < 4; ++i) s[i] += q[d] * k[i * stride + d];
+    }
+    for (int i = 0; i < 4; ++i) scores[j + i] = s[i];
+  }
+  for (; j < count; ++j) scores[j] = dot(q, keys + j * stride, D);
+}
+
+// acc[0 .. D) += sum over j of weights[j] * values[j], the running sum kept in registers
+// over all `count` rows.
+inline void accumulate_values(float* acc, const float* weights, const float* values,
+                              int64_t stride, int64_t count, int64_t D) {
+  int64_t d = 0;
+  for (; d + kVectorWidth <= D; d += kVectorWidth) {
+    FloatVec sum = load_vec(acc + d);
+    for (int64_t j = 0; j < count; ++j) sum += load_vec(values + j * stride + d) * weights[j];
+    __builtin_memcpy(acc + d, &sum, sizeof(sum));
+  }
+  for (; d < D; ++d) {
+    float sum = acc[d];
+    for (int64_t j = 0; j < count; ++j) sum += values[j * stride + d] * weights[j];
+    acc[d] = sum;
+  }
+}
+
 template <typename scalar_t>
 void paged_attention_rows(scalar_t* out, const scalar_t* q, const scalar_t* k_cache,
                           const scalar_t* v_cache, const int32_t* block_tables,
@@ -389,12 +498,12 @@ void paged_attention_rows(scalar_t* out, const scalar_t* q, const scalar_t* k_ca
   parallel_for(0, s.num_tokens * s.num_kv_heads, grain_for(work_per_item),
                [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch;
-    scratch.resize(group * (max_context + 2 * D + 1) + D);
+    scratch.resize(group * (max_context + 2 * D + 1) + s.block_size * D);
     float* scores = scratch.data();
     float* q_scaled = scores + group * max_context;
     float* acc = q_scaled + group * D;
     float* sums = acc + group * D;
-    float* row_buffer = sums + group;
+    float* block_buffer = sums + group;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item / s.num_kv_heads;
       const int64_t kv_head = item % s.num_kv_heads;
@@ -411,13 +520,13 @@ void paged_attention_rows(scalar_t* out, const scalar_t* q, const scalar_t* k_ca
 
       // Pass 1: scores, block by block (no division per key).
       for (int64_t start = 0; start < num_keys; start += s.block_size) {
-        const scalar_t* block = k_cache + table[start / s.block_size] * block_elems + kv_head * D;
         const int64_t count = std::min(s.block_size, num_keys - start);
-        for (int64_t j = 0; j < count; ++j) {
-          const float* k = as_float(block + j * row_elems, row_buffer, D);
-          for (int64_t h = 0; h < group; ++h) {
-            scores[h * max_context + start + j] = dot(q_scaled + h * D, k, D);
-          }
+        int64_t stride;
+        const float* keys =
+            rows_as_float(k_cache + table[start / s.block_size] * block_elems + kv_head * D,
+                          row_elems, count, D, block_buffer, stride);
+        for (int64_t h = 0; h < group; ++h) {
+          score_keys(q_scaled + h * D, keys, stride, count, D, scores + h * max_context + start);
         }
       }
 
@@ -437,15 +546,14 @@ void paged_attention_rows(scalar_t* out, const scalar_t* q, const scalar_t* k_ca
       // Pass 2: weighted sum of values.
       std::fill(acc, acc + group * D, 0.f);
       for (int64_t start = 0; start < num_keys; start += s.block_size) {
-        const scalar_t* block = v_cache + table[start / s.block_size] * block_elems + kv_head * D;
         const int64_t count = std::min(s.block_size, num_keys - start);
-        for (int64_t j = 0; j < count; ++j) {
-          const float* v = as_float(block + j * row_elems, row_buffer, D);
-          for (int64_t h = 0; h < group; ++h) {
-            const float p = scores[h * max_context + start + j];
-            float* ah = acc + h * D;
-            for (int64_t d = 0; d < D; ++d) ah[d] += p * v[d];
-          }
+        int64_t stride;
+        const float* values =
+            rows_as_float(v_cache + table[start / s.block_size] * block_elems + kv_head * D,
+                          row_elems, count, D, block_buffer, stride);
+        for (int64_t h = 0; h < group; ++h) {
+          accumulate_values(acc + h * D, scores + h * max_context + start, values, stride, count,
+                            D);
         }
       }
 

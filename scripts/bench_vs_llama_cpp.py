@@ -1,0 +1,176 @@
+"""Batch-1 decode: turbo against llama.cpp's own ``llama-bench`` on the same weights.
+
+    python scripts/bench_vs_llama_cpp.py                   # stories260K and the 24M Llama
+    python scripts/bench_vs_llama_cpp.py --threads 2 --tokens 128 --rounds 5
+
+llama.cpp is a benchmark-only tool here, never a dependency of llmctl. Its source comes
+from the package registry (``pip download --no-binary :all: llama-cpp-python`` vendors
+llama.cpp, its ``convert_hf_to_gguf.py`` and ``llama-bench``); it is built with CMake in
+``--work-dir`` (outside the repository, reused by later runs). Each model is converted to
+an f32 GGUF with llama.cpp's own converter. The 24M model is the seeded random Llama of
+``make_random_llama.py``, made in the work dir if absent.
+
+Per round, alternating so that a busy machine slows both alike: ``llama-bench -p 0 -n
+TOKENS -t THREADS`` (token generation, its tok/s), then turbo with the same thread count,
+fp32: its model calls alone (``runner.execute`` per token, greedy token fed back: what
+llama-bench times) and the whole engine (``LLM.generate`` of TOKENS tokens, with
+scheduling and sampling). Each column is its best round; one table, ratios from the same
+run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+from decode_loop import blocks_needed, decode_step_times, load_runner
+from make_random_llama import default_random_llama
+
+REPO = Path(__file__).resolve().parents[1]
+STORIES = REPO.parent / "shared" / "models" / "stories260K"
+LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python release whose vendored llama.cpp is built
+
+
+def parse_args() -> argparse.Namespace:
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/llmctl-llama-cpp"))
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--tokens", type=int, default=128, help="tokens generated per run")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--models", default="stories260K,llama-24m", help="comma-separated: stories260K, llama-24m"
+    )
+    return parser.parse_args()
+
+
+def run(command: list, **kwargs) -> str:
+    """Run a command; on failure show its output and stop."""
+    result = subprocess.run(
+        [str(part) for part in command], capture_output=True, text=True, check=False, **kwargs
+    )
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(map(str, command))} failed:\n{result.stdout}{result.stderr}")
+    return result.stdout
+
+
+def llama_cpp_source(work_dir: Path) -> Path:
+    """llama.cpp's source, from the llama-cpp-python source release on the registry."""
+    source = work_dir / "llama.cpp"
+    if (source / "CMakeLists.txt").is_file():
+        return source
+    download = work_dir / "download"
+    print(f"downloading llama-cpp-python {LLAMA_CPP_PYTHON} (source) ...", flush=True)
+    run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+         f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "-d", download])  # fmt: skip
+    (archive,) = download.glob("llama_cpp_python-*.tar.gz")
+    with tarfile.open(archive) as tar:
+        tar.extractall(download, filter="data")
+    shutil.move(download / archive.name.removesuffix(".tar.gz") / "vendor" / "llama.cpp", source)
+    return source
+
+
+def llama_bench_binary(source: Path, threads: int) -> Path:
+    binary = source / "build" / "bin" / "llama-bench"
+    if binary.is_file():
+        return binary
+    print("building llama-bench (several minutes) ...", flush=True)
+    run(["cmake", "-S", source, "-B", source / "build", "-DCMAKE_BUILD_TYPE=Release",
+         "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+         "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"])  # fmt: skip
+    run(["cmake", "--build", source / "build", "--target", "llama-bench", "-j", threads])
+    return binary
+
+
+def model_dir(name: str, work_dir: Path) -> Path:
+    if name == "stories260K":
+        if not (STORIES / "config.json").is_file():
+            raise SystemExit(f"stories260K not found at {STORIES}")
+        return STORIES
+    if name == "llama-24m":
+        return default_random_llama(work_dir / "llama-24m")
+    raise SystemExit(f"unknown model {name!r}: use stories260K or llama-24m")
+
+
+def f32_gguf(source: Path, model: Path, work_dir: Path, name: str) -> Path:
+    path = work_dir / f"{name}-f32.gguf"
+    if not path.is_file():
+        print(f"converting {name} to an f32 GGUF ...", flush=True)
+        run([sys.executable, source / "convert_hf_to_gguf.py", model, "--outtype", "f32",
+             "--outfile", path])  # fmt: skip
+    return path
+
+
+def llama_bench_tokens_per_s(binary: Path, gguf: Path, tokens: int, threads: int) -> float:
+    output = run([binary, "-m", gguf, "-p", 0, "-n", tokens, "-t", threads, "-r", 1, "-o", "json"])
+    (result,) = json.loads(output)
+    return float(result["avg_ts"])
+
+
+def turbo_model_calls_tokens_per_s(runner, tokens: int) -> float:
+    times = decode_step_times(runner, batch=1, prompt_len=1, steps=tokens)
+    return len(times) / sum(times)
+
+
+def turbo_generate_tokens_per_s(llm, tokens: int) -> float:
+    from llmctl import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    started = time.perf_counter()
+    (output,) = llm.generate([[1]], params)
+    return len(output.token_ids) / (time.perf_counter() - started)
+
+
+def main() -> None:
+    args = parse_args()
+    from llmctl import LLM
+
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    source = llama_cpp_source(args.work_dir)
+    binary = llama_bench_binary(source, args.threads)
+    rows = []
+    for name in args.models.split(","):
+        model = model_dir(name, args.work_dir)
+        gguf = f32_gguf(source, model, args.work_dir, name)
+        runner = load_runner("turbo", model, blocks_needed(1, args.tokens + 1), args.threads)
+        llm = LLM(str(model), backend="turbo", device="cpu", dtype="float32",
+                  cpu_threads=args.threads)  # fmt: skip
+        turbo_model_calls_tokens_per_s(runner, 8)  # warm-up
+        turbo_generate_tokens_per_s(llm, 8)
+        best = {"llama": 0.0, "calls": 0.0, "generate": 0.0}
+        for _ in range(args.rounds):
+            best["llama"] = max(
+                best["llama"], llama_bench_tokens_per_s(binary, gguf, args.tokens, args.threads)
+            )
+            best["calls"] = max(best["calls"], turbo_model_calls_tokens_per_s(runner, args.tokens))
+            best["generate"] = max(best["generate"], turbo_generate_tokens_per_s(llm, args.tokens))
+        llm.shutdown()
+        rows.append((name, best))
+
+    print(
+        f"\nBatch-1 decode, {args.tokens} tokens, fp32, {args.threads} threads, best of "
+        f"{args.rounds} alternating rounds (llama.cpp from llama-cpp-python "
+        f"{LLAMA_CPP_PYTHON})\n"
+    )
+    print(
+        "| model | llama-bench tok/s | turbo model calls tok/s | ratio | "
+        "turbo LLM.generate tok/s | ratio |"
+    )
+    print("|---|---|---|---|---|---|")
+    for name, best in rows:
+        print(
+            f"| {name} | {best['llama']:,.0f} | {best['calls']:,.0f} | "
+            f"{best['calls'] / best['llama']:.2f}x | {best['generate']:,.0f} | "
+            f"{best['generate'] / best['llama']:.2f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()
