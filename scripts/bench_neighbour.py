@@ -47,10 +47,13 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def measure(runner, args: argparse.Namespace) -> float:
+    """The median decode step of `runner`, in seconds."""
+    return median(decode_step_times(runner, args.batch, PROMPT_LEN, args.steps))
+
+
 def start_neighbour() -> subprocess.Popen:
-    process = subprocess.Popen(
-        [sys.executable, "-c", NEIGHBOUR], stdout=subprocess.PIPE, text=True
-    )
+    process = subprocess.Popen([sys.executable, "-c", NEIGHBOUR], stdout=subprocess.PIPE, text=True)
     if process.stdout.readline().strip() != "running":
         process.kill()
         raise SystemExit("the neighbour process did not start")
@@ -78,18 +81,14 @@ def main() -> None:
             blocks_needed(args.batch, PROMPT_LEN + args.steps),
             args.cpu_threads,
         )
-
-        def measure() -> float:
-            return median(decode_step_times(runner, args.batch, PROMPT_LEN, args.steps))
-
-        measure()  # warm-up
-        alone = measure()
+        measure(runner, args)  # warm-up
+        alone = measure(runner, args)
         neighbour = start_neighbour()
         try:
-            beside = measure()
+            beside = measure(runner, args)
         finally:
             stop_neighbour(neighbour)
-        alone_after = measure()
+        alone_after = measure(runner, args)
         baseline = min(alone, alone_after)
         rows.append((backend, alone, alone_after, beside, beside / baseline))
         del runner

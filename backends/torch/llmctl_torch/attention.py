@@ -143,9 +143,7 @@ def attention_ops(device: torch.device | str) -> SimpleNamespace:
     ops where they build, else plain torch; unless ``LLMCTL_TORCH_ATTENTION`` names one."""
     choice = os.environ.get(ENV_VAR, "").strip().lower()
     if choice and choice not in CHOICES:
-        raise OptionError(
-            f"{ENV_VAR}={choice!r}: use {', '.join(CHOICES)} (or leave it unset)"
-        )
+        raise OptionError(f"{ENV_VAR}={choice!r}: use {', '.join(CHOICES)} (or leave it unset)")
     if not choice:
         if torch.device(device).type == "cuda":
             choice = "triton"
