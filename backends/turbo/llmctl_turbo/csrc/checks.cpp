@@ -29,9 +29,13 @@ void check_rows_contiguous(const at::Tensor& t, const char* name) {
   }
 }
 
-void check_linear_weight(const at::Tensor& w, const std::string& name, const at::Tensor& like,
+std::ostream& operator<<(std::ostream& out, const WeightName& weight) {
+  if (weight.layer >= 0) out << "layer " << weight.layer << ": ";
+  return out << weight.name;
+}
+
+void check_linear_weight(const at::Tensor& w, WeightName name, const at::Tensor& like,
                          int64_t in_features, int64_t features, int64_t groups) {
-  check_float_type(w, name.c_str());
   TORCH_CHECK(w.scalar_type() == like.scalar_type() && w.device() == like.device(), name,
               " is ", w.scalar_type(), " on ", w.device(), " but must be ", like.scalar_type(),
               " on ", like.device());
@@ -104,6 +108,16 @@ void check_slots(const at::Tensor& slot_mapping, int64_t num_slots) {
   for (int64_t t = 0; t < slot_mapping.size(0); ++t) {
     TORCH_CHECK(slots[t] >= -1 && slots[t] < num_slots, "slot_mapping[", t, "] = ", slots[t],
                 " is outside the cache's ", num_slots, " slots (-1 skips a token)");
+  }
+}
+
+void check_token_ids(const at::Tensor& input_ids, int64_t vocab_size) {
+  TORCH_CHECK(input_ids.is_contiguous(), "input_ids must be contiguous");
+  if (!input_ids.device().is_cpu()) return;
+  const int32_t* ids = input_ids.data_ptr<int32_t>();
+  for (int64_t t = 0; t < input_ids.size(0); ++t) {
+    TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab_size, "input_ids[", t, "] = ", ids[t],
+                " is outside the vocabulary of ", vocab_size, " tokens");
   }
 }
 

@@ -4,7 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <string>
+#include <ostream>
 
 namespace turbo {
 
@@ -18,10 +18,18 @@ void check_float_type(const at::Tensor& t, const char* name);
 // Rows of `t` may be strided, the elements inside a row must be contiguous.
 void check_rows_contiguous(const at::Tensor& t, const char* name);
 
+// A weight's name in messages: "qkv" or, with a layer, "layer 3: qkv". Formatted only when
+// a check fails (the native step checks its weights on every call).
+struct WeightName {
+  const char* name;
+  int64_t layer = -1;
+};
+std::ostream& operator<<(std::ostream& out, const WeightName& weight);
+
 // A linear weight from `in_features` to `features` outputs in `groups` row groups, with
-// `like`'s dtype and device: the checkpoint's [out, in] matrix with contiguous rows, or
+// `like`'s (checked) dtype and device: the checkpoint's [out, in] matrix with contiguous rows, or
 // that matrix packed by pack_linear_weight (kernels.h) for the CPU kernels.
-void check_linear_weight(const at::Tensor& w, const std::string& name, const at::Tensor& like,
+void check_linear_weight(const at::Tensor& w, WeightName name, const at::Tensor& like,
                          int64_t in_features, int64_t features, int64_t groups);
 
 // One KV-cache tensor of one layer: [num_blocks, block_size, num_kv_heads, head_dim].
@@ -37,6 +45,9 @@ void check_batch(const at::Tensor& block_tables, const at::Tensor& query_start_l
 
 // Every slot is -1 (skip) or inside a cache of num_blocks * block_size slots.
 void check_slots(const at::Tensor& slot_mapping, int64_t num_slots);
+
+// Every token id has a row in an embedding table of `vocab_size` rows.
+void check_token_ids(const at::Tensor& input_ids, int64_t vocab_size);
 
 // Every position has a row in the cos/sin cache.
 void check_positions(const at::Tensor& positions, int64_t max_positions);

@@ -127,6 +127,19 @@ void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
   TURBO_ON_ACTIVE_ISA(linear_silu_mul, out, x, packed);
 }
 
+void embedding(at::Tensor& out, const at::Tensor& embed, const at::Tensor& ids) {
+  const int64_t row_bytes = embed.size(1) * embed.element_size();
+  const char* table = static_cast<const char*>(embed.data_ptr());
+  char* rows = static_cast<char*>(out.data_ptr());
+  const int32_t* id = ids.data_ptr<int32_t>();
+  parallel_for(0, ids.size(0), std::max<int64_t>(1, (256 * 1024) / row_bytes),
+               [&](int64_t begin, int64_t end) {
+                 for (int64_t t = begin; t < end; ++t) {
+                   std::memcpy(rows + t * row_bytes, table + id[t] * row_bytes, row_bytes);
+                 }
+               });
+}
+
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
   TURBO_ON_ACTIVE_ISA(rms_norm, out, x, weight, eps);
 }

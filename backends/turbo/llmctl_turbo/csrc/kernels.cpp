@@ -4,6 +4,7 @@
 
 #include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/index_select.h>
 #include <ATen/ops/mm.h>
 
 namespace turbo {
@@ -47,6 +48,14 @@ void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& gat
   }
   at::mm_out(gate_up_buffer, x, gate_up.t());
   silu_and_mul(out, gate_up_buffer);
+}
+
+void embedding(at::Tensor& out, const at::Tensor& embed, const at::Tensor& ids) {
+  if (embed.is_cpu()) {
+    cpu::embedding(out, embed, ids);  // ATen's would wake its OpenMP threads beside turbo's
+  } else {
+    at::index_select_out(out, embed, 0, ids);
+  }
 }
 
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {

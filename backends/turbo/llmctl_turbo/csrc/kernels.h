@@ -40,6 +40,9 @@ void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
 void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& gate_up,
                      at::Tensor& gate_up_buffer);
 
+// out[t] = embed[ids[t]]: the embedding lookup (ids int32; checked by the caller).
+void embedding(at::Tensor& out, const at::Tensor& embed, const at::Tensor& ids);
+
 // out[t] = x[t] / rms(x[t]) * weight
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
 
@@ -72,6 +75,7 @@ at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t groups);
 void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
             const at::Tensor& bias);
 void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed);
+void embedding(at::Tensor& out, const at::Tensor& embed, const at::Tensor& ids);
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm(at::Tensor& out, at::Tensor& residual, const at::Tensor& x,
                   const at::Tensor& weight, double eps);

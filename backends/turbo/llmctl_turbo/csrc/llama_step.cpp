@@ -5,7 +5,6 @@
 #include <c10/core/InferenceMode.h>
 
 #include <cmath>
-#include <string>
 
 #include "checks.h"
 #include "kernels.h"
@@ -26,15 +25,14 @@ void check_weights(at::TensorList weights, int64_t num_layers, int64_t hidden,
                 "weights[", i, "] is ", w.scalar_type(), " on ", w.device(), "; every weight "
                 "must be ", embed.scalar_type(), " on ", embed.device());
   }
-  check_linear_weight(weights[2], "weights[2] (lm_head)", embed, hidden, embed.size(0), 1);
+  check_linear_weight(weights[2], {"weights[2] (lm_head)"}, embed, hidden, embed.size(0), 1);
   for (int64_t l = 0; l < num_layers; ++l) {
     const at::Tensor* w = weights.data() + kHeadWeights + kLayerWeights * l;
-    const std::string layer = "layer " + std::to_string(l) + ": ";
     const int64_t intermediate = w[7].dim() >= 2 ? w[7].size(1) : -1;
-    check_linear_weight(w[1], layer + "qkv", embed, hidden, qkv_width, 1);
-    check_linear_weight(w[3], layer + "o_proj", embed, attn_width, hidden, 1);
-    check_linear_weight(w[6], layer + "gate_up", embed, hidden, 2 * intermediate, 2);
-    check_linear_weight(w[7], layer + "down", embed, intermediate, hidden, 1);
+    check_linear_weight(w[1], {"qkv", l}, embed, hidden, qkv_width, 1);
+    check_linear_weight(w[3], {"o_proj", l}, embed, attn_width, hidden, 1);
+    check_linear_weight(w[6], {"gate_up", l}, embed, hidden, 2 * intermediate, 2);
+    check_linear_weight(w[7], {"down", l}, embed, intermediate, hidden, 1);
   }
 }
 
@@ -64,6 +62,8 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
   const int64_t qkv_width = q_width + 2 * kv_width;
 
   check_float_type(embed, "weights[0] (embed_tokens)");
+  TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous(),
+              "weights[0] (embed_tokens) must be a contiguous [vocab, hidden] tensor");
   check_tensor(input_ids, "input_ids", at::kInt, 1, embed);
   check_tensor(positions, "positions", at::kInt, 1, embed);
   check_tensor(slot_mapping, "slot_mapping", at::kInt, 1, embed);
@@ -80,13 +80,15 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
   check_batch(block_tables, query_start_loc, context_lens, num_tokens, num_blocks, block_size);
   check_slots(slot_mapping, num_blocks * block_size);
   check_positions(positions, cos_sin_cache.size(0));
+  check_token_ids(input_ids, embed.size(0));
 
   const int64_t intermediate = weights[kHeadWeights + 7].size(1);
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   const auto options = embed.options();
 
   // The step's buffers, reused by every layer. The residual stream starts as embeddings.
-  at::Tensor residual = at::index_select(embed, 0, input_ids);
+  at::Tensor residual = at::empty({num_tokens, hidden}, options);
+  embedding(residual, embed, input_ids);
   at::Tensor normed = at::empty({num_tokens, hidden}, options);
   at::Tensor projected = at::empty({num_tokens, hidden}, options);
   at::Tensor qkv = at::empty({num_tokens, qkv_width}, options);

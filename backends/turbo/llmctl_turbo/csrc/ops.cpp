@@ -97,7 +97,7 @@ void linear_op(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
   check_float_rows(out, "out", x);
   TORCH_CHECK(out.size(0) == x.size(0), "out must have x's ", x.size(0), " rows, got ",
               out.sizes());
-  check_linear_weight(weight, "weight", x, x.size(1), out.size(1), 1);
+  check_linear_weight(weight, {"weight"}, x, x.size(1), out.size(1), 1);
   if (bias.numel() != 0) {
     check_tensor(bias, "bias", x.scalar_type(), 1, x);
     TORCH_CHECK(bias.size(0) == out.size(1) && bias.is_contiguous(), "bias must be empty "
@@ -112,7 +112,7 @@ void linear_silu_mul_op(at::Tensor out, const at::Tensor& x, const at::Tensor& g
   check_float_rows(out, "out", x);
   TORCH_CHECK(out.size(0) == x.size(0), "out must have x's ", x.size(0), " rows, got ",
               out.sizes());
-  check_linear_weight(gate_up, "gate_up", x, x.size(1), 2 * out.size(1), 2);
+  check_linear_weight(gate_up, {"gate_up"}, x, x.size(1), 2 * out.size(1), 2);
   at::Tensor buffer;
   linear_silu_mul(out, x, gate_up, buffer);
 }

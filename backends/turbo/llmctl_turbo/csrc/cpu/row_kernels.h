@@ -145,11 +145,43 @@ inline float exp_nonpositive(float x) {
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
-  FloatVec acc = {};
+  float sum = 0.f;
   int64_t i = 0;
-  for (; i + kVectorWidth <= n; i += kVectorWidth) acc += load_vec(a + i) * load_vec(b + i);
-  float sum = reduce_add(acc);
+  if (n >= kVectorWidth) {
+    FloatVec acc = {};
+    for (; i + kVectorWidth <= n; i += kVectorWidth) acc += load_vec(a + i) * load_vec(b + i);
+    sum = reduce_add(acc);
+  }
   for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// The largest and the sum of n floats, a vector at a time (a scalar loop would be one
+// dependent chain: the compiler may not reorder float sums).
+inline float max_of(const float* x, int64_t n) {
+  float result = x[0];
+  int64_t i = 0;
+  if (n >= kVectorWidth) {
+    FloatVec best = load_vec(x);
+    for (i = kVectorWidth; i + kVectorWidth <= n; i += kVectorWidth) {
+      const FloatVec v = load_vec(x + i);
+      best = best > v ? best : v;
+    }
+    for (int l = 0; l < kVectorWidth; ++l) result = std::max(result, best[l]);
+  }
+  for (; i < n; ++i) result = std::max(result, x[i]);
+  return result;
+}
+
+inline float sum_of(const float* x, int64_t n) {
+  float sum = 0.f;
+  int64_t i = 0;
+  if (n >= kVectorWidth) {
+    FloatVec acc = {};
+    for (; i + kVectorWidth <= n; i += kVectorWidth) acc += load_vec(x + i);
+    sum = reduce_add(acc);
+  }
+  for (; i < n; ++i) sum += x[i];
   return sum;
 }
 
@@ -431,46 +463,79 @@ const float* rows_as_float(const scalar_t* rows, int64_t stride, int64_t count, 
   }
 }
 
-// scores[j * score_stride] = q . keys[j] for `count` keys `stride` apart, four keys at a
-// time so that one horizontal sum serves four scores.
-inline void score_keys(const float* q, const float* keys, int64_t stride, int64_t count,
-                       int64_t D, float* scores) {
-  const int64_t vec_end = D / kVectorWidth * kVectorWidth;
+// Attention reads rows of head_dim floats. head_dim is usually a multiple of the vector
+// width; smaller heads (8 in stories260K) use 4-float vectors, other sizes plain floats.
+typedef float Float4Vec __attribute__((vector_size(4 * sizeof(float))));
+
+template <typename Vec>
+inline Vec load_as(const float* p) {
+  Vec v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// scores[j] = q . keys[j] for `count` keys `stride` apart, four keys at a time so that one
+// horizontal sum serves four scores. D is a multiple of Vec's lanes.
+template <typename Vec>
+inline void score_keys_with(const float* q, const float* keys, int64_t stride, int64_t count,
+                            int64_t D, float* scores) {
+  constexpr int64_t kLanes = sizeof(Vec) / sizeof(float);
   int64_t j = 0;
   for (; j + 4 <= count; j += 4) {
     const float* k = keys + j * stride;
-    FloatVec a0 = {}, a1 = {}, a2 = {}, a3 = {};
-    for (int64_t d = 0; d < vec_end; d += kVectorWidth) {
-      const FloatVec qv = load_vec(q + d);
-      a0 += qv * load_vec(k + d);
-      a1 += qv * load_vec(k + stride + d);
-      a2 += qv * load_vec(k + 2 * stride + d);
-      a3 += qv * load_vec(k + 3 * stride + d);
+    Vec a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int64_t d = 0; d < D; d += kLanes) {
+      const Vec qv = load_as<Vec>(q + d);
+      a0 += qv * load_as<Vec>(k + d);
+      a1 += qv * load_as<Vec>(k + stride + d);
+      a2 += qv * load_as<Vec>(k + 2 * stride + d);
+      a3 += qv * load_as<Vec>(k + 3 * stride + d);
     }
-    float s[4];
-    reduce_add4(a0, a1, a2, a3, s);
-    for (int64_t d = vec_end; d < D; ++d) {
-      for (int i = 0; i < 4; ++i) s[i] += q[d] * k[i * stride + d];
-    }
-    for (int i = 0; i < 4; ++i) scores[j + i] = s[i];
+    float sums[4];
+    reduce_add4(a0, a1, a2, a3, sums);
+    for (int i = 0; i < 4; ++i) scores[j + i] = sums[i];
   }
-  for (; j < count; ++j) scores[j] = dot(q, keys + j * stride, D);
+  for (; j < count; ++j) {
+    Vec acc = {};
+    for (int64_t d = 0; d < D; d += kLanes) acc += load_as<Vec>(q + d) * load_as<Vec>(keys + j * stride + d);
+    scores[j] = reduce_add(acc);
+  }
 }
 
-// acc[0 .. D) += sum over j of weights[j] * values[j], the running sum kept in registers
-// over all `count` rows.
-inline void accumulate_values(float* acc, const float* weights, const float* values,
-                              int64_t stride, int64_t count, int64_t D) {
-  int64_t d = 0;
-  for (; d + kVectorWidth <= D; d += kVectorWidth) {
-    FloatVec sum = load_vec(acc + d);
-    for (int64_t j = 0; j < count; ++j) sum += load_vec(values + j * stride + d) * weights[j];
+inline void score_keys(const float* q, const float* keys, int64_t stride, int64_t count,
+                       int64_t D, float* scores) {
+  if (D % kVectorWidth == 0) {
+    score_keys_with<FloatVec>(q, keys, stride, count, D, scores);
+  } else if (D % 4 == 0) {
+    score_keys_with<Float4Vec>(q, keys, stride, count, D, scores);
+  } else {
+    for (int64_t j = 0; j < count; ++j) scores[j] = dot(q, keys + j * stride, D);
+  }
+}
+
+// acc[0 .. D) += sum over j of weights[j] * values[j], the running sums kept in registers
+// over all `count` rows. D is a multiple of Vec's lanes.
+template <typename Vec>
+inline void accumulate_values_with(float* acc, const float* weights, const float* values,
+                                   int64_t stride, int64_t count, int64_t D) {
+  constexpr int64_t kLanes = sizeof(Vec) / sizeof(float);
+  for (int64_t d = 0; d < D; d += kLanes) {
+    Vec sum = load_as<Vec>(acc + d);
+    for (int64_t j = 0; j < count; ++j) sum += load_as<Vec>(values + j * stride + d) * weights[j];
     __builtin_memcpy(acc + d, &sum, sizeof(sum));
   }
-  for (; d < D; ++d) {
-    float sum = acc[d];
-    for (int64_t j = 0; j < count; ++j) sum += values[j * stride + d] * weights[j];
-    acc[d] = sum;
+}
+
+inline void accumulate_values(float* acc, const float* weights, const float* values,
+                              int64_t stride, int64_t count, int64_t D) {
+  if (D % kVectorWidth == 0) {
+    accumulate_values_with<FloatVec>(acc, weights, values, stride, count, D);
+  } else if (D % 4 == 0) {
+    accumulate_values_with<Float4Vec>(acc, weights, values, stride, count, D);
+  } else {
+    for (int64_t j = 0; j < count; ++j) {
+      for (int64_t d = 0; d < D; ++d) acc[d] += weights[j] * values[j * stride + d];
+    }
   }
 }
 
@@ -533,14 +598,9 @@ void paged_attention_rows(scalar_t* out, const scalar_t* q, const scalar_t* k_ca
       // Softmax numerators (normalised at the end).
       for (int64_t h = 0; h < group; ++h) {
         float* sh = scores + h * max_context;
-        float max_score = sh[0];
-        for (int64_t j = 1; j < num_keys; ++j) max_score = std::max(max_score, sh[j]);
-        float sum = 0.f;
-        for (int64_t j = 0; j < num_keys; ++j) {
-          sh[j] = exp_nonpositive(sh[j] - max_score);
-          sum += sh[j];
-        }
-        sums[h] = sum;
+        const float max_score = max_of(sh, num_keys);
+        for (int64_t j = 0; j < num_keys; ++j) sh[j] = exp_nonpositive(sh[j] - max_score);
+        sums[h] = sum_of(sh, num_keys);
       }
 
       // Pass 2: weighted sum of values.

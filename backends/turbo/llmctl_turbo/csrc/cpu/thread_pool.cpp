@@ -26,10 +26,11 @@ namespace {
 
 // Chunks per thread: enough that a late thread's share can be taken over in pieces.
 constexpr int64_t kChunksPerThread = 4;
-// How long an idle worker keeps polling before it sleeps. Long enough to span the gap
-// between two loops of a step and between two steps (the engine's Python work), short
-// enough that an idle server does not burn a core.
-constexpr auto kSpinTime = std::chrono::microseconds(300);
+// How long an idle worker keeps polling before it sleeps: long enough to span the gap
+// between two loops of a step (microseconds), short enough not to hold a core another
+// thread needs (another process, or torch's own OpenMP threads beside turbo's op in the
+// torch backend). Between steps workers sleep; the caller starts without them.
+constexpr auto kSpinTime = std::chrono::microseconds(50);
 
 thread_local bool inside_loop = false;
 
@@ -159,8 +160,12 @@ class ThreadPool {
     for (int spins = 0;; ++spins) {
       const uint32_t now = generation_.load(std::memory_order_acquire);
       if (now != seen) return now;
-      if (spins % 256 == 255 && std::chrono::steady_clock::now() > deadline) break;
-      TURBO_CPU_RELAX();
+      if (spins % 64 == 63) {
+        if (std::chrono::steady_clock::now() > deadline) break;
+        std::this_thread::yield();  // a thread waiting for this core gets it
+      } else {
+        TURBO_CPU_RELAX();
+      }
     }
     sleepers_.fetch_add(1, std::memory_order_seq_cst);
     generation_.wait(seen, std::memory_order_seq_cst);
