@@ -117,7 +117,6 @@ inline scalar_t round_to(float value) {
   return static_cast<scalar_t>(value);
 }
 
-inline float silu(float x) { return x / (1.f + std::exp(-x)); }
 
 // exp(x) for the softmax numerators (x <= 0), written so the compiler vectorises the
 // loop around it (libm's expf is a call per element): x = n ln2 + r with |r| <= ln2 / 2,
@@ -142,6 +141,14 @@ inline float exp_nonpositive(float x) {
   float two_to_n;
   std::memcpy(&two_to_n, &bits, sizeof(two_to_n));
   return p * two_to_n;
+}
+
+// silu(x) = x * sigmoid(x), with e = exp(-|x|) <= 1 so that it never overflows:
+// sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) below. Branch-free, so a loop of
+// silu vectorises (libm's expf is a call per element).
+inline float silu(float x) {
+  const float e = exp_nonpositive(-std::fabs(x));
+  return x * ((x >= 0.f ? 1.f : e) / (1.f + e));
 }
 
 inline float dot(const float* a, const float* b, int64_t n) {
