@@ -28,7 +28,9 @@ void check_weights(at::TensorList weights, int64_t num_layers, int64_t hidden,
   check_linear_weight(weights[2], {"weights[2] (lm_head)"}, embed, hidden, embed.size(0), 1);
   for (int64_t l = 0; l < num_layers; ++l) {
     const at::Tensor* w = weights.data() + kHeadWeights + kLayerWeights * l;
-    const int64_t intermediate = w[7].dim() >= 2 ? w[7].size(1) : -1;
+    TORCH_CHECK(w[7].dim() >= 2, "layer ", l, ": down must be [", hidden,
+                ", intermediate] or packed, got shape ", w[7].sizes());
+    const int64_t intermediate = w[7].size(1);  // down's input features
     check_linear_weight(w[1], {"qkv", l}, embed, hidden, qkv_width, 1);
     check_linear_weight(w[3], {"o_proj", l}, embed, attn_width, hidden, 1);
     check_linear_weight(w[6], {"gate_up", l}, embed, hidden, 2 * intermediate, 2);

@@ -590,17 +590,26 @@ void paged_attention_rows(scalar_t* out, const scalar_t* q, const scalar_t* k_ca
         for (int64_t d = 0; d < D; ++d) q_scaled[h * D + d] = static_cast<float>(qh[d]) * scale;
       }
 
-      // Pass 1: scores, block by block (no division per key).
-      for (int64_t start = 0; start < num_keys; start += s.block_size) {
-        const int64_t count = std::min(s.block_size, num_keys - start);
-        int64_t stride;
-        const float* keys =
-            rows_as_float(k_cache + table[start / s.block_size] * block_elems + kv_head * D,
-                          row_elems, count, D, block_buffer, stride);
+      // fn(start, count, rows, stride) for each block of this item's keys or values, the
+      // block's rows as fp32 (no division per key).
+      auto for_each_block = [&](const scalar_t* cache, const auto& fn) {
+        for (int64_t start = 0; start < num_keys; start += s.block_size) {
+          const int64_t count = std::min(s.block_size, num_keys - start);
+          int64_t stride;
+          const float* rows =
+              rows_as_float(cache + table[start / s.block_size] * block_elems + kv_head * D,
+                            row_elems, count, D, block_buffer, stride);
+          fn(start, count, rows, stride);
+        }
+      };
+
+      // Pass 1: scores.
+      for_each_block(k_cache, [&](int64_t start, int64_t count, const float* keys,
+                                  int64_t stride) {
         for (int64_t h = 0; h < group; ++h) {
           score_keys(q_scaled + h * D, keys, stride, count, D, scores + h * max_context + start);
         }
-      }
+      });
 
       // Softmax numerators (normalised at the end).
       for (int64_t h = 0; h < group; ++h) {
@@ -612,17 +621,13 @@ void paged_attention_rows(scalar_t* out, const scalar_t* q, const scalar_t* k_ca
 
       // Pass 2: weighted sum of values.
       std::fill(acc, acc + group * D, 0.f);
-      for (int64_t start = 0; start < num_keys; start += s.block_size) {
-        const int64_t count = std::min(s.block_size, num_keys - start);
-        int64_t stride;
-        const float* values =
-            rows_as_float(v_cache + table[start / s.block_size] * block_elems + kv_head * D,
-                          row_elems, count, D, block_buffer, stride);
+      for_each_block(v_cache, [&](int64_t start, int64_t count, const float* values,
+                                  int64_t stride) {
         for (int64_t h = 0; h < group; ++h) {
           accumulate_values(acc + h * D, scores + h * max_context + start, values, stride, count,
                             D);
         }
-      }
+      });
 
       for (int64_t h = 0; h < group; ++h) {
         const float inv_sum = 1.f / sums[h];
