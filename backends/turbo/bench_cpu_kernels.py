@@ -38,6 +38,20 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def kernels(ops, weight: torch.Tensor, packed: torch.Tensor, x: torch.Tensor, fused: bool):
+    """(ATen's, turbo's) computation of the same layer output for x."""
+    if fused:
+        out = torch.empty(x.shape[0], weight.shape[0] // 2)
+
+        def aten():
+            gate, up = torch.mm(x, weight.t()).chunk(2, dim=-1)
+            return F.silu(gate) * up
+
+        return aten, lambda: ops.linear_silu_mul(out, x, packed)
+    out = torch.empty(x.shape[0], weight.shape[0])
+    return lambda: torch.mm(x, weight.t()), lambda: ops.linear(out, x, packed, torch.empty(0))
+
+
 def median_seconds(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -59,30 +73,12 @@ def main() -> None:
     print("| matrix | rows | ATen GFLOP/s | turbo GFLOP/s | turbo GB/s of weights | turbo / ATen |")
     print("|---|---|---|---|---|---|")
     generator = torch.Generator().manual_seed(0)
-    no_bias = torch.empty(0)
     for name, (out_features, in_features, fused) in MATRICES.items():
         weight = torch.randn(out_features, in_features, generator=generator) / 16
         packed = ops.pack_linear_weight(weight, 2 if fused else 1)
         for rows in map(int, args.rows.split(",")):
             x = torch.randn(rows, in_features, generator=generator)
-            if fused:
-                out = torch.empty(rows, out_features // 2)
-
-                def aten():
-                    gate, up = torch.mm(x, weight.t()).chunk(2, dim=-1)
-                    return F.silu(gate) * up
-
-                def turbo():
-                    ops.linear_silu_mul(out, x, packed)
-            else:
-                out = torch.empty(rows, out_features)
-
-                def aten():
-                    return torch.mm(x, weight.t())
-
-                def turbo():
-                    ops.linear(out, x, packed, no_bias)
-
+            aten, turbo = kernels(ops, weight, packed, x, fused)
             aten(), turbo()  # warm-up
             aten_s = turbo_s = float("inf")
             for _ in range(3):
