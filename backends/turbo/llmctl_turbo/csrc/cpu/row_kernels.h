@@ -104,9 +104,9 @@ inline void reduce_add4(Vec a, Vec b, Vec c, Vec d, float (&sums)[4]) {
   }
 }
 
-// Elements of work below which one thread does it all: waking a thread costs a few
-// microseconds, as much as a thread computes in that time.
-constexpr int64_t kMinWorkPerThread = 1 << 14;
+// Elements of work below which one thread does it all: waking a thread and handing it
+// work costs a few microseconds, as much as a thread computes in that time.
+constexpr int64_t kMinWorkPerThread = 1 << 16;
 
 inline int64_t grain_for(int64_t work_per_item) {
   return std::max<int64_t>(1, kMinWorkPerThread / std::max<int64_t>(1, work_per_item));
@@ -270,14 +270,15 @@ inline void panel_tiles(const float* x, int64_t x_stride, int64_t M, int64_t K,
   }
 }
 
-// Tiles per parallel chunk: at least 64 KiB of weights, so that a chunk streams long
-// enough to amortise claiming it, unless many rows of x make fewer tiles worth a thread.
+// Tiles per parallel chunk, so that a chunk takes several microseconds (claiming one and
+// waking a thread for it costs about one), estimated from the weight bytes it streams
+// (about 20 per ns on one core) and the multiply-adds it does (about 64 per ns).
 template <typename W>
 inline int64_t tiles_grain(int64_t K, int64_t M, int64_t panels_per_tile) {
-  const int64_t tile_bytes = panels_per_tile * kPanelWidth * K * int64_t{sizeof(W)};
-  const int64_t by_bytes = (64 * 1024 + tile_bytes - 1) / tile_bytes;
-  const int64_t by_work = grain_for(panels_per_tile * kPanelWidth * K * M);
-  return std::max<int64_t>(1, std::min(by_bytes, by_work));
+  constexpr double kMinChunkNs = 8000;
+  const double weights = static_cast<double>(panels_per_tile * kPanelWidth * K);
+  const double tile_ns = std::max(weights * sizeof(W) / 20, weights * M / 64);
+  return std::max<int64_t>(1, static_cast<int64_t>(kMinChunkNs / tile_ns));
 }
 
 // out[m, n] = x[m] . w[n] (+ bias[n]) for n < N, rounded to the output type.
