@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from llmctl.engine.sampling_params import SamplingParams
+from llmctl.errors import BackendError
 from llmctl.hardware import Hardware
 from llmctl.model_info import ModelInfo
 
@@ -105,6 +106,7 @@ class EngineStats:
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     block_size: int = 0
+    tensor_parallel_size: int = 1  # ranks the model is sharded over
 
     @property
     def kv_blocks_free(self) -> int:
@@ -205,6 +207,13 @@ class Backend:
         """Build or fetch what the backend needs ahead of first use (``llmctl backends
         build``); return a one-line summary, or None when there is nothing to prepare."""
         return None
+
+    def run_worker_node(
+        self, model: ModelInfo, options: Mapping[str, Any], hardware: Hardware
+    ) -> None:
+        """Run this machine's ranks of an engine sharded over several machines
+        (``node_rank`` > 0) until the head node stops them (``llmctl serve`` there)."""
+        raise BackendError(f"backend {self.name!r} does not run across machines")
 
     def translate(self, options: Mapping[str, Any]) -> Any:
         """Map unified option names to this backend's own config: the one place it happens."""

@@ -37,3 +37,8 @@ class UpstreamError(LlmctlError):
     Raised by proxy backends (e.g. ``openai-proxy``); the server answers it with HTTP 502
     in OpenAI's error shape, since the fault is neither the client's nor this server's.
     """
+
+
+class EngineDead(LlmctlError):
+    """The engine cannot run any more (a tensor-parallel rank died or hung): requests in
+    flight fail, new ones are refused. The server answers 503 and ``serve`` exits non-zero."""

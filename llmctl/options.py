@@ -241,6 +241,52 @@ CORE_OPTIONS: tuple[Option, ...] = (
         metavar="NAME",
     ),
     Option(
+        "tensor_parallel_size",
+        "int",
+        1,
+        "Tensor parallelism: shard the model over this many ranks (processes llmctl starts, "
+        "one per GPU on CUDA), across `nnodes` machines. See docs/multi-gpu.md.",
+        min=1,
+        metavar="N",
+        aliases=("--tp",),
+    ),
+    Option(
+        "nnodes",
+        "int",
+        1,
+        "Machines the tensor-parallel ranks are spread over (each runs "
+        "tensor_parallel_size / nnodes of them).",
+        min=1,
+        metavar="N",
+    ),
+    Option(
+        "node_rank",
+        "int",
+        0,
+        "This machine's index among `nnodes`: 0 is the head node (it schedules and serves "
+        "HTTP); 1.. run `llmctl serve` as worker nodes.",
+        min=0,
+        metavar="N",
+    ),
+    Option(
+        "master_addr",
+        "str",
+        "127.0.0.1",
+        "Address of the head node (node_rank 0) where the ranks meet (torch.distributed "
+        "rendezvous).",
+        metavar="HOST",
+    ),
+    Option(
+        "master_port",
+        "int",
+        None,
+        "Port of the rendezvous on the head node. Default: a free port on one machine; "
+        "several machines need it set (the same on every node).",
+        min=1,
+        max=65535,
+        metavar="PORT",
+    ),
+    Option(
         "host",
         "str",
         "127.0.0.1",

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest
 from llmctl.engine.llm_engine import LLMEngine
 from llmctl.engine.sampling_params import SamplingParams
-from llmctl.errors import InvalidRequest
+from llmctl.errors import EngineDead, InvalidRequest
 
 logger = logging.getLogger("llmctl")
 
@@ -52,6 +52,7 @@ class AsyncEngine:
         self._commands: list[_Add | _Abort] = []
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
+        self.failure: str | None = None  # why the engine stopped for good (see ``fail``)
         self._thread = threading.Thread(target=self._run, name="llmctl-engine", daemon=True)
         self._thread.start()
 
@@ -66,6 +67,8 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         request_id = request.request_id
         with self._lock:
+            if self.failure is not None:
+                raise EngineDead(self.failure)
             if self._stopping:
                 raise RuntimeError("the engine has been shut down")
             if request_id in self._streams:
@@ -108,14 +111,28 @@ class AsyncEngine:
             kv_blocks_total=blocks.num_blocks,
             kv_blocks_used=blocks.num_used_blocks,
             block_size=blocks.block_size,
+            tensor_parallel_size=getattr(self.engine.runner, "tensor_parallel_size", 1),
         )
 
+    def fail(self, reason: str) -> None:
+        """Stop for good, from any thread (a tensor-parallel rank died, say): requests in
+        flight end with ``EngineDead(reason)``, new ones are refused, ``is_alive`` is False."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = reason
+            self._stopping = True
+            self._lock.notify()
+
     async def shutdown(self) -> None:
-        """Stop the engine thread; requests still in flight end with ``abort``."""
+        """Stop the engine thread (requests still in flight end with ``abort``), then let
+        the runner release what it holds beyond memory (worker processes)."""
         with self._lock:
             self._stopping = True
             self._lock.notify()
         await asyncio.to_thread(self._thread.join)
+        close = getattr(self.engine.runner, "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)
 
     def _prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         if request.prompt_token_ids is not None:
@@ -144,6 +161,10 @@ class AsyncEngine:
             if self.engine.has_unfinished():
                 try:
                     outputs = self.engine.step()
+                except EngineDead as exc:  # nothing can run any more: stop
+                    logger.error("the engine stopped: %s", exc)
+                    self.fail(str(exc))
+                    continue
                 except Exception as exc:  # a model failure fails its batch, not the engine
                     logger.exception("engine step failed")
                     self._fail_all(exc)
@@ -152,7 +173,9 @@ class AsyncEngine:
                     self._deliver(output.request_id, output)
         for request_id in self._stream_ids():
             output = self.engine.abort(request_id)
-            if output is not None:
+            if self.failure is not None:
+                self._deliver(request_id, EngineDead(self.failure))
+            elif output is not None:
                 self._deliver(request_id, output)
 
     def _apply(self, command: _Add | _Abort) -> None:

@@ -63,6 +63,8 @@ class PagedRunner:
     Subclasses implement ``_allocate(num_blocks)`` and ``execute``.
     """
 
+    tensor_parallel_size = 1  # ranks the model is sharded over (see the torch backend)
+
     def __init__(
         self,
         config: ModelConfig,
@@ -88,6 +90,10 @@ class PagedRunner:
 
     def _allocate(self, num_blocks: int) -> None:
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the runner holds beyond memory (a sharded runner's worker
+        processes). The engine calls it once, at shutdown."""
 
     def check_allocated(self) -> None:
         if self.num_blocks == 0:

@@ -6,7 +6,7 @@ one at a time, converted to the dtype asked for.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -80,6 +80,41 @@ def load_weights(
 ) -> dict[str, torch.Tensor]:
     """All tensors of ``model_dir`` as a name → tensor dict (see ``iter_weights``)."""
     return dict(iter_weights(model_dir, dtype, device))
+
+
+# (dim, start, stop): the part of a tensor a rank holds; None: the whole tensor.
+SliceOf = Callable[[str, tuple[int, ...]], tuple[int, int, int] | None]
+
+
+def load_weight_slices(
+    model_dir: str | Path,
+    slice_of: SliceOf,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> dict[str, torch.Tensor]:
+    """Like ``load_weights``, but a tensor for which ``slice_of(name, shape)`` gives
+    ``(dim, start, stop)`` is read only in that range along ``dim``: a tensor-parallel
+    rank reads just its shard's bytes from the memory-mapped files, never the whole."""
+    files = safetensors_files(model_dir)
+    handles = [safe_open(str(f), framework="pt", device="cpu") for f in files]
+    names = [(handle, name) for handle in handles for name in handle.keys()]
+    weights = {}
+    progress = _progress(len(files), len(names))
+    task = progress.add_task(f"loading a shard of {len(files)} weight file(s)", total=len(names))
+    with progress:
+        for handle, name in names:
+            part = handle.get_slice(name)
+            where = slice_of(name, tuple(part.get_shape()))
+            if where is None:
+                tensor = handle.get_tensor(name)
+            else:
+                dim, start, stop = where
+                tensor = part[(slice(None),) * dim + (slice(start, stop),)].contiguous()
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            weights[name] = tensor.to(device)
+            progress.advance(task)
+    return weights
 
 
 def _progress(num_files: int, num_tensors: int):

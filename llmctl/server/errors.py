@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from llmctl.errors import InvalidRequest, LlmctlError, UpstreamError
+from llmctl.errors import EngineDead, InvalidRequest, LlmctlError, UpstreamError
 
 
 class APIError(Exception):
@@ -53,13 +53,15 @@ class APIError(Exception):
 
 def api_error_for(exc: Exception) -> APIError:
     """The answer for an exception from the engine: the client's fault (400), the
-    upstream's (502, proxy engines) or ours (500)."""
+    upstream's (502, proxy engines), a dead engine (503) or ours (500)."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidRequest):
         return APIError(400, str(exc), code="invalid_request")
     if isinstance(exc, UpstreamError):
         return APIError(502, str(exc), type="upstream_error", code="upstream_error")
+    if isinstance(exc, EngineDead):
+        return APIError(503, str(exc), type="server_error", code="engine_dead")
     return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error")
 
 

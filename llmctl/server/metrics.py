@@ -41,6 +41,11 @@ class _LiveGauges(Collector):
             ("llmctl_kv_blocks_total", "KV-cache blocks in the cache.", stats.kv_blocks_total),
             ("llmctl_kv_block_size_tokens", "Tokens per KV-cache block.", stats.block_size),
             (
+                "llmctl_tensor_parallel_size",
+                "Ranks the model is sharded over.",
+                stats.tensor_parallel_size,
+            ),
+            (
                 "llmctl_http_requests_generating",
                 "HTTP requests holding a generation slot.",
                 self.admission.running,

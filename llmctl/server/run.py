@@ -24,9 +24,19 @@ class _DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.state = state
 
+    engine_stopped = False  # the engine died while serving (see on_tick)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.state.draining = True
         super().handle_exit(sig, frame)
+
+    async def on_tick(self, counter: int) -> bool:
+        """Checked every 0.1 s: an engine that died on its own (a tensor-parallel rank was
+        lost) stops the server, which then exits non-zero."""
+        if not self.state.draining and not self.state.engine_alive():
+            self.engine_stopped = True
+            return True
+        return await super().on_tick(counter)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -57,8 +67,9 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def run_server(app: FastAPI, sock: socket.socket, *, shutdown_timeout: float) -> None:
-    """Serve until SIGINT/SIGTERM; returns after the graceful shutdown."""
+def run_server(app: FastAPI, sock: socket.socket, *, shutdown_timeout: float) -> bool:
+    """Serve until SIGINT/SIGTERM or until the engine dies; returns after the graceful
+    shutdown, True if the engine died."""
     config = uvicorn.Config(
         app,
         timeout_graceful_shutdown=shutdown_timeout,
@@ -66,4 +77,6 @@ def run_server(app: FastAPI, sock: socket.socket, *, shutdown_timeout: float) ->
         lifespan="on",
         server_header=False,
     )
-    _DrainingServer(config, app.state.llmctl).run(sockets=[sock])
+    server = _DrainingServer(config, app.state.llmctl)
+    server.run(sockets=[sock])
+    return server.engine_stopped

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from llmctl.backend import DEVICE_RULE, OptionRule
+from llmctl.errors import ModelError
 from llmctl.kv_budget import KVBudget, parse_kv_budget
+from llmctl.model_info import resolve_model
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,11 @@ class TorchConfig:
     seed: int
     chat_template: str | None
     served_model_name: str | None
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> TorchConfig:
@@ -46,6 +53,11 @@ class TorchConfig:
             seed=options["seed"],
             chat_template=options["chat_template"],
             served_model_name=options["model_name"],
+            tensor_parallel_size=options["tensor_parallel_size"],
+            nnodes=options["nnodes"],
+            node_rank=options["node_rank"],
+            master_addr=options["master_addr"],
+            master_port=options["master_port"],
         )
 
 
@@ -60,6 +72,61 @@ def block_size_problem(block_size: int) -> str | None:
     return None
 
 
+def tensor_parallel_problem(
+    tp: int, num_heads: int, num_kv_heads: int, intermediate_size: int
+) -> str | None:
+    """Why a model with these sizes cannot be sharded over ``tp`` ranks (``None``: it can).
+
+    Each rank takes ``num_heads / tp`` query heads and ``intermediate_size / tp`` MLP
+    columns. KV heads are split the same way when there are at least ``tp`` of them;
+    with fewer (one KV head, say) each is replicated on ``tp / num_kv_heads`` ranks, as
+    vLLM does, so ``tp`` must then be a multiple of ``num_kv_heads``. Also checked by the
+    runner when it shards the weights.
+    """
+    if tp == 1:
+        return None
+
+    def fits(n: int) -> bool:
+        kv_ok = num_kv_heads % n == 0 if num_kv_heads >= n else n % num_kv_heads == 0
+        return num_heads % n == 0 and intermediate_size % n == 0 and kv_ok
+
+    if fits(tp):
+        return None
+    if num_heads % tp:
+        why = f"it must divide the model's {num_heads} attention heads"
+    elif intermediate_size % tp:
+        why = f"it must divide the model's MLP size ({intermediate_size})"
+    elif num_kv_heads >= tp:
+        why = f"it must divide the model's {num_kv_heads} KV heads"
+    else:
+        why = (
+            f"with fewer KV heads ({num_kv_heads}) than ranks, each KV head is replicated, "
+            f"so it must be a multiple of {num_kv_heads}"
+        )
+    valid = [str(n) for n in range(1, num_heads + 1) if fits(n)]
+    return f"tensor_parallel_size {tp} cannot shard this model: {why} (use {', '.join(valid)})"
+
+
+def _model_tp_problem(tp: int, options: Mapping[str, Any]) -> str | None:
+    if tp == 1:
+        return None
+    if options.get("adapters"):
+        return (
+            "LoRA adapters are merged into unsharded weights: use them with tensor_parallel_size 1"
+        )
+    try:
+        config = resolve_model(options.get("model") or "demo").config
+    except ModelError:
+        return None  # the model's own error is reported where it is loaded
+    num_heads = config.get("num_attention_heads") or 1
+    return tensor_parallel_problem(
+        tp,
+        num_heads,
+        config.get("num_key_value_heads") or num_heads,
+        config.get("intermediate_size") or 1,
+    )
+
+
 RULES = (
     OptionRule(
         "cache_block_seq_len",
@@ -67,4 +134,31 @@ RULES = (
         lambda value, options, hardware: block_size_problem(value),
     ),
     DEVICE_RULE,
+    OptionRule(
+        "tensor_parallel_size",
+        "must divide the attention heads and MLP size; KV heads divisible by it, or it a "
+        "multiple of them (they are then replicated); no LoRA adapters",
+        lambda value, options, hardware: _model_tp_problem(value, options),
+    ),
+    OptionRule(
+        "nnodes",
+        "must divide tensor_parallel_size (each machine runs the same number of ranks)",
+        lambda value, options, hardware: (
+            f"nnodes {value} must divide tensor_parallel_size "
+            f"({options.get('tensor_parallel_size', 1)}): each machine runs "
+            "tensor_parallel_size / nnodes ranks"
+            if options.get("tensor_parallel_size", 1) % value
+            else None
+        ),
+    ),
+    OptionRule(
+        "node_rank",
+        "below nnodes",
+        lambda value, options, hardware: (
+            f"node_rank {value} must be below nnodes ({options.get('nnodes', 1)}): the "
+            "machines are numbered 0 (the head node) to nnodes - 1"
+            if value >= options.get("nnodes", 1)
+            else None
+        ),
+    ),
 )

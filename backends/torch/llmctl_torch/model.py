@@ -9,6 +9,7 @@ HF checkpoints load directly: ``to_model_state`` merges their separate projectio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -199,7 +200,10 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, meta, ops)
-        x = self.model.norm(x[logits_indices])
+        return self.compute_logits(self.model.norm(x[logits_indices]))
+
+    def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the final hidden states ``x``."""
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head).float()
 
@@ -232,13 +236,17 @@ def to_model_state(
 
 
 def build_model(
-    weights: dict[str, torch.Tensor], config: ModelConfig, device: torch.device | str
+    weights: dict[str, torch.Tensor],
+    config: ModelConfig,
+    device: torch.device | str,
+    new_model: Callable[[ModelConfig], LlamaForCausalLM] = LlamaForCausalLM,
 ) -> LlamaForCausalLM:
     """The model with ``weights`` (HF names, already in the target dtype) as its parameters,
-    without allocating or initialising any other copy of them."""
+    without allocating or initialising any other copy of them. ``new_model`` makes the
+    module (a tensor-parallel rank passes its sharded variant)."""
     state = to_model_state(weights, config)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = new_model(config)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))

@@ -18,7 +18,7 @@ from llmctl.engine.runner import PagedRunner, StepBatch
 from llmctl.engine.weights import load_weights
 from llmctl_torch.attention import attention_ops
 from llmctl_torch.lora import apply_lora_adapters
-from llmctl_torch.model import AttentionMetadata, build_model
+from llmctl_torch.model import AttentionMetadata, LlamaForCausalLM, build_model
 
 
 class TorchModelRunner(PagedRunner):
@@ -41,12 +41,19 @@ class TorchModelRunner(PagedRunner):
     ) -> None:
         super().__init__(config, dtype=dtype, device=device, block_size=block_size)
         self.ops = attention_ops(self.device)
-        weights = load_weights(model_dir, self.dtype, self.device)
-        apply_lora_adapters(weights, adapters)
-        self.model = build_model(weights, config, self.device)
+        self.model = self._load_model(model_dir, adapters)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
+
+    def _load_model(
+        self, model_dir: str | Path, adapters: Sequence[str | Path]
+    ) -> LlamaForCausalLM:
+        """The model with its weights on ``self.device`` (a tensor-parallel rank overrides
+        this to load its shard)."""
+        weights = load_weights(model_dir, self.dtype, self.device)
+        apply_lora_adapters(weights, adapters)
+        return build_model(weights, self.config, self.device)
 
     def _allocate(self, num_blocks: int) -> None:
         """One ``[2, layers, num_blocks, block_size, kv_heads, head_dim]`` tensor, viewed
