@@ -127,6 +127,21 @@ def _model_tp_problem(tp: int, options: Mapping[str, Any]) -> str | None:
     )
 
 
+def _nodes_problem(nnodes: int, options: Mapping[str, Any]) -> str | None:
+    tp = options.get("tensor_parallel_size", 1)
+    if tp % nnodes:
+        return (
+            f"nnodes {nnodes} must divide tensor_parallel_size ({tp}): each machine runs "
+            "tensor_parallel_size / nnodes ranks"
+        )
+    if nnodes > 1 and options.get("master_port") is None:
+        return (
+            f"nnodes {nnodes} needs master_port: the same free port of the head node, "
+            "given on every machine"
+        )
+    return None
+
+
 RULES = (
     OptionRule(
         "cache_block_seq_len",
@@ -142,14 +157,8 @@ RULES = (
     ),
     OptionRule(
         "nnodes",
-        "must divide tensor_parallel_size (each machine runs the same number of ranks)",
-        lambda value, options, hardware: (
-            f"nnodes {value} must divide tensor_parallel_size "
-            f"({options.get('tensor_parallel_size', 1)}): each machine runs "
-            "tensor_parallel_size / nnodes ranks"
-            if options.get("tensor_parallel_size", 1) % value
-            else None
-        ),
+        "must divide tensor_parallel_size; more than 1 needs master_port",
+        lambda value, options, hardware: _nodes_problem(value, options),
     ),
     OptionRule(
         "node_rank",

@@ -115,13 +115,20 @@ class HeadRanks:
         topology.check_devices()
         if topology.nnodes == 1:
             _use_loopback()
-        self.store = dist.TCPStore(
-            topology.master_addr,
-            topology.master_port or 0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=timedelta(seconds=RANK_TIMEOUT_S),
-        )
+        try:
+            self.store = dist.TCPStore(
+                topology.master_addr,
+                topology.master_port or 0,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=RANK_TIMEOUT_S),
+            )
+        except dist.DistError as exc:  # port in use, address not ours
+            raise OptionError(
+                f"cannot host the tensor-parallel rendezvous on {topology.master_addr}:"
+                f"{topology.master_port or 'a free port'} ({exc}): choose another "
+                "--master-port or --master-addr"
+            ) from None
         self.topology = replace(topology, master_port=self.store.port)
         self.workers = self._start_workers(target, task)
         self.failure: str | None = None
@@ -243,15 +250,21 @@ class HeadRanks:
 
     def _fail(self, reason: str) -> None:
         """Remember the first failure; the other ranks cannot go on without this one."""
-        if self.failure is None:
-            self.failure = reason
+        with self._check_lock:
+            first = self.failure is None
+            if first:
+                self.failure = reason
+        if first:
             logger.error("tensor-parallel engine failed: %s", reason)
         self._kill_workers()
 
     def _watch(self) -> None:
         while not self._closed and self.failure is None:
             time.sleep(WATCH_S)
-            reason = self.find_failure()
+            try:
+                reason = self.find_failure()
+            except Exception as exc:  # the store is rank 0's own: this should not happen
+                reason = f"the rendezvous store failed: {exc}"
             if reason is None and time.monotonic() - self._last_command > PING_AFTER_S:
                 reason = self._ping()
             if reason is not None and not self._closed:
@@ -404,12 +417,19 @@ def run_worker_node(
         topology.master_addr,
         topology.master_port,
     )
-    store = dist.TCPStore(
-        topology.master_addr,
-        topology.master_port,
-        is_master=False,
-        timeout=timedelta(seconds=JOIN_TIMEOUT_S),
-    )
+    try:
+        store = dist.TCPStore(
+            topology.master_addr,
+            topology.master_port,
+            is_master=False,
+            timeout=timedelta(seconds=JOIN_TIMEOUT_S),
+        )
+    except dist.DistError as exc:  # nothing listens there (within the timeout)
+        raise EngineDead(
+            f"cannot reach the head node's rendezvous at {topology.master_addr}:"
+            f"{topology.master_port} ({exc}): start `llmctl serve --node-rank 0` there "
+            "with the same --master-addr and --master-port"
+        ) from None
     context = torch.multiprocessing.get_context("spawn")
     workers = {
         rank: context.Process(

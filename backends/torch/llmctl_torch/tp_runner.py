@@ -10,7 +10,8 @@ its own part. ``run_worker`` is every other rank's process.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,8 @@ from llmctl_torch.config import TorchConfig
 from llmctl_torch.distributed import STOP, HeadRanks, Topology, WorkerLink, run_worker_node
 from llmctl_torch.parallel import ParallelLlamaForCausalLM, Shard, load_shard, local_config
 from llmctl_torch.runner import TorchModelRunner
+
+logger = logging.getLogger("llmctl")
 
 
 class ShardRunner(TorchModelRunner):
@@ -102,8 +105,14 @@ class TensorParallelRunner(ShardRunner):
         except BaseException:
             self.close()
             raise
+        logger.info(
+            "tensor parallel: %d ranks on %d machine(s), %s",
+            topology.size,
+            topology.nnodes,
+            "NCCL, one GPU each" if device.type == "cuda" else "gloo on CPU",
+        )
 
-    def on_failure(self, callback: Any) -> None:
+    def on_failure(self, callback: Callable[[str], None]) -> None:
         """Call ``callback(reason)`` when a rank fails while no call is running."""
         self.ranks.on_failure = callback
 
