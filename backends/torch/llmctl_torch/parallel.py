@@ -44,17 +44,14 @@ class Shard:
     group: dist.ProcessGroup | None = None
 
 
-def check_shardable(config: ModelConfig, tp: int) -> None:
-    """Raise the option rule's error if ``config`` cannot be split over ``tp`` ranks."""
+def local_config(config: ModelConfig, tp: int) -> ModelConfig:
+    """The sizes one rank's layers have: its heads, its KV heads, its MLP slice. A model
+    that cannot be split so is the option rule's error (the same check)."""
     problem = tensor_parallel_problem(
         tp, config.num_heads, config.num_kv_heads, config.intermediate_size
     )
     if problem:
         raise OptionError(problem)
-
-
-def local_config(config: ModelConfig, tp: int) -> ModelConfig:
-    """The sizes one rank's layers have: its heads, its KV heads, its MLP slice."""
     return replace(
         config,
         num_heads=config.num_heads // tp,
@@ -180,7 +177,6 @@ def load_shard(
     device: torch.device,
 ) -> ParallelLlamaForCausalLM:
     """Read this rank's slices of the checkpoint (only those bytes) into its shard."""
-    check_shardable(config, shard.size)
     weights = load_weight_slices(model_dir, slice_of(config, shard.rank, shard.size), dtype, device)
     rows = vocab_rows(config.vocab_size, shard.size)
     for name in ("model.embed_tokens.weight", "lm_head.weight"):

@@ -146,17 +146,9 @@ def test_ctrl_c_stops_every_rank(reference):
 def test_serve_tp2_gives_the_reference_until_a_killed_rank_stops_it(reference):
     server = start_server(serve_args("--tp", "2"), env=ENV)
     try:
-        (rank,) = rank_processes(server.process.pid)
         check_reference(server.url, reference)
         assert metric(server.url, "llmctl_tensor_parallel_size") == 2
-        everything = descendants(server.process.pid)
-        in_flight = start_long_requests(server.url)
-        time.sleep(1.0)  # both are generating
-        os.kill(rank, signal.SIGKILL)
-        killed_at = time.monotonic()
-        assert_dies_naming_rank_1(server, killed_at, "was killed by SIGKILL")
-        assert_in_flight_requests_failed(in_flight)
-        assert wait_gone(everything) == []
+        fail_rank_1(server, signal.SIGKILL, "was killed by SIGKILL")
     finally:
         server.stop()
 
@@ -165,17 +157,22 @@ def test_serve_tp2_gives_the_reference_until_a_killed_rank_stops_it(reference):
 def test_a_hung_rank_stops_the_server_within_30s(reference):
     server = start_server(serve_args("--tp", "2"), env=ENV)
     try:
-        (rank,) = rank_processes(server.process.pid)
-        everything = descendants(server.process.pid)
-        in_flight = start_long_requests(server.url)
-        time.sleep(1.0)
-        os.kill(rank, signal.SIGSTOP)
-        stopped_at = time.monotonic()
-        assert_dies_naming_rank_1(server, stopped_at, "stopped responding")
-        assert_in_flight_requests_failed(in_flight)
-        assert wait_gone(everything) == []
+        fail_rank_1(server, signal.SIGSTOP, "stopped responding")
     finally:
         server.stop()
+
+
+def fail_rank_1(server: ServerProcess, how: signal.Signals, cause: str) -> None:
+    """Signal rank 1 while requests run: they fail with 503, the server exits non-zero
+    naming the rank within the deadline, and no process is left."""
+    (rank,) = rank_processes(server.process.pid)
+    everything = descendants(server.process.pid)
+    in_flight = start_long_requests(server.url)
+    time.sleep(1.0)  # both are generating
+    os.kill(rank, how)
+    assert_dies_naming_rank_1(server, time.monotonic(), cause)
+    assert_in_flight_requests_failed(in_flight)
+    assert wait_gone(everything) == []
 
 
 def start_long_requests(url: str) -> dict[str, object]:
