@@ -83,6 +83,7 @@ class EngineStats:
     waiting: int = 0
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
+    kv_blocks_peak: int = 0  # most in use at once (a high-water mark, not a sample)
     block_size: int = 0
 
     @property

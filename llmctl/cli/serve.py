@@ -64,6 +64,7 @@ def serve(
         max_concurrent_requests=options["max_concurrent_requests"],
         max_queued_requests=options["max_queued_requests"],
         log_prompts=options["log_prompts"],
+        client_timeout=options["client_timeout"],
     )
     _print_banner(opened, options, url_of(sock))
     run_server(app, sock, shutdown_timeout=options["shutdown_timeout"])

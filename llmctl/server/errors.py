@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from llmctl.errors import InvalidRequest, LlmctlError, UpstreamError
+from llmctl.errors import EngineError, InvalidRequest, LlmctlError, UpstreamError
 
 
 class APIError(Exception):
@@ -52,14 +52,16 @@ class APIError(Exception):
 
 
 def api_error_for(exc: Exception) -> APIError:
-    """The answer for an exception from the engine: the client's fault (400), the
-    upstream's (502, proxy engines) or ours (500)."""
+    """The answer for an exception from the engine: the client's fault (400, naming the
+    field), the upstream's (502, proxy engines) or ours (500)."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidRequest):
-        return APIError(400, str(exc), code="invalid_request")
+        return APIError(400, str(exc), param=exc.param, code=exc.code or "invalid_request")
     if isinstance(exc, UpstreamError):
         return APIError(502, str(exc), type="upstream_error", code="upstream_error")
+    if isinstance(exc, EngineError):
+        return APIError(500, str(exc), type="server_error", code="engine_error")
     return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error")
 
 
@@ -84,8 +86,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Routing errors; a 405 keeps Starlette's ``Allow`` header, as HTTP requires.
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return APIError(exc.status_code, str(exc.detail), code=code).response()
+        return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
 
 
 # Readable descriptions of the fields whose type is a union, where pydantic would list
