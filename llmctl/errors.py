@@ -38,7 +38,7 @@ class InvalidRequest(LlmctlError, ValueError):
         self.code = code
 
 
-class EngineError(LlmctlError):
+class EngineError(LlmctlError, RuntimeError):
     """The engine failed while running a request (a fault in the model call, or an
     engine that has stopped). Not the client's fault: the server answers HTTP 500."""
 

@@ -1,10 +1,11 @@
 """Faults injected into the model call, for tests of fault containment only.
 
 ``LLMCTL_TEST_FAULT=model_call:N`` makes the engine's N-th model call raise (a fault
-that fails one step); ``model_call:N+`` makes it and every later call raise (a model
-that broke for good). The variable is read once, when an engine starts; unset, the
-check costs one comparison per step. The fault is raised where the runner would run,
-so whatever follows (failing the step's requests, the engine stopping) is the real path.
+that fails one step); ``model_call:2,5`` the 2nd and the 5th; ``model_call:N+`` the
+N-th and every later one (a model that broke for good). The variable is read once, when
+an engine starts; unset, the check costs one comparison per step. The fault is raised
+where the runner would run, so what follows (the step's requests failing, the engine
+stopping) is the real path.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import re
 
 ENV_VAR = "LLMCTL_TEST_FAULT"
-_SPEC = re.compile(r"model_call:(\d+)(\+?)")
+_SPEC = re.compile(r"model_call:(\d+\+?(?:,\d+\+?)*)")
 
 
 class InjectedFault(RuntimeError):
@@ -21,12 +22,13 @@ class InjectedFault(RuntimeError):
 
 
 class FaultPlan:
-    """Which model calls fail: the ``first``-th, and every later one if ``forever``."""
+    """Which model calls fail: those in ``calls``, and every one from ``from_call`` on."""
 
-    def __init__(self, first: int | None = None, forever: bool = False) -> None:
-        self.first = first
-        self.forever = forever
-        self.calls = 0
+    def __init__(self, calls: frozenset[int] = frozenset(), from_call: int | None = None):
+        self.calls = calls
+        self.from_call = from_call
+        self.active = bool(calls) or from_call is not None
+        self.count = 0
 
     @classmethod
     def from_env(cls) -> FaultPlan:
@@ -35,12 +37,17 @@ class FaultPlan:
             return cls()
         match = _SPEC.fullmatch(spec)
         if match is None:
-            raise ValueError(f"{ENV_VAR}={spec!r}: expected model_call:N or model_call:N+")
-        return cls(int(match.group(1)), forever=bool(match.group(2)))
+            raise ValueError(f"{ENV_VAR}={spec!r}: expected model_call:N[,M...] or model_call:N+")
+        items = match.group(1).split(",")
+        onwards = [int(item[:-1]) for item in items if item.endswith("+")]
+        calls = frozenset(int(item) for item in items if not item.endswith("+"))
+        return cls(calls, min(onwards) if onwards else None)
 
     def before_model_call(self) -> None:
-        if self.first is None:
+        if not self.active:
             return
-        self.calls += 1
-        if self.calls == self.first or (self.forever and self.calls > self.first):
-            raise InjectedFault(f"fault injected by {ENV_VAR} into model call {self.calls}")
+        self.count += 1
+        if self.count in self.calls or (
+            self.from_call is not None and self.count >= self.from_call
+        ):
+            raise InjectedFault(f"fault injected by {ENV_VAR} into model call {self.count}")

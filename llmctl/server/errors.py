@@ -114,23 +114,32 @@ def describe_validation_errors(errors: list[Mapping[str, Any]]) -> tuple[str, st
             "`Content-Type: application/json`",
             None,
         )
-    # Drop pydantic's union tags ("str", "list[int]", ...) from the path.
-    path = [str(p) for p in loc if isinstance(p, int) or not _is_type_tag(p)]
-    field = ".".join(path)
-    param = str(path[0])
+    path = _readable(first["loc"])
+    field, param = ".".join(path), path[0]
     if first["type"] == "extra_forbidden":
         return f"unknown field '{field}': this server does not support it", param
     if first["type"] == "missing":
         return f"'{field}' is required", param
-    same_field = [e for e in errors if e["loc"][: len(first["loc"]) - 1] == first["loc"][:-1]]
+    # A union (prompt, stop, content) gets one error per alternative; one that is not a
+    # type mismatch says what is wrong inside the alternative the client meant.
+    alternatives = [e for e in errors if _readable(e["loc"])[: len(path)] == path]
+    meant = next((e for e in alternatives if not e["type"].endswith("_type")), None)
+    if meant is not None:
+        where = ".".join(_readable(meant["loc"]))
+        return f"'{where}': {meant['msg']} (got {_short(meant.get('input'))})", param
     leaf = next((p for p in reversed(path) if not p.isdigit()), param)
-    if len(same_field) > 1 and leaf in _EXPECTED:
+    if len(alternatives) > 1 and leaf in _EXPECTED:
         return f"'{field}' must be {_EXPECTED[leaf]}, got {_short(first.get('input'))}", param
     return f"'{field}': {first['msg']} (got {_short(first.get('input'))})", param
 
 
+def _readable(loc: tuple[Any, ...]) -> list[str]:
+    """The path of a field, without "body" and pydantic's union tags ("list[int]", ...)."""
+    return [str(p) for p in loc if p != "body" and (isinstance(p, int) or not _is_type_tag(p))]
+
+
 def _is_type_tag(part: str) -> bool:
-    return any(ch in part for ch in "[]") or part in {"str", "int", "float", "bool", "list"}
+    return not part.isidentifier() or part in {"str", "int", "float", "bool", "list"}
 
 
 def _short(value: Any, limit: int = 60) -> str:

@@ -87,9 +87,14 @@ class _Strict(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
-        """OpenAI accepts ``null`` for any optional field, and some clients send it."""
+        """OpenAI accepts ``null`` for any optional field, and some clients send it. An
+        unknown field stays, even as ``null``, to be refused by name."""
         if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value is not None}
+            return {
+                key: value
+                for key, value in data.items()
+                if value is not None or key not in cls.model_fields
+            }
         return data
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterable, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -21,6 +22,7 @@ from starlette.types import Message, Receive, Scope, Send
 from llmctl.server.errors import APIError
 
 T = TypeVar("T")
+log = logging.getLogger("llmctl.server")
 
 
 class ClientGone(Exception):
@@ -66,7 +68,12 @@ class EventStreamResponse(StreamingResponse):
                 group.start_soon(watch)
                 try:
                     await self.stream_response(self._timed(send))
-                except OSError:  # the client went away, or stopped reading (TimeoutError)
+                except TimeoutError:
+                    log.warning(
+                        "a client took no data for %gs (client_timeout): stream dropped",
+                        self.send_timeout,
+                    )
+                except OSError:  # the client went away while we wrote to it
                     pass
                 group.cancel_scope.cancel()
         except asyncio.CancelledError:
