@@ -43,11 +43,12 @@ class LLM:
     def __init__(
         self, model: str = "demo", backend: str = "auto", profile: str | None = None, **options
     ) -> None:
-        from llmctl.selection import open_engine
+        from llmctl.selection import select
 
-        opened = open_engine(model, {**options, "backend": backend}, profile=profile)
-        self.engine: Engine = opened.engine
-        self.backend = opened.choice.backend.name
+        flags = checked_options({**options, "backend": backend})
+        choice = select(model, flags, profile=profile)
+        self.engine: Engine = choice.create_engine()
+        self.backend = choice.backend.name
         self._ids = itertools.count()
 
     def generate(
@@ -112,6 +113,21 @@ class LLM:
         async for output in self.engine.generate(request):
             _merge(result, output)
         return result
+
+
+def checked_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The keyword options of ``LLM(...)``, each checked and converted by its schema entry:
+    a misspelled or unknown name is the error a profile gives, with a "did you mean"."""
+    from llmctl.errors import OptionError
+    from llmctl.options import all_options, unknown_key_message
+
+    schema = {opt.name: opt for opt in all_options()}
+    checked = {}
+    for name, value in options.items():
+        if name not in schema:
+            raise OptionError(unknown_key_message(name, f"LLM({name}=...)"))
+        checked[name] = schema[name].convert(value, f"LLM({name}=...)")
+    return checked
 
 
 def _merge(result: RequestOutput, output: GenerationOutput) -> None:

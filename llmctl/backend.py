@@ -7,7 +7,7 @@ options to its own config (``translate``) and builds an ``Engine``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -23,6 +23,7 @@ __all__ = [
     "GenerationRequest",
     "Hardware",
     "ModelInfo",
+    "OptionRule",
     "SamplingParams",
     "TokenLogprob",
 ]
@@ -76,6 +77,26 @@ class GenerationOutput:
     logprobs: list[TokenLogprob] | None = None
     prompt_token_ids: list[int] | None = None  # the tokenized prompt, on the first output only
 
+    @classmethod
+    def aborted(
+        cls,
+        request_id: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        prompt_token_ids: list[int] | None = None,
+    ) -> GenerationOutput:
+        """The last output of a request stopped before it finished (``finish_reason`` abort)."""
+        return cls(
+            request_id,
+            text="",
+            token_ids=[],
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            finished=True,
+            finish_reason="abort",
+            prompt_token_ids=prompt_token_ids,
+        )
+
 
 @dataclass
 class EngineStats:
@@ -111,11 +132,36 @@ class Engine(Protocol):
     async def shutdown(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class OptionRule:
+    """One backend's rule for one option, declared once: ``summary`` goes into the option's
+    help text and the generated reference; ``refuses`` says why a value is refused here
+    (``None`` when it is accepted). ``refuses(value, options, hardware)`` sees every resolved
+    option, for rules that depend on another (the block size on the device)."""
+
+    option: str
+    summary: str
+    refuses: Callable[[Any, Mapping[str, Any], Hardware], str | None]
+
+
+def refuse_cuda_without_gpu(
+    value: Any, options: Mapping[str, Any], hardware: Hardware
+) -> str | None:
+    """The ``device`` rule every local backend shares."""
+    if value == "cuda" and not hardware.cuda_available:
+        return "device 'cuda' asked for, but no CUDA GPU is available here"
+    return None
+
+
+DEVICE_RULE = OptionRule("device", "`cuda` needs a CUDA GPU", refuse_cuda_without_gpu)
+
+
 class Backend:
     """Base class for backends. Subclasses set the class attributes and override methods.
 
     Higher ``priority`` is tried first by ``--backend auto``. ``option_defaults`` are the
     backend's own defaults (resolution level 5, below profiles, above the schema).
+    ``rules`` are its rules for option values (see ``OptionRule``).
     ``supported_architectures`` of ``None`` means any.
     Backend methods must not import heavy packages until they are called.
     """
@@ -124,6 +170,7 @@ class Backend:
     priority: ClassVar[int] = 0
     description: ClassVar[str] = ""
     option_defaults: ClassVar[Mapping[str, Any]] = {}
+    rules: ClassVar[tuple[OptionRule, ...]] = ()
     supported_architectures: ClassVar[frozenset[str] | None] = None
     # False for backends that forward to a remote server: the model argument is then a
     # name for the remote side, not a local directory.
@@ -135,7 +182,12 @@ class Backend:
 
     def option_errors(self, options: Mapping[str, Any], hardware: Hardware) -> dict[str, str]:
         """Options whose values this backend refuses, each mapped to the rule it breaks."""
-        return {}
+        errors = {}
+        for rule in self.rules:
+            value = options.get(rule.option)
+            if value is not None and (problem := rule.refuses(value, options, hardware)):
+                errors[rule.option] = problem
+        return errors
 
     def check(self, model: ModelInfo, options: Mapping[str, Any], hardware: Hardware) -> list[str]:
         """Every reason this backend cannot serve ``model`` with ``options`` here."""

@@ -40,6 +40,7 @@ class Option:
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
     secret: bool = False  # masked wherever llmctl prints resolved values
+    aliases: tuple[str, ...] = ()  # other spellings of the flag (vLLM's --api-key)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -129,6 +130,16 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> str:
     return f" Did you mean {matches[0]!r}?" if matches else ""
 
 
+def unknown_key_message(name: str, where: str, within: str = "") -> str:
+    """The one message for a name that is no option, wherever it was written (a profile
+    key, a keyword of the Python API)."""
+    known = [opt.name for opt in all_options()]
+    return (
+        f"{where}: unknown key {name!r}{within}.{did_you_mean(name, known)} "
+        "See `llmctl config show` for every option."
+    )
+
+
 CORE_OPTIONS: tuple[Option, ...] = (
     Option(
         "model",
@@ -151,9 +162,7 @@ CORE_OPTIONS: tuple[Option, ...] = (
         "cache_block_seq_len",
         "int",
         64,
-        "Tokens held by one KV-cache block. Each backend adds its own rule: torch needs a "
-        "power of two >= 16; turbo a multiple of 16 on CPU, of 32 on CUDA compute "
-        "capability >= 8.0, else of 64.",
+        "Tokens held by one KV-cache block.",
         min=1,
         metavar="TOKENS",
     ),
@@ -251,10 +260,12 @@ CORE_OPTIONS: tuple[Option, ...] = (
         "api_keys",
         "list",
         None,
-        "API keys clients must send as `Authorization: Bearer KEY`. None: no auth.",
+        "API keys clients must send as `Authorization: Bearer KEY` (repeat the flag for "
+        "several). None: no auth.",
         commands=SERVER_COMMANDS,
         metavar="KEY",
         secret=True,
+        aliases=("--api-key",),
     ),
     Option(
         "max_concurrent_requests",
@@ -319,14 +330,26 @@ def all_options() -> tuple[Option, ...]:
     return tuple(merged)
 
 
+def help_with_rules(opt: Option) -> str:
+    """An option's help followed by each installed backend's rule for it (declared once, in
+    the backend's ``rules``), so help text and checks cannot disagree."""
+    from llmctl.plugins.manager import registered_backends
+
+    backends_by_rule: dict[str, list[str]] = {}  # one line for a rule backends share
+    for name, entry in registered_backends().items():
+        for rule in entry.backend.rules:
+            if rule.option == opt.name:
+                backends_by_rule.setdefault(rule.summary, []).append(name)
+    rules = [f"{', '.join(names)}: {summary}" for summary, names in backends_by_rule.items()]
+    return f"{opt.help} Backend rules: {'; '.join(rules)}." if rules else opt.help
+
+
 def options_for(command: str) -> tuple[Option, ...]:
     return tuple(opt for opt in all_options() if command in opt.commands)
 
 
-def option_named(name: str) -> Option:
+def option_named(name: str, where: str = "option") -> Option:
     for opt in all_options():
         if opt.name == name:
             return opt
-    raise OptionError(
-        f"unknown option {name!r}.{did_you_mean(name, [o.name for o in all_options()])}"
-    )
+    raise OptionError(unknown_key_message(name, where))

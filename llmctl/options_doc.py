@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from llmctl.options import CORE_OPTIONS, Option
+from llmctl.options import CORE_OPTIONS, Option, help_with_rules
 
 REFERENCE_PATH = Path("docs/reference/options.md")
 
@@ -46,13 +46,14 @@ def render_options_reference() -> str:
     ]
     for opt in CORE_OPTIONS:
         commands = ", ".join(sorted(opt.commands))
+        flags = ", ".join(f"`{flag}`" for flag in (opt.flag, *opt.aliases))
         lines.append(
-            f"| `{opt.name}` | `{opt.flag}` | `{opt.env_var}` | {opt.kind} | {_default(opt)} "
+            f"| `{opt.name}` | {flags} | `{opt.env_var}` | {opt.kind} | {_default(opt)} "
             f"| {_allowed(opt)} | {commands} |"
         )
     lines += ["", "## Details", ""]
     for opt in CORE_OPTIONS:
-        lines += [f"### `{opt.name}`", "", opt.help, ""]
+        lines += [f"### `{opt.name}`", "", help_with_rules(opt), ""]
     return "\n".join(lines)
 
 

@@ -23,8 +23,9 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 from llmctl.errors import OptionError, ProfileError
-from llmctl.options import Option, all_options, did_you_mean
+from llmctl.options import Option, all_options, did_you_mean, unknown_key_message
 from llmctl.paths import config_dir
+from llmctl.plugins.manager import registered_backends
 
 PROFILE_FILE_NAME = "llmctl.toml"
 
@@ -110,7 +111,7 @@ def read_profile_file(path: Path) -> dict[str, Profile]:
     if not isinstance(tables, dict):
         raise ProfileError(f"{path}: `profiles` must be a table of [profiles.NAME] tables")
     options = {opt.name: opt for opt in all_options()}
-    backend_names = _installed_backend_names()
+    backend_names = set(registered_backends())
     profiles = {}
     for name, table in tables.items():
         if not isinstance(table, dict):
@@ -148,10 +149,7 @@ def _check_key(
     location = f"{path}:{lines.get(('profiles', *table, key), '?')}"
     header = "profiles." + ".".join(table)
     if key not in options:
-        raise ProfileError(
-            f"{location}: unknown key {key!r} in [{header}].{did_you_mean(key, options)} "
-            "See `llmctl config show` for every option."
-        )
+        raise ProfileError(unknown_key_message(key, location, within=f" in [{header}]"))
     if isinstance(value, dict):
         raise ProfileError(f"{location}: {key} in [{header}] must be a value, not a table")
     try:
@@ -189,12 +187,6 @@ def _key_lines(text: str) -> dict[tuple[str, ...], int]:
 
 def _profile_lines(lines: Mapping[tuple[str, ...], int], name: str) -> dict[tuple[str, ...], int]:
     return {key[2:]: n for key, n in lines.items() if key[:2] == ("profiles", name)}
-
-
-def _installed_backend_names() -> set[str]:
-    from llmctl.selection import installed_backends
-
-    return set(installed_backends())
 
 
 # --- resolution -------------------------------------------------------------------------

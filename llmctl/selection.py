@@ -1,23 +1,27 @@
 """``--backend auto``: rank installed backends, check each, fall back, and say why.
 
-Rules (DESIGN.md): backends are tried by priority; each one skipped gets a log line
-with its reasons. A value the user set explicitly is never changed: if the backend
-that would serve refuses it, that is an error naming the option, value, backend and
-rule. Defaults are resolved per backend, so a fallback gets its own defaults.
+Rules (docs/architecture.md): backends are tried by priority; each one skipped gets a
+log line with its reasons. A value the user set explicitly is never changed: if the
+backend that would serve refuses it, that is an error naming the option, value,
+backend and rule. Defaults are resolved per backend, so a fallback gets its own defaults.
+
+``select`` is where every command that builds an engine starts: it reads the profile
+once, resolves the options once per candidate backend and returns the ``Choice``,
+whose ``create_engine`` loads the model.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from llmctl.backend import Backend, Engine, Hardware, ModelInfo
 from llmctl.errors import BackendError
 from llmctl.model_info import resolve_model
-from llmctl.options import did_you_mean
+from llmctl.options import did_you_mean, option_named
+from llmctl.plugins.manager import registered_backends
 from llmctl.profiles import Profile, Setting, describe_source, resolve, selected_profile
 
 log = logging.getLogger("llmctl")
@@ -27,8 +31,6 @@ AUTO = "auto"
 
 def installed_backends() -> dict[str, Backend]:
     """Backends registered by the loaded plugins, by name, highest priority first."""
-    from llmctl.plugins.manager import registered_backends
-
     return {name: entry.backend for name, entry in registered_backends().items()}
 
 
@@ -48,7 +50,11 @@ class Assessment:
 
 @dataclass
 class Choice:
+    """The backend that serves ``model`` here, with the settings resolved for it."""
+
     backend: Backend
+    model: ModelInfo
+    hardware: Hardware
     settings: dict[str, Setting]
     skipped: list[Assessment]
     notes: list[str]
@@ -56,6 +62,36 @@ class Choice:
     @property
     def values(self) -> dict[str, Any]:
         return {name: s.value for name, s in self.settings.items()}
+
+    def create_engine(self) -> Engine:
+        """Load the model into the chosen backend's engine."""
+        return self.backend.create_engine(self.model, self.values, self.hardware)
+
+
+def select(
+    model: str | None,
+    flags: Mapping[str, Any],
+    *,
+    profile: str | None = None,
+    hardware: Hardware | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Choice:
+    """Read the profile, resolve the options and choose the backend, logging why each
+    skipped backend could not serve. ``model`` (if given) wins over the ``model`` option
+    from env or profile. Nothing is loaded yet: call ``Choice.create_engine()``."""
+    if model is not None:
+        flags = {**flags, "model": model}
+    profile_obj = selected_profile(profile, env)
+    names = [option_named("model"), option_named("backend")]
+    common = resolve(flags, profile=profile_obj, env=env, options=names)
+    info = model_for(common["model"].value, common["backend"].value)
+    choice = choose(
+        info, flags, profile=profile_obj, hardware=hardware or Hardware.probe(), env=env
+    )
+    for note in choice.notes:
+        log.info(note)
+    log.info("backend %s chosen for %s", choice.backend.name, info.name)
+    return choice
 
 
 def assess(
@@ -66,6 +102,7 @@ def assess(
     hardware: Hardware,
     env: Mapping[str, str] | None = None,
 ) -> Assessment:
+    """Resolve the options for ``backend`` (its defaults, its profile section) and check them."""
     settings = resolve(
         flags,
         profile=profile,
@@ -84,6 +121,30 @@ def assess(
     return Assessment(backend, settings, reasons, explicit)
 
 
+def candidates(
+    flags: Mapping[str, Any],
+    *,
+    profile: Profile | None = None,
+    backends: Mapping[str, Backend] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> tuple[str, list[Backend]]:
+    """The backend asked for (a name or ``auto``) and the backends to try, in order."""
+    backends = installed_backends() if backends is None else backends
+    requested = resolve(flags, profile=profile, env=env, options=[option_named("backend")])
+    name = requested["backend"].value
+    if not backends:
+        raise BackendError(
+            "no backend is installed: install one, e.g. `pip install llmctl-torch`, "
+            "then check with `llmctl backends`"
+        )
+    if name != AUTO and name not in backends:
+        raise BackendError(
+            f"unknown backend {name!r}.{did_you_mean(name, backends)} Installed: "
+            f"{', '.join(backends)} (or `auto`). See `llmctl backends`."
+        )
+    return name, list(backends.values()) if name == AUTO else [backends[name]]
+
+
 def choose(
     model: ModelInfo,
     flags: Mapping[str, Any],
@@ -94,26 +155,26 @@ def choose(
     env: Mapping[str, str] | None = None,
 ) -> Choice:
     """Pick the backend that serves ``model``, or raise BackendError saying why none can."""
-    backends = installed_backends() if backends is None else backends
-    requested = resolve(flags, profile=profile, env=env)["backend"].value
-    if not backends:
-        raise BackendError(
-            "no backend is installed: install one, e.g. `pip install llmctl-torch`, "
-            "then check with `llmctl backends`"
-        )
-    if requested != AUTO and requested not in backends:
-        raise BackendError(
-            f"unknown backend {requested!r}.{did_you_mean(requested, backends)} Installed: "
-            f"{', '.join(backends)} (or `auto`). See `llmctl backends`."
-        )
-    candidates = list(backends.values()) if requested == AUTO else [backends[requested]]
+    requested, tried = candidates(flags, profile=profile, backends=backends, env=env)
+    verdicts = (assess(b, model, flags, profile, hardware, env) for b in tried)
+    return first_that_serves(verdicts, model, hardware, requested, backends or installed_backends())
+
+
+def first_that_serves(
+    verdicts: Iterable[Assessment],
+    model: ModelInfo,
+    hardware: Hardware,
+    requested: str,
+    backends: Mapping[str, Backend],
+) -> Choice:
+    """The first backend (in priority order) with no reason against it. ``verdicts`` may be
+    a generator, so backends after the chosen one are never checked."""
     skipped: list[Assessment] = []
-    for backend in candidates:
-        verdict = assess(backend, model, flags, profile, hardware, env)
+    for verdict in verdicts:
         if not verdict.reasons:
             notes = [f"{s.backend.name} skipped: {'; '.join(s.reasons)}" for s in skipped]
             notes += _fallback_notes(skipped, verdict)
-            return Choice(backend, verdict.settings, skipped, notes)
+            return Choice(verdict.backend, model, hardware, verdict.settings, skipped, notes)
         skipped.append(verdict)
     raise BackendError(_no_backend_message(model, requested, skipped, backends))
 
@@ -160,49 +221,9 @@ def _other_reasons(tried: list[Assessment]) -> str:
     return (" Other backends were skipped: " + " | ".join(earlier)) if earlier else ""
 
 
-@dataclass
-class Opened:
-    engine: Engine
-    choice: Choice
-    model: ModelInfo
-
-
 def model_for(model: str, backend_name: str) -> ModelInfo:
     """Resolve the model argument; for a remote (proxy) backend it is just a name."""
     backend = installed_backends().get(backend_name)
     if backend is not None and not backend.loads_local_model:
         return ModelInfo.remote(model)
     return resolve_model(model)
-
-
-def resolve_common(
-    flags: Mapping[str, Any], profile_name: str | None = None
-) -> tuple[Profile | None, dict[str, Setting]]:
-    """The profile in effect and the backend-independent settings (model, backend, ...)."""
-    profile = selected_profile(profile_name)
-    return profile, resolve(flags, profile=profile)
-
-
-def open_engine(
-    model: str | None,
-    flags: Mapping[str, Any],
-    *,
-    profile: str | None = None,
-    hardware: Hardware | None = None,
-) -> Opened:
-    """Resolve options, choose a backend, log why, and build its engine.
-
-    ``model`` (if given) wins over the ``model`` option from env or profile.
-    """
-    flags = dict(flags)
-    if model is not None:
-        flags["model"] = model
-    profile_obj, common = resolve_common(flags, profile)
-    info = model_for(common["model"].value, common["backend"].value)
-    hardware = hardware or Hardware.probe()
-    choice = choose(info, flags, profile=profile_obj, hardware=hardware, env=os.environ)
-    for note in choice.notes:
-        log.info(note)
-    log.info("backend %s chosen for %s", choice.backend.name, info.name)
-    engine = choice.backend.create_engine(info, choice.values, hardware)
-    return Opened(engine, choice, info)

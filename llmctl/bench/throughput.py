@@ -153,18 +153,18 @@ def benchmark_throughput(
     """Open an engine for ``model`` with ``flags``, run the workload, then (if
     ``baseline_batch_size`` is given) transformers on the same prompts; the JSON report."""
     from llmctl.options import options_for
-    from llmctl.selection import open_engine
+    from llmctl.selection import select
 
-    opened = open_engine(model, flags, profile=profile)
-    info, backend, values = opened.model, opened.choice.backend.name, opened.choice.values
+    choice = select(model, flags, profile=profile)
+    info, backend, values = choice.model, choice.backend.name, choice.values
     import torch
 
-    cuda = Hardware.probe().device_for(values["device"]) == "cuda"
+    cuda = choice.hardware.device_for(values["device"]) == "cuda"
     model_config = ModelConfig.from_dict(info.config)
     dtype = engine_dtype(values["dtype"], model_config, torch.device("cuda" if cuda else "cpu"))
     workload = workload_for(info, spec)
     warmup = _warmup_request(info, spec.seed)
-    engine, opened = opened.engine, None
+    engine = choice.create_engine()
     engine_result = asyncio.run(
         _run_then_shutdown(engine, workload, MemoryPeak(cuda), warmup, progress)
     )
@@ -241,8 +241,6 @@ def _progress_task(progress: Progress | None, label: str, total_tokens: int) -> 
 def _machine() -> dict[str, Any]:
     """Where the numbers come from: results on a shared or throttled machine differ."""
     import torch
-
-    from llmctl.hardware import Hardware
 
     return {"description": Hardware.probe().describe(), "torch_threads": torch.get_num_threads()}
 

@@ -55,27 +55,40 @@ def check(
     """
     from llmctl.errors import BackendError
     from llmctl.hardware import Hardware
-    from llmctl.selection import assess, choose, installed_backends, model_for, resolve_common
+    from llmctl.profiles import selected_profile
+    from llmctl.selection import (
+        assess,
+        candidates,
+        first_that_serves,
+        installed_backends,
+        model_for,
+    )
 
     flags = {**flags, "model": model}
-    profile_obj, common = resolve_common(flags, profile)
-    info = model_for(model, common["backend"].value)
+    profile_obj = selected_profile(profile)
+    requested, _ = candidates(flags, profile=profile_obj)
+    info = model_for(model, requested)
     hardware = Hardware.probe()
     console.print(f"Model: {info.name} ({info.architecture}) at {info.path}")
-    for backend in installed_backends().values():
-        verdict = assess(backend, info, flags, profile_obj, hardware)
+    backends = installed_backends()
+    verdicts = [assess(b, info, flags, profile_obj, hardware) for b in backends.values()]
+    for verdict in verdicts:
         if verdict.reasons:
-            console.print(f"[red]✗ {backend.name}[/] cannot serve:")
+            console.print(f"[red]✗ {verdict.backend.name}[/] cannot serve:")
             for reason in verdict.reasons:
                 console.print(f"    - {reason}")
         else:
-            console.print(f"[green]✓ {backend.name}[/] can serve")
+            console.print(f"[green]✓ {verdict.backend.name}[/] can serve")
+    # What `auto` (or the backend asked for) would do, from the verdicts above.
+    asked = (
+        verdicts if requested == "auto" else [v for v in verdicts if v.backend.name == requested]
+    )
     try:
-        choice = choose(info, flags, profile=profile_obj, hardware=hardware)
+        choice = first_that_serves(asked, info, hardware, requested, backends)
     except BackendError as exc:
         console.print(f"[red]No backend would be chosen:[/] {exc}")
         raise typer.Exit(1) from None
-    console.print(f"[bold]--backend auto would pick {choice.backend.name}[/]")
+    console.print(f"[bold]--backend {requested} would pick {choice.backend.name}[/]")
     for note in choice.notes:
         console.print(f"  {note}")
 

@@ -150,10 +150,11 @@ def _connect(
         where = f"{connection.model_name} at {connection.base_url}"
         return connection, f"[bold]Chatting with {escape(where)}.[/] {tail}", []
     from llmctl.engine.demo import DEMO_LABEL
-    from llmctl.selection import open_engine
+    from llmctl.selection import select
 
-    opened = open_engine(model, flags, profile=profile)
-    backend = opened.choice.backend.name
-    intro = f"[bold]Chatting with {escape(opened.engine.model_name)}[/] ({backend}). {tail}"
-    warnings = [f"Model {DEMO_LABEL}."] if opened.model.is_demo else []
-    return LocalConnection(opened.engine), intro, warnings
+    choice = select(model, flags, profile=profile)
+    engine = choice.create_engine()
+    backend = choice.backend.name
+    intro = f"[bold]Chatting with {escape(engine.model_name)}[/] ({backend}). {tail}"
+    warnings = [f"Model {DEMO_LABEL}."] if choice.model.is_demo else []
+    return LocalConnection(engine), intro, warnings

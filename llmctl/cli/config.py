@@ -30,37 +30,33 @@ def show(
     With `--backend auto` (the default) the backend is the one `auto` would choose for
     the model; pass `--backend NAME` to see another backend's view.
     """
-    from llmctl.errors import BackendError, LlmctlError
+    from llmctl.errors import LlmctlError
     from llmctl.hardware import Hardware
-    from llmctl.options import all_options, did_you_mean
-    from llmctl.profiles import describe_source, resolve
-    from llmctl.selection import AUTO, choose, installed_backends, model_for, resolve_common
+    from llmctl.options import all_options, option_named
+    from llmctl.profiles import describe_source, resolve, selected_profile
+    from llmctl.selection import AUTO, candidates, choose, model_for
 
-    profile_obj, common = resolve_common(flags, profile)
-    backends = installed_backends()
-    backend_name = common["backend"].value
+    profile_obj = selected_profile(profile)
+    requested, tried = candidates(flags, profile=profile_obj)
     note = ""
-    if backend_name == AUTO:
+    if requested == AUTO:
         try:
-            info = model_for(common["model"].value, backend_name)
+            model = resolve(flags, profile=profile_obj, options=[option_named("model")])
+            info = model_for(model["model"].value, AUTO)
             choice = choose(info, flags, profile=profile_obj, hardware=Hardware.probe())
-            backend_name = choice.backend.name
-            note = f"backend: auto chooses {backend_name} for {info.name}"
+            settings = choice.settings
+            note = f"backend: auto chooses {choice.backend.name} for {info.name}"
         except LlmctlError as exc:
-            backend_name = None
+            settings = resolve(flags, profile=profile_obj)
             note = f"backend: auto cannot choose yet ({exc}); showing values without a backend"
-    elif backend_name not in backends:
-        raise BackendError(
-            f"unknown backend {backend_name!r}.{did_you_mean(backend_name, backends)} "
-            f"Installed: {', '.join(backends)} (or `auto`)."
+    else:
+        backend = tried[0]
+        settings = resolve(
+            flags,
+            profile=profile_obj,
+            backend=backend.name,
+            backend_defaults=backend.option_defaults,
         )
-    backend = backends.get(backend_name) if backend_name else None
-    settings = resolve(
-        flags,
-        profile=profile_obj,
-        backend=backend_name,
-        backend_defaults=backend.option_defaults if backend else None,
-    )
     title = f"profile {profile_obj.name}" if profile_obj else "no profile"
     table = Table("option", "value", title=f"llmctl configuration ({title})")
     if explain:

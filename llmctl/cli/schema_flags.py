@@ -14,7 +14,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from llmctl.options import Option, options_for
+from llmctl.options import Option, help_with_rules, options_for
 
 ENGINE_PANEL = "Engine options"
 SERVER_PANEL = "Server options"
@@ -32,11 +32,11 @@ def _annotation(opt: Option) -> Any:
     if opt.kind == "bool":
         decls = [f"{opt.flag}/--no-{opt.flag[2:]}"]
     else:
-        decls = [opt.flag]
+        decls = [opt.flag, *opt.aliases]
     default = "" if opt.default is None else f" [default: {_show(opt.default)}]"
     info = typer.Option(
         *decls,
-        help=f"{opt.help}{default} (env {opt.env_var})",
+        help=f"{help_with_rules(opt)}{default} (env {opt.env_var})",
         metavar=opt.metavar,
         show_default=False,
         rich_help_panel=SERVER_PANEL

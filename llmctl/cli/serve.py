@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from llmctl.cli.output import console, err_console
 from llmctl.cli.schema_flags import schema_options
+
+if TYPE_CHECKING:
+    from llmctl.backend import Engine
+    from llmctl.selection import Choice
 
 
 def register(app: typer.Typer) -> None:
@@ -26,14 +30,6 @@ def serve(
     profile: str | None = typer.Option(
         None, "--profile", "-p", help="Profile to use (else LLMCTL_PROFILE)."
     ),
-    api_key: list[str] | None = typer.Option(
-        None,
-        "--api-key",
-        help="An API key clients must send (repeat for several); same as --api-keys.",
-        metavar="KEY",
-        rich_help_panel="Server options",
-        show_default=False,
-    ),
 ) -> None:
     """Serve MODEL over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models).
 
@@ -41,43 +37,37 @@ def serve(
 
     SIGINT/SIGTERM: new requests get 503, running ones finish (up to --shutdown-timeout).
     """
-    from llmctl.selection import open_engine, resolve_common
+    from llmctl.selection import select
     from llmctl.server.app import create_app
     from llmctl.server.run import bind_socket, run_server, url_of
 
-    if api_key:
-        flags = {**flags, "api_keys": [*flags.get("api_keys", []), *api_key]}
+    choice = select(model, flags, profile=profile)
+    options = choice.values
     # Take the port before loading the model, so a port in use fails in a second.
-    _, common = resolve_common(flags, profile)
-    address = (common["host"].value, common["port"].value)
-    sock = bind_socket(*address)
+    sock = bind_socket(options["host"], options["port"])
     with err_console.status("Loading the model…"):
-        opened = open_engine(model, flags, profile=profile)
-    options = opened.choice.values
-    if (options["host"], options["port"]) != address:  # the backend's profile section
-        sock.close()
-        sock = bind_socket(options["host"], options["port"])
+        engine = choice.create_engine()
     app = create_app(
-        opened.engine,
-        backend_name=opened.choice.backend.name,
+        engine,
+        backend_name=choice.backend.name,
         api_keys=options["api_keys"],
         max_concurrent_requests=options["max_concurrent_requests"],
         max_queued_requests=options["max_queued_requests"],
         log_prompts=options["log_prompts"],
         client_timeout=options["client_timeout"],
     )
-    _print_banner(opened, options, url_of(sock))
+    _print_banner(choice, engine, url_of(sock))
     run_server(app, sock, shutdown_timeout=options["shutdown_timeout"])
 
 
-def _print_banner(opened: Any, options: dict[str, Any], url: str) -> None:
+def _print_banner(choice: Choice, engine: Engine, url: str) -> None:
     """What a user needs to know before the first request: what serves, how big, where."""
-    engine, choice = opened.engine, opened.choice
+    options = choice.values
     console.print(f"[bold]Backend:[/] {choice.backend.name}")
     for note in choice.notes:
         console.print(f"  {note}")
-    console.print(f"[bold]Model:[/] {engine.model_name} ({opened.model.architecture})")
-    if opened.model.is_demo:
+    console.print(f"[bold]Model:[/] {engine.model_name} ({choice.model.architecture})")
+    if choice.model.is_demo:
         console.print(
             "  [yellow]demo has random weights: its text is meaningless[/] (it is for trying "
             "llmctl out; pass a model directory to serve a real model)"

@@ -57,8 +57,8 @@ class _ResetPeak:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
         self.model_name = model_name
-        self.max_model_len = engine.config.max_model_len
-        self.vocab_size = engine.config.vocab_size
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._lock = threading.Condition()  # guards the three fields below

@@ -1,38 +1,57 @@
-"""The shared engine's own settings, decided once when an engine starts."""
+"""What the shared engine reads from a backend's own configuration.
+
+Each local backend translates the unified options once, into a config in its own
+names (turbo's are TurboMind's, torch's vLLM's), and its engine consumes that config.
+The shared parts (KV plan, scheduler, block manager, sampler, tokenizer) read the
+fields below from it: torch's config has them as fields, turbo's as properties over
+its own names. Nothing is copied into a second structure.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Protocol
+
+from llmctl.kv_budget import KVBudget
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """Sizes and switches of one engine instance.
+class EngineOptions(Protocol):
+    @property
+    def block_size(self) -> int:
+        """Tokens per KV-cache block (``cache_block_seq_len``)."""
 
-    ``num_blocks`` comes from the KV-cache plan (``kv_cache.plan_kv_cache``);
-    ``max_model_len`` bounds prompt + generated tokens of one request;
-    ``max_num_batched_tokens`` bounds the new tokens of one step (prefill chunks plus
-    decodes); ``vocab_size`` is the model's, so prompt ids outside it are refused.
-    """
+    @property
+    def kv_budget(self) -> KVBudget:
+        """How much memory the KV cache may take (``cache_max_entry_count``)."""
 
-    block_size: int
-    num_blocks: int
-    max_model_len: int
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    enable_prefix_caching: bool = True
-    eos_token_ids: tuple[int, ...] = ()
-    vocab_size: int | None = None
-    seed: int = 0
+    @property
+    def max_model_len(self) -> int | None:
+        """Longest session asked for (``session_len``); ``None``: the model's own."""
 
-    def __post_init__(self) -> None:
-        for name in (
-            "block_size",
-            "num_blocks",
-            "max_model_len",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"EngineConfig.{name} must be a positive integer, got {value!r}")
+    @property
+    def max_num_seqs(self) -> int:
+        """Most sequences in one step (``max_batch_size``)."""
+
+    @property
+    def max_num_batched_tokens(self) -> int:
+        """Most new tokens in one step (``max_prefill_token_num``)."""
+
+    @property
+    def enable_prefix_caching(self) -> bool: ...
+
+    @property
+    def seed(self) -> int: ...
+
+    @property
+    def dtype(self) -> str:
+        """``auto`` or a dtype name."""
+
+    @property
+    def device(self) -> str:
+        """``auto``, ``cpu`` or ``cuda``."""
+
+    @property
+    def chat_template(self) -> str | None: ...
+
+    @property
+    def served_model_name(self) -> str | None:
+        """The API's model name (``model_name``); ``None``: the model argument."""

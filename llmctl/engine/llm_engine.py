@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from llmctl.backend import GenerationOutput, TokenLogprob
 from llmctl.engine.block_manager import BlockManager
-from llmctl.engine.config import EngineConfig
+from llmctl.engine.config import EngineOptions
 from llmctl.engine.detokenizer import IncrementalDetokenizer
 from llmctl.engine.faults import FaultPlan
 from llmctl.engine.runner import ModelRunner
@@ -33,20 +33,37 @@ class StepFailed(Exception):
 
 
 class LLMEngine:
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig) -> None:
-        if runner.block_size != config.block_size or runner.num_blocks < config.num_blocks:
+    """``options`` is the backend's own config (see ``EngineOptions``); the rest is what
+    loading the model decided: the session length, the stop tokens and the vocabulary.
+    The KV cache is the runner's, already allocated."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Tokenizer,
+        options: EngineOptions,
+        *,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...] = (),
+        vocab_size: int | None = None,
+    ) -> None:
+        if runner.block_size != options.block_size or runner.num_blocks < 1:
             raise ValueError(
                 f"the runner's cache ({runner.num_blocks} blocks of {runner.block_size}) does "
-                f"not match the engine's ({config.num_blocks} blocks of {config.block_size})"
+                f"not fit the engine's block size {options.block_size}"
             )
         self.runner = runner
         self.tokenizer = tokenizer
-        self.config = config
+        self.block_size = options.block_size
+        self.num_blocks = runner.num_blocks
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
         self.block_manager = BlockManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching
+            self.num_blocks, self.block_size, options.enable_prefix_caching
         )
-        self.scheduler = Scheduler(config, self.block_manager)
-        self.sampler = Sampler(config.eos_token_ids, config.seed)
+        self.scheduler = Scheduler(options, self.block_manager)
+        self.sampler = Sampler(eos_token_ids, options.seed)
         self._seqs: dict[str, Sequence] = {}
         self._faults = FaultPlan.from_env()  # only tests set LLMCTL_TEST_FAULT
 
@@ -54,14 +71,14 @@ class LLMEngine:
         """Raise ``InvalidRequest`` if this request can never run here."""
         if not prompt_token_ids:
             raise InvalidRequest("the prompt is empty: give at least one token")
-        vocab = self.config.vocab_size
+        vocab = self.vocab_size
         if vocab is not None:
             bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
             if bad:
                 raise InvalidRequest(
                     f"prompt token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})"
                 )
-        prompt_len, limit = len(prompt_token_ids), self.config.max_model_len
+        prompt_len, limit = len(prompt_token_ids), self.max_model_len
         if sampling.max_tokens is None and prompt_len >= limit:
             raise InvalidRequest(
                 f"the prompt ({prompt_len} tokens) leaves no room to generate within "
@@ -80,11 +97,11 @@ class LLMEngine:
                 code="context_length_exceeded",
             )
         needed = self.block_manager.blocks_needed(total)
-        if needed > self.config.num_blocks:
+        if needed > self.num_blocks:
             raise InvalidRequest(
                 f"the prompt ({prompt_len} tokens) plus max_tokens ({sampling.max_tokens}) "
-                f"needs {needed} KV blocks of {self.config.block_size} tokens, but the whole "
-                f"cache has {self.config.num_blocks}: lower max_tokens or give the engine "
+                f"needs {needed} KV blocks of {self.block_size} tokens, but the whole "
+                f"cache has {self.num_blocks}: lower max_tokens or give the engine "
                 "a larger cache_max_entry_count",
                 code="context_length_exceeded",
             )
@@ -96,9 +113,7 @@ class LLMEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, sampling)
         if sampling.max_tokens is None:  # "until the session is full"
-            sampling = replace(
-                sampling, max_tokens=self.config.max_model_len - len(prompt_token_ids)
-            )
+            sampling = replace(sampling, max_tokens=self.max_model_len - len(prompt_token_ids))
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling)
         seq = Sequence(request_id, prompt_token_ids, sampling, detokenizer)
         self._seqs[request_id] = seq
@@ -110,14 +125,10 @@ class LLMEngine:
         if seq is None:
             return None
         self.scheduler.finish(seq, "abort")
-        return GenerationOutput(
-            request_id=request_id,
-            text="",
-            token_ids=[],
-            prompt_tokens=seq.num_prompt_tokens,
-            completion_tokens=seq.num_output_tokens,
-            finished=True,
-            finish_reason="abort",
+        return GenerationOutput.aborted(
+            request_id,
+            seq.num_prompt_tokens,
+            seq.num_output_tokens,
             prompt_token_ids=seq.prompt_token_ids if seq.num_output_tokens == 0 else None,
         )
 
@@ -137,7 +148,7 @@ class LLMEngine:
             return []
         try:
             self._faults.before_model_call()
-            logits = self.runner.execute(step.to_batch(self.config.block_size))
+            logits = self.runner.execute(step.to_batch(self.block_size))
             ready = self.scheduler.mark_computed(step)
             if not ready:
                 return []
@@ -154,7 +165,7 @@ class LLMEngine:
         seq.append_token(token_id)
         params = seq.sampling
         reason = None
-        is_eos = not params.ignore_eos and token_id in self.config.eos_token_ids
+        is_eos = not params.ignore_eos and token_id in self.eos_token_ids
         if is_eos or token_id in params.stop_token_ids:
             reason = "stop"
         if reason is None or params.include_stop_str_in_output:

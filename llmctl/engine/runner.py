@@ -2,15 +2,20 @@
 
 A backend plugs its model into the shared engine by implementing ``ModelRunner``:
 the engine schedules, the runner runs one forward step over a flattened batch.
+``PagedRunner`` is what both local runners share: dtype, device, KV-cache sizing and
+the checks around allocating it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-if TYPE_CHECKING:
-    import torch
+import torch
+
+from llmctl.engine.model_config import ModelConfig
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -47,3 +52,43 @@ class ModelRunner(Protocol):
         """Write the batch's K/V into the cache and return fp32 logits ``[num_seqs, vocab]``
         for the last new token of each sequence."""
         ...
+
+
+class PagedRunner:
+    """Base of a runner over a paged KV cache of ``num_blocks`` blocks.
+
+    ``dtype`` is a name (``auto`` is the checkpoint's) or a ``torch.dtype``. The engine
+    sizes the cache from the memory free once the weights are loaded, then calls
+    ``allocate_kv_cache``; tests may pass ``num_blocks`` to the subclass directly.
+    Subclasses implement ``_allocate(num_blocks)`` and ``execute``.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: str | torch.dtype,
+        device: str | torch.device,
+        block_size: int,
+    ) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = TORCH_DTYPES[config.resolve_dtype(dtype)] if isinstance(dtype, str) else dtype
+        self.block_size = block_size
+        self.num_blocks = 0
+
+    def kv_bytes_per_block(self) -> int:
+        return self.config.kv_bytes_per_block(self.block_size, self.dtype)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        self._allocate(num_blocks)
+        self.num_blocks = num_blocks
+
+    def _allocate(self, num_blocks: int) -> None:
+        raise NotImplementedError
+
+    def check_allocated(self) -> None:
+        if self.num_blocks == 0:
+            raise RuntimeError("allocate_kv_cache(num_blocks) must be called before execute")

@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from llmctl.engine.block_manager import BlockManager
-from llmctl.engine.config import EngineConfig
+from llmctl.engine.config import EngineOptions
 from llmctl.engine.runner import StepBatch
 from llmctl.engine.sequence import Sequence, SequenceStatus
 
@@ -55,8 +55,8 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
-        self.config = config
+    def __init__(self, options: EngineOptions, block_manager: BlockManager) -> None:
+        self.options = options
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: preempt from the end
@@ -71,7 +71,7 @@ class Scheduler:
     def schedule(self) -> ScheduledStep | None:
         """Pick this step's work; ``None`` when there is nothing to run."""
         step = ScheduledStep([], [])
-        budget = self.config.max_num_batched_tokens
+        budget = self.options.max_num_batched_tokens
         preempted = False
 
         index = 0
@@ -96,7 +96,7 @@ class Scheduler:
             not preempted
             and self.waiting
             and budget > 0
-            and len(self.running) < self.config.max_num_seqs
+            and len(self.running) < self.options.max_num_seqs
             and self.block_manager.can_allocate(self.waiting[0])
         ):
             seq = self.waiting.popleft()

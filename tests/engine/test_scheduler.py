@@ -10,11 +10,10 @@ import random
 
 import pytest
 
-from llmctl.engine.config import EngineConfig
 from llmctl.engine.llm_engine import LLMEngine
 from llmctl.engine.sampling_params import SamplingParams
 from llmctl.errors import InvalidRequest
-from tests.engine.paged_toy_model import PagedToyModel
+from tests.engine.paged_toy_model import PagedToyModel, ToyOptions
 
 VOCAB = 64
 
@@ -32,17 +31,24 @@ class RecordingModel(PagedToyModel):
 
 
 def make_engine(
-    tokenizer, *, num_blocks=256, block_size=4, max_model_len=128, vocab_size=VOCAB, **config
+    tokenizer,
+    *,
+    num_blocks=256,
+    block_size=4,
+    max_model_len=128,
+    vocab_size=VOCAB,
+    eos_token_ids=(),
+    **options,
 ):
     model = RecordingModel(num_blocks, block_size, vocab_size)
-    engine_config = EngineConfig(
-        block_size=block_size,
-        num_blocks=num_blocks,
+    return LLMEngine(
+        model,
+        tokenizer,
+        ToyOptions(block_size=block_size, **options),
         max_model_len=max_model_len,
+        eos_token_ids=eos_token_ids,
         vocab_size=vocab_size,
-        **config,
     )
-    return LLMEngine(model, tokenizer, engine_config)
 
 
 def workload(seed: int = 0, count: int = 10):
@@ -70,7 +76,7 @@ def run(engine: LLMEngine, requests) -> dict[str, tuple[list[int], str | None]]:
         for out in engine.step():
             tokens, _ = results[out.request_id]
             results[out.request_id] = (tokens + out.token_ids, out.finish_reason)
-    assert engine.block_manager.num_free_blocks == engine.config.num_blocks
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
     assert all(block.ref_count == 0 for block in engine.block_manager.blocks)
     return results
 

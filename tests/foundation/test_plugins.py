@@ -68,15 +68,16 @@ def test_plugin_option_and_command_work(plugin_site):
 def test_plugin_engine_generates_through_the_engine_surface(plugin_site):
     code = (
         "import asyncio\n"
-        "from llmctl.selection import open_engine\n"
+        "from llmctl.selection import select\n"
         "from llmctl.backend import GenerationRequest\n"
         "from llmctl.engine.sampling_params import SamplingParams\n"
-        "opened = open_engine('demo', {'backend': 'echo', 'echo_upper': True})\n"
+        "choice = select('demo', {'backend': 'echo', 'echo_upper': True})\n"
+        "engine = choice.create_engine()\n"
         "async def main():\n"
         "    req = GenerationRequest('r1', prompt='hello plugin world', "
         "sampling=SamplingParams(max_tokens=8))\n"
-        "    return ''.join([o.text async for o in opened.engine.generate(req)])\n"
-        "print(opened.choice.backend.name, asyncio.run(main()))\n"
+        "    return ''.join([o.text async for o in engine.generate(req)])\n"
+        "print(choice.backend.name, asyncio.run(main()))\n"
     )
     env = {**os.environ, **_env(plugin_site)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)

@@ -138,14 +138,12 @@ def test_defaults_come_from_each_backend(builtins, monkeypatch):
     assert any("torch uses 32" in n and "turbo's 48" in n for n in choice.notes)
 
 
-def test_open_engine_logs_why_backends_were_skipped(builtins, caplog, monkeypatch):
+def test_select_logs_why_backends_were_skipped(caplog, monkeypatch):
     """The log lines come from selection, before any engine is built."""
-    from llmctl import selection
+    from llmctl.selection import select
 
-    logger = logging.getLogger("llmctl")
-    monkeypatch.setattr(logger, "propagate", True)
-    choice = choose(llama(), {}, hardware=CPU_NO_COMPILER, backends=builtins, env={})
+    monkeypatch.setattr(logging.getLogger("llmctl"), "propagate", True)
     with caplog.at_level(logging.INFO, logger="llmctl"):
-        for note in choice.notes:
-            selection.log.info(note)
+        choice = select("demo", {}, hardware=CPU_NO_COMPILER, env={})
+    assert choice.backend.name == "torch"
     assert "turbo skipped" in caplog.text

@@ -9,14 +9,15 @@ import time
 import httpx
 import uvicorn
 
-from llmctl.selection import open_engine
+from llmctl.selection import select
 from llmctl.server.app import create_app
 from tests.helpers.server_process import free_port
 
 
 def test_health_turns_503_when_the_engine_loop_stops(stories_dir):
-    opened = open_engine(str(stories_dir), {"backend": "torch", "cache_max_entry_count": 64})
-    app = create_app(opened.engine, backend_name="torch")
+    choice = select(str(stories_dir), {"backend": "torch", "cache_max_entry_count": 64})
+    engine = choice.create_engine()
+    app = create_app(engine, backend_name="torch")
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -27,7 +28,7 @@ def test_health_turns_503_when_the_engine_loop_stops(stories_dir):
         while not server.started and time.monotonic() < deadline:
             time.sleep(0.05)
         assert httpx.get(f"{url}/health").status_code == 200
-        asyncio.run(opened.engine.shutdown())  # the engine loop ends; the HTTP server lives on
+        asyncio.run(engine.shutdown())  # the engine loop ends; the HTTP server lives on
         response = httpx.get(f"{url}/health")
         assert response.status_code == 503
         assert response.json() == {"status": "engine stopped"}

@@ -14,16 +14,14 @@ from pathlib import Path
 import torch
 
 from llmctl.engine.model_config import ModelConfig
-from llmctl.engine.runner import StepBatch
+from llmctl.engine.runner import PagedRunner, StepBatch
 from llmctl.engine.weights import load_weights
 from llmctl_torch.attention import attention_ops
 from llmctl_torch.lora import apply_lora_adapters
 from llmctl_torch.model import AttentionMetadata, build_model
 
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-class TorchModelRunner:
+class TorchModelRunner(PagedRunner):
     """Runs a Llama-family model over a paged KV cache of ``num_blocks`` blocks.
 
     ``num_blocks`` may be left out and given later through ``allocate_kv_cache`` (the
@@ -41,11 +39,7 @@ class TorchModelRunner:
         num_blocks: int | None = None,
         adapters: Sequence[str | Path] = (),
     ) -> None:
-        self.config = config
-        self.device = torch.device(device)
-        self.dtype = TORCH_DTYPES[config.resolve_dtype(dtype)] if isinstance(dtype, str) else dtype
-        self.block_size = block_size
-        self.num_blocks = 0
+        super().__init__(config, dtype=dtype, device=device, block_size=block_size)
         self.ops = attention_ops(self.device)
         weights = load_weights(model_dir, self.dtype, self.device)
         apply_lora_adapters(weights, adapters)
@@ -54,15 +48,10 @@ class TorchModelRunner:
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
 
-    def kv_bytes_per_block(self) -> int:
-        return self.config.kv_bytes_per_block(self.block_size, self.dtype)
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def _allocate(self, num_blocks: int) -> None:
         """One ``[2, layers, num_blocks, block_size, kv_heads, head_dim]`` tensor, viewed
         as a (K, V) pair per layer. Zeroed, not empty: attention masks unwritten slots
         with a zero weight, and 0 * NaN from uninitialised memory would still be NaN."""
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         c = self.config
         cache = torch.zeros(
             (2, c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim),
@@ -70,14 +59,12 @@ class TorchModelRunner:
             device=self.device,
         )
         self.kv_caches = [(cache[0, layer], cache[1, layer]) for layer in range(c.num_layers)]
-        self.num_blocks = num_blocks
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Write the batch's K/V and return fp32 logits ``[num_seqs, vocab]`` of the last new
         token of each sequence."""
-        if not self.kv_caches:
-            raise RuntimeError("allocate_kv_cache(num_blocks) must be called before execute")
+        self.check_allocated()
         query_start_loc = list(accumulate(batch.query_lens, initial=0))
         max_blocks = max(len(table) for table in batch.block_tables)
         block_tables = [table + [0] * (max_blocks - len(table)) for table in batch.block_tables]

@@ -16,6 +16,8 @@ import sys
 
 import torch
 
+from llmctl_torch.config import block_size_problem
+
 _ASKED = os.environ.get("TRITON_INTERPRET")  # "1" or "0" decides; unset: by the hardware
 INTERPRET = _ASKED == "1" or (_ASKED != "0" and not torch.cuda.is_available())
 if INTERPRET and _ASKED != "1":
@@ -38,6 +40,7 @@ __all__ = [
     "INTERPRET",
     "LOG2_E",
     "UPCAST_LOADS",
+    "attend_kv_tile",
     "index_tensor",
     "check_paged_cache",
     "check_query",
@@ -95,11 +98,8 @@ def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int
             f"(head_dim) dimension, got {k_cache.stride()} and {v_cache.stride()}"
         )
     _, block_size, num_kv_heads, head_dim = k_cache.shape
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(
-            f"block size {block_size} is not supported by the Triton kernels: use a power "
-            "of two of at least 16"
-        )
+    if problem := block_size_problem(block_size):
+        raise ValueError(f"block size {block_size}: {problem}")
     if not 1 <= head_dim <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim {head_dim} is outside the supported 1..{MAX_HEAD_DIM}")
     return block_size, num_kv_heads, head_dim
@@ -139,3 +139,47 @@ def index_tensor(
             f"got {t.dim()}-d {t.dtype} on {t.device}"
         )
     return t.to(dtype).contiguous()
+
+
+@triton.jit
+def attend_kv_tile(
+    q,
+    m,
+    l,  # noqa: E741
+    acc,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table,
+    head_offset,
+    dim_mask,
+    pos,
+    valid,
+    visible,
+    qk_scale,
+    stride_cache_block,
+    stride_cache_token,
+    BLOCK_SIZE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    """One step of the online softmax both kernels run (in base 2: ``qk_scale`` holds
+    log2(e)): load the K/V rows of positions ``pos`` (the ``valid`` ones) through the
+    block table, score them against the rows of ``q``, keep the ``visible`` scores and
+    fold them into the running max ``m``, sum ``l`` and output ``acc``."""
+    block = tl.load(block_table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    kv_rows = block * stride_cache_block + (pos % BLOCK_SIZE).to(tl.int64) * stride_cache_token
+    offsets = kv_rows[:, None] + head_offset
+    kv_mask = valid[:, None] & dim_mask[None, :]
+    k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+
+    scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)  # noqa: E741
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l, acc

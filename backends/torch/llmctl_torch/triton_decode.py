@@ -21,6 +21,7 @@ import torch
 from llmctl_torch.triton_common import (
     LOG2_E,
     UPCAST_LOADS,
+    attend_kv_tile,
     check_paged_cache,
     check_query,
     dot_tile,
@@ -134,7 +135,6 @@ def _decode_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    # Online softmax in base 2: scores are pre-multiplied by log2(e) (inside qk_scale).
     m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_PAD], tl.float32)  # noqa: E741
     acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], tl.float32)
@@ -144,24 +144,25 @@ def _decode_kernel(
     for tile_start in range(start, end, TILE_N):
         pos = tile_start + tl.arange(0, TILE_N)
         valid = pos < end
-        block = tl.load(block_table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        kv_rows = block * stride_cache_block + (pos % BLOCK_SIZE).to(tl.int64) * stride_cache_token
-        offsets = kv_rows[:, None] + head_offset
-        kv_mask = valid[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)  # noqa: E741
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m = m_new
+        m, l, acc = attend_kv_tile(  # noqa: E741
+            q,
+            m,
+            l,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table,
+            head_offset,
+            dim_mask,
+            pos,
+            valid,
+            valid[None, :],
+            qk_scale,
+            stride_cache_block,
+            stride_cache_token,
+            BLOCK_SIZE,
+            UPCAST,
+        )
 
     # A split past the end of a short sequence saw no token: l == 0, output 0, lse -inf.
     has_tokens = l > 0.0

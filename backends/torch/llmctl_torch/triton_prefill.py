@@ -19,6 +19,7 @@ import torch
 from llmctl_torch.triton_common import (
     LOG2_E,
     UPCAST_LOADS,
+    attend_kv_tile,
     check_paged_cache,
     check_query,
     dot_tile,
@@ -130,25 +131,26 @@ def _prefill_kernel(
     for tile_start in range(0, kv_end, TILE_N):
         pos = tile_start + tl.arange(0, TILE_N)
         valid = pos < kv_end
-        block = tl.load(block_table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        kv_rows = block * stride_cache_block + (pos % BLOCK_SIZE).to(tl.int64) * stride_cache_token
-        offsets = kv_rows[:, None] + head_offset
-        kv_mask = valid[:, None] & dim_mask[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         causal = valid[None, :] & (pos[None, :] <= query_pos[:, None])
-        scores = tl.where(causal, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)  # noqa: E741
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m = m_new
+        m, l, acc = attend_kv_tile(  # noqa: E741
+            q,
+            m,
+            l,
+            acc,
+            k_cache_ptr,
+            v_cache_ptr,
+            block_table,
+            head_offset,
+            dim_mask,
+            pos,
+            valid,
+            causal,
+            qk_scale,
+            stride_cache_block,
+            stride_cache_token,
+            BLOCK_SIZE,
+            UPCAST,
+        )
 
     result = acc / tl.where(l > 0.0, l, 1.0)[:, None]
     tl.store(

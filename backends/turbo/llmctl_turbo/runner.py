@@ -14,14 +14,12 @@ from pathlib import Path
 import torch
 
 from llmctl.engine.model_config import ModelConfig
-from llmctl.engine.runner import StepBatch
+from llmctl.engine.runner import PagedRunner, StepBatch
 from llmctl.engine.weights import load_weights
 from llmctl.errors import ModelError
 from llmctl_turbo.build import load_ops
-from llmctl_turbo.plugin import LLAMA_FAMILY
+from llmctl_turbo.config import LLAMA_FAMILY
 from llmctl_turbo.rope import model_cos_sin_cache
-
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def prepare_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> list[torch.Tensor]:
@@ -70,7 +68,7 @@ def prepare_weights(weights: dict[str, torch.Tensor], config: ModelConfig) -> li
     return prepared
 
 
-class TurboModelRunner:
+class TurboModelRunner(PagedRunner):
     """Runs a Llama-family model with turbo's native step over a paged KV cache.
 
     ``num_blocks`` may be given later through ``allocate_kv_cache`` (the engine sizes
@@ -89,11 +87,7 @@ class TurboModelRunner:
         num_blocks: int | None = None,
         max_model_len: int | None = None,
     ) -> None:
-        self.config = config
-        self.device = torch.device(device)
-        self.dtype = TORCH_DTYPES[config.resolve_dtype(dtype)] if isinstance(dtype, str) else dtype
-        self.block_size = block_size
-        self.num_blocks = 0
+        super().__init__(config, dtype=dtype, device=device, block_size=block_size)
         # The op's overload itself: calling it skips the overload lookup of every call.
         self._llama_step = load_ops().llama_step.default
         weights = load_weights(model_dir, self.dtype, self.device)
@@ -104,33 +98,21 @@ class TurboModelRunner:
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
 
-    @property
-    def weight_bytes(self) -> int:
-        unique = {w.data_ptr(): w for w in self.weights}.values()  # tied embeddings once
-        return sum(w.numel() * w.element_size() for w in unique)
-
-    def kv_bytes_per_block(self) -> int:
-        return self.config.kv_bytes_per_block(self.block_size, self.dtype)
-
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def _allocate(self, num_blocks: int) -> None:
         """One ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` tensor. The
         kernels read only slots that were written, so it need not be zeroed."""
-        if num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         c = self.config
         self.kv_cache = torch.empty(
             (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim),
             dtype=self.dtype,
             device=self.device,
         )
-        self.num_blocks = num_blocks
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Write the batch's K/V and return fp32 logits ``[num_seqs, vocab]`` of the last new
         token of each sequence."""
-        if self.num_blocks == 0:
-            raise RuntimeError("allocate_kv_cache(num_blocks) must be called before execute")
+        self.check_allocated()
         input_ids, positions, slots, block_tables, query_start_loc, context_lens = (
             self._batch_tensors(batch)
         )

@@ -142,15 +142,7 @@ class StreamTranslator:
         return self._last
 
     def aborted(self) -> GenerationOutput:
-        return GenerationOutput(
-            self.request_id,
-            text="",
-            token_ids=[],
-            prompt_tokens=self.prompt_tokens,
-            completion_tokens=self.completion_tokens,
-            finished=True,
-            finish_reason="abort",
-        )
+        return GenerationOutput.aborted(self.request_id, self.prompt_tokens, self.completion_tokens)
 
     def _logprobs(self, raw: dict[str, Any] | None) -> list[TokenLogprob] | None:
         if not raw:

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from llmctl.errors import InvalidRequest, LlmctlError, UpstreamError
-from llmctl_openai_proxy.plugin import ProxyConfig
+from llmctl_openai_proxy.config import ProxyConfig
 
 # `llmctl backends check` and `--backend auto` must answer quickly even when the
 # upstream accepts connections but never answers.

@@ -1,0 +1,90 @@
+"""The turbo engine's configuration in its own (TurboMind-style) names, and its option rules.
+
+``TurboConfig.from_options`` is the one place the unified option names map to these.
+The shared engine reads the config through ``llmctl.engine.config.EngineOptions``,
+which the properties at the end of the class provide over turbo's own names.
+Light on purpose: no torch import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from llmctl.backend import DEVICE_RULE, Hardware, OptionRule
+from llmctl.kv_budget import KVBudget, parse_kv_budget
+
+LLAMA_FAMILY = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+
+
+@dataclass(frozen=True)
+class TurboConfig:
+    cache_block_seq_len: int
+    cache_max_entry_count: KVBudget
+    session_len: int | None
+    max_batch_size: int
+    max_prefill_token_num: int
+    enable_prefix_caching: bool
+    dtype: str
+    device: str
+    seed: int
+    chat_template: str | None
+    model_name: str | None
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> TurboConfig:
+        return cls(
+            cache_block_seq_len=options["cache_block_seq_len"],
+            cache_max_entry_count=parse_kv_budget(options["cache_max_entry_count"]),
+            session_len=options["session_len"],
+            max_batch_size=options["max_batch_size"],
+            max_prefill_token_num=options["max_prefill_token_num"],
+            enable_prefix_caching=options["enable_prefix_caching"],
+            dtype=options["dtype"],
+            device=options["device"],
+            seed=options["seed"],
+            chat_template=options["chat_template"],
+            model_name=options["model_name"],
+        )
+
+    # The shared engine's names for the same settings (EngineOptions).
+    block_size = property(lambda self: self.cache_block_seq_len)
+    kv_budget = property(lambda self: self.cache_max_entry_count)
+    max_model_len = property(lambda self: self.session_len)
+    max_num_seqs = property(lambda self: self.max_batch_size)
+    max_num_batched_tokens = property(lambda self: self.max_prefill_token_num)
+    served_model_name = property(lambda self: self.model_name)
+
+
+def block_size_problem(block_size: int, on_cuda: bool, hardware: Hardware) -> str | None:
+    """Why turbo's kernels cannot use ``block_size`` here (``None``: they can)."""
+    if not on_cuda:
+        multiple, why = 16, "turbo's CPU kernels need a multiple of 16"
+    else:
+        major, minor = hardware.compute_capability or (0, 0)
+        multiple = 32 if major >= 8 else 64
+        why = (
+            f"turbo's CUDA kernels need a multiple of {multiple} on compute capability "
+            f"{major}.{minor}" + ("" if major >= 8 else " (< 8.0)")
+        )
+    return why if block_size % multiple else None
+
+
+RULES = (
+    OptionRule(
+        "cache_block_seq_len",
+        "a multiple of 16 on CPU, of 32 on CUDA compute capability >= 8.0, else of 64",
+        lambda value, options, hardware: block_size_problem(
+            value, hardware.device_for(options.get("device", "auto")) == "cuda", hardware
+        ),
+    ),
+    OptionRule(
+        "adapters",
+        "not supported",
+        lambda value, options, hardware: (
+            "turbo does not support LoRA adapters (use the torch backend)" if value else None
+        ),
+    ),
+    DEVICE_RULE,
+)
