@@ -116,7 +116,8 @@ def describe_validation_errors(errors: list[Mapping[str, Any]]) -> tuple[str, st
         )
     path = _readable(first["loc"])
     field, param = ".".join(path), path[0]
-    if first["type"] == "extra_forbidden":
+    if first["type"] == "extra_forbidden":  # the last part is the unknown key, whatever it is
+        field = ".".join([*_readable(first["loc"][:-1]), str(first["loc"][-1])])
         return f"unknown field '{field}': this server does not support it", param
     if first["type"] == "missing":
         return f"'{field}' is required", param
@@ -134,8 +135,12 @@ def describe_validation_errors(errors: list[Mapping[str, Any]]) -> tuple[str, st
 
 
 def _readable(loc: tuple[Any, ...]) -> list[str]:
-    """The path of a field, without "body" and pydantic's union tags ("list[int]", ...)."""
-    return [str(p) for p in loc if p != "body" and (isinstance(p, int) or not _is_type_tag(p))]
+    """The path of a field, without "body" and pydantic's union tags ("list[int]", ...).
+    The first part is always a field of the body."""
+    parts = [p for p in loc if p != "body"]
+    return [
+        str(p) for i, p in enumerate(parts) if not i or isinstance(p, int) or not _is_type_tag(p)
+    ]
 
 
 def _is_type_tag(part: str) -> bool:

@@ -112,6 +112,13 @@ def test_strict_types_and_unknown_fields_are_refused() -> None:
         ({"prompt": "x", "max_tokens": "5"}, "'max_tokens'", "max_tokens"),
         ({"prompt": 5}, "'prompt' must be a string, a list of strings", "prompt"),
         ({"prompt": "x", "best_of": 2}, "unknown field 'best_of'", "best_of"),
+        ({"prompt": "x", "x-odd-key": 2}, "unknown field 'x-odd-key'", "x-odd-key"),
+        (
+            {"prompt": "x", "stream_options": {"a-b": 1}},
+            "unknown field 'stream_options.a-b'",
+            "stream_options",
+        ),
+        ({"prompt": "x", "stop": ["s"] * 17}, "'stop': List should have at most 16 items", "stop"),
         ({}, "'prompt' is required", "prompt"),
     ],
 )
