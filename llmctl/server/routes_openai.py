@@ -108,8 +108,8 @@ def _check_session_bounds(state: ServerState, body: CompletionRequest | ChatComp
         value = getattr(body, field, None)
         if limit and value is not None and value > limit:
             raise InvalidRequest(
-                f"{field} is {value}, more than the session length ({limit} tokens, "
-                "prompt included): lower it",
+                f"{field} ({value}) is more than session_len {limit}, which the prompt "
+                f"shares: lower {field}",
                 param=field,
                 code="invalid_value",
             )
