@@ -1,17 +1,23 @@
 """Turn a model argument (``demo``, a local directory, a cached hub id) into facts backends check.
 
-Reads only ``config.json``: no torch, no weights. Loading happens in the engine.
+Resolving reads only ``config.json``. A local directory is checked further on first use
+of ``problems`` (``llmctl.model_check``: safetensors headers, tokenizer files; still no
+torch and no weights), once per command. Loading happens in the engine.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from llmctl.engine.model_config import read_architecture, read_json_object
 from llmctl.errors import ModelError
+
+if TYPE_CHECKING:
+    from llmctl.model_check import ModelReport
 
 DEMO_NAME = "demo"
 
@@ -24,6 +30,9 @@ class ModelInfo:
     path: Path
     config: dict[str, Any] = field(default_factory=dict, compare=False)
     is_demo: bool = False
+    # A directory the user named (or a hub cache snapshot): checked before it is loaded.
+    # Not the demo (llmctl writes it) nor a remote model (no directory here).
+    is_user_dir: bool = False
 
     @classmethod
     def remote(cls, name: str) -> ModelInfo:
@@ -32,12 +41,31 @@ class ModelInfo:
 
     @property
     def architecture(self) -> str:
-        architectures = self.config.get("architectures") or ["unknown"]
-        return architectures[0]
+        try:
+            return read_architecture(self.config, "config.json")
+        except ModelError:  # the check reports it (problems)
+            return "unknown"
 
     @property
     def model_type(self) -> str:
-        return self.config.get("model_type", "unknown")
+        return str(self.config.get("model_type", "unknown"))
+
+    @cached_property
+    def report(self) -> ModelReport:
+        """What llmctl reads from the directory and what is wrong with it (checked once)."""
+        from llmctl.model_check import check_model_dir
+
+        return check_model_dir(self.path)
+
+    @property
+    def problems(self) -> list[str]:
+        """Why llmctl's engines cannot load this directory (empty: nothing found)."""
+        return list(self.report.problems) if self.is_user_dir else []
+
+    def ensure_loadable(self) -> None:
+        """Raise a ModelError listing the problems, if there are any."""
+        if self.problems:
+            raise ModelError(self.report.error_message())
 
 
 def resolve_model(arg: str) -> ModelInfo:
@@ -52,7 +80,7 @@ def resolve_model(arg: str) -> ModelInfo:
         return ModelInfo(name=DEMO_NAME, path=demo_model_dir(), config=DEMO_CONFIG, is_demo=True)
     path = Path(arg).expanduser()
     if path.is_dir():
-        return ModelInfo(name=arg, path=path, config=_read_config(path))
+        return ModelInfo(name=arg, path=path, config=_read_config(path), is_user_dir=True)
     if path.exists():
         raise ModelError(
             f"model {arg!r} is a file; give the directory that holds config.json, the "
@@ -61,7 +89,9 @@ def resolve_model(arg: str) -> ModelInfo:
     if arg.count("/") == 1 and not arg.startswith((".", "/", "~")):
         snapshot = _hf_cache_snapshot(arg)
         if snapshot is not None:
-            return ModelInfo(name=arg, path=snapshot, config=_read_config(snapshot))
+            return ModelInfo(
+                name=arg, path=snapshot, config=_read_config(snapshot), is_user_dir=True
+            )
         raise ModelError(
             f"model {arg!r} is not in the local Hugging Face cache ({hf_hub_cache()}). "
             "llmctl never downloads: fetch it first (e.g. `huggingface-cli download "
@@ -74,16 +104,7 @@ def resolve_model(arg: str) -> ModelInfo:
 
 
 def _read_config(path: Path) -> dict[str, Any]:
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ModelError(
-            f"{path} has no config.json: give a Hugging Face model directory "
-            "(config.json + *.safetensors + tokenizer files)"
-        )
-    try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelError(f"{config_file} is not valid JSON: {exc}") from None
+    return read_json_object(path / "config.json", required=True)
 
 
 def hf_hub_cache() -> Path:

@@ -85,6 +85,7 @@ def select(
     names = [option_named("model"), option_named("backend")]
     common = resolve(flags, profile=profile_obj, env=env, options=names)
     info = model_for(common["model"].value, common["backend"].value)
+    info.ensure_loadable()  # before probing the hardware imports torch: a broken dir fails fast
     choice = choose(
         info, flags, profile=profile_obj, hardware=hardware or Hardware.probe(), env=env
     )
@@ -169,6 +170,7 @@ def first_that_serves(
 ) -> Choice:
     """The first backend (in priority order) with no reason against it. ``verdicts`` may be
     a generator, so backends after the chosen one are never checked."""
+    model.ensure_loadable()  # a broken model directory is no backend's fault: say so once
     skipped: list[Assessment] = []
     for verdict in verdicts:
         if not verdict.reasons:
