@@ -234,6 +234,17 @@ def _text_message(message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "content": "".join(parts)}
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+    """transformers' ``{% generation %}...{% endgeneration %}`` block, which marks the
+    assistant's text for training masks: rendering it is rendering its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 def _compile_template(source: str, origin: Path | None) -> jinja2.Template:
     """Compile a chat template in the environment transformers renders them in.
 
@@ -253,7 +264,7 @@ def _compile_template(source: str, origin: Path | None) -> jinja2.Template:
         )
 
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
@@ -264,7 +275,7 @@ def _compile_template(source: str, origin: Path | None) -> jinja2.Template:
         if origin is not None:
             raise ModelError(
                 f"{origin}: the chat template does not compile (line {exc.lineno}: {exc}); "
-                "fix it there, or give one with --chat-template"
+                "fix it there (without one, chat messages are joined into a plain prompt)"
             ) from None
         raise OptionError(f"the chat template does not compile: {exc}") from None
 
