@@ -12,7 +12,7 @@ from rich.table import Table
 from llmctl.cli.output import console
 
 if TYPE_CHECKING:
-    from llmctl.model_check import ModelReport
+    from llmctl.engine.model_check import ModelReport
     from llmctl.model_info import ModelInfo
 
 

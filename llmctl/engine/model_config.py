@@ -11,13 +11,13 @@ length is the window, and an explicit longer one is refused (``session_len``).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llmctl.errors import ModelError, OptionError
+from llmctl.model_info import describe, read_architecture, read_json_object
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -371,35 +371,6 @@ class ConfigReader:
         )
 
 
-def describe(value: Any) -> str:
-    """A JSON value as an error message shows it: ``the string '1e4'``, ``null``, ``-3``."""
-    if value is None:
-        return "null (or nothing)"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return f"the string {value!r}"
-    if isinstance(value, (list, dict)):
-        kind = "a list" if isinstance(value, list) else "an object"
-        return f"{kind} ({json.dumps(value)[:40]})"
-    return repr(value)
-
-
-def read_architecture(config: dict[str, Any], source: str) -> str:
-    """The model class config.json names (``architectures[0]``)."""
-    architectures = config.get("architectures")
-    if (
-        not isinstance(architectures, list)
-        or not architectures
-        or not isinstance(architectures[0], str)
-    ):
-        raise ModelError(
-            f"{source}: 'architectures' must name the model class, e.g. "
-            f'["LlamaForCausalLM"], got {describe(architectures)}'
-        )
-    return architectures[0]
-
-
 def token_ids(value: Any, source: str, key: str, vocab_size: int | None = None) -> tuple[int, ...]:
     """A token id or a list of them (eos_token_id), each checked against the vocabulary."""
     if value is None:
@@ -414,21 +385,3 @@ def token_ids(value: Any, source: str, key: str, vocab_size: int | None = None) 
             f"{source}: {key} {value} is outside the vocabulary (vocab_size {vocab_size})"
         )
     return tuple(ids)
-
-
-def read_json_object(path: Path, *, required: bool) -> dict[str, Any]:
-    """A JSON file that must hold an object; a missing optional file reads as ``{}``."""
-    if not path.is_file():
-        if required:
-            raise ModelError(
-                f"{path.parent} has no {path.name}: give a Hugging Face model directory "
-                "(config.json + *.safetensors + tokenizer files)"
-            )
-        return {}
-    try:
-        content = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(content, dict):
-        raise ModelError(f"{path} must hold a JSON object {{...}}, not {describe(content)}")
-    return content

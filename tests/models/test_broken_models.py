@@ -3,7 +3,7 @@ gives a non-zero exit, one ``Error:`` paragraph naming what is wrong and no trac
 ``serve --backend torch``, ``serve --backend turbo`` and ``backends check`` (which also
 lists it as each backend's reason). Nothing starts serving.
 
-Every case runs in-process through what those commands call (``open_engine`` for each
+Every case runs in-process through what those commands call (``select`` for each
 backend, ``assess`` for each backend's reasons): milliseconds each. The real CLI runs as
 subprocesses on a sample by default, and on the whole corpus with the slow tests
 (``-m slow``, about 4 CPU-seconds per case).
@@ -20,7 +20,7 @@ import pytest
 from llmctl.errors import ModelError
 from llmctl.hardware import Hardware
 from llmctl.model_info import resolve_model
-from llmctl.selection import assess, installed_backends, open_engine
+from llmctl.selection import assess, installed_backends, select
 from tests.conftest import STORIES
 from tests.helpers.cli import run_llmctl
 from tests.models.broken_dirs import CASES, UNRESOLVED
@@ -62,7 +62,7 @@ def test_every_backend_refuses_before_building_an_engine(tmp_path, case):
     _, fragments = ALL_CASES[case]
     for backend in ("torch", "turbo"):
         with pytest.raises(ModelError) as refused:
-            open_engine(str(model), {"backend": backend}, hardware=NO_COMPILER)
+            select(str(model), {"backend": backend}, hardware=NO_COMPILER, env={})
         for fragment in fragments:
             assert fragment in flat(str(refused.value)), (backend, str(refused.value))
 
@@ -83,7 +83,7 @@ def test_each_backends_check_gives_the_problem_as_a_reason(tmp_path, case):
 
 def test_several_problems_are_listed_in_one_paragraph(tmp_path):
     with pytest.raises(ModelError) as refused:
-        open_engine(str(broken_copy(tmp_path, "two-problems")), {"backend": "torch"})
+        select(str(broken_copy(tmp_path, "two-problems")), {"backend": "torch"}, env={})
     message = str(refused.value)
     assert "two-problems has 2 problems:\n  - " in message and message.count("\n  - ") == 2
 

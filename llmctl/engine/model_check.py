@@ -7,9 +7,9 @@ config.json implies, and a truncated or damaged file is named with its size) and
 tokenizer files (parsed as the engine parses them). No torch: ``backends check`` and
 backend selection run it cheaply.
 
-Who uses it: ``ModelInfo.problems`` (so ``Backend.check`` lists the problems as reasons
-and ``selection.choose`` refuses a broken directory before trying any backend), and
-``llmctl models DIR``. A plugin that loads Hugging Face directories itself can call
+Who uses it: ``ModelInfo.problems`` (so ``Backend.check`` lists the problems as reasons,
+and ``selection`` refuses a broken directory before trying any backend), and ``llmctl
+models DIR``. A plugin that loads Hugging Face directories itself can call
 ``check_model_dir(path)`` or ``validate_model_dir(path)``.
 """
 
@@ -19,12 +19,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmctl.engine.model_config import (
-    SUPPORTED_ARCHITECTURES,
-    ModelConfig,
-    read_architecture,
-    read_json_object,
-)
+from llmctl.engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
 from llmctl.engine.tokenizer import Tokenizer
 from llmctl.engine.weights import (
     INDEX_FILE,
@@ -34,6 +29,7 @@ from llmctl.engine.weights import (
     safetensors_files,
 )
 from llmctl.errors import LlmctlError, ModelError
+from llmctl.model_info import read_architecture, read_json_object
 
 # Float dtypes the loader converts to the engine's dtype; anything else (int8, fp8 with
 # scales, ...) is a quantized checkpoint the engines do not run.
