@@ -34,6 +34,8 @@ class ModelInfo:
     # A directory the user named (or a hub cache snapshot): checked before it is loaded.
     # Not the demo (llmctl writes it) nor a remote model (no directory here).
     is_user_dir: bool = False
+    # The chat_template option, which replaces the directory's own template when set.
+    chat_template: str | None = None
 
     @classmethod
     def remote(cls, name: str) -> ModelInfo:
@@ -59,7 +61,7 @@ class ModelInfo:
         of the files it loads, and selection must have it before any backend is tried."""
         from llmctl.engine.model_check import check_model_dir
 
-        return check_model_dir(self.path)
+        return check_model_dir(self.path, self.chat_template)
 
     @property
     def problems(self) -> list[str]:

@@ -45,6 +45,7 @@ class ModelReport:
     """What llmctl reads from a model directory, and everything wrong with it."""
 
     path: Path
+    chat_template: str | None = None  # the override the engine will use, if any
     architecture: str | None = None
     # None when config.json has a problem, or names an architecture other than the
     # Llama family llmctl's engines run (a plugin may still serve it).
@@ -67,12 +68,15 @@ class ModelReport:
         )
 
 
-def check_model_dir(path: str | Path) -> ModelReport:
-    """Everything wrong with the model directory ``path`` (config.json must exist)."""
+def check_model_dir(path: str | Path, chat_template: str | None = None) -> ModelReport:
+    """Everything wrong with the model directory ``path`` (config.json must exist).
+
+    ``chat_template`` (the option) replaces the model's own template: then that one is
+    checked, and a broken template of the model's does not count."""
     from llmctl.engine.demo import ensure_demo_materialized
 
     ensure_demo_materialized(path)
-    report = ModelReport(Path(path))
+    report = ModelReport(Path(path), chat_template=chat_template)
     for check in (_check_config, _check_weights, _check_tokenizer):
         try:
             check(report)
@@ -81,9 +85,9 @@ def check_model_dir(path: str | Path) -> ModelReport:
     return report
 
 
-def validate_model_dir(path: str | Path) -> ModelReport:
+def validate_model_dir(path: str | Path, chat_template: str | None = None) -> ModelReport:
     """``check_model_dir``, raising a ModelError that lists the problems, if any."""
-    report = check_model_dir(path)
+    report = check_model_dir(path, chat_template)
     if report.problems:
         raise ModelError(report.error_message())
     return report
@@ -238,7 +242,7 @@ def _compare_with_config(report: ModelReport, owners: dict[str, Path]) -> None:
 
 def _check_tokenizer(report: ModelReport) -> None:
     try:
-        report.tokenizer = Tokenizer.from_dir(report.path)
+        report.tokenizer = Tokenizer.from_dir(report.path, chat_template=report.chat_template)
     except LlmctlError as exc:
         report.add(str(exc))
         return

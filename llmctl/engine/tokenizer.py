@@ -278,7 +278,10 @@ def _compile_template(source: str, origin: Path | None) -> jinja2.Template:
                 f"{origin}: the chat template does not compile (line {exc.lineno}: {exc}); "
                 "fix it there (without one, chat messages are joined into a plain prompt)"
             ) from None
-        raise OptionError(f"the chat template does not compile: {exc}") from None
+        raise OptionError(
+            f"the chat template given by chat_template (--chat-template) does not compile "
+            f"(line {exc.lineno}: {exc})"
+        ) from None
 
 
 def _token_text(value: Any, source: Path, key: str) -> str:

@@ -127,3 +127,21 @@ def test_the_cli_says_one_clear_error_and_serves_nothing(tmp_path, case):
         assert "✗ turbo cannot serve" in reasons and "✗ torch cannot serve" in reasons
         for fragment in fragments:
             assert reasons.count(fragment) >= 2, results["backends-check"].stdout
+
+
+def test_a_chat_template_option_replaces_a_broken_template_of_the_model(tmp_path):
+    model_dir = broken_copy(tmp_path, "chat-template-does-not-compile")
+    with pytest.raises(ModelError, match="does not compile"):
+        select(str(model_dir), {"backend": "torch"}, hardware=NO_COMPILER, env={})
+    override = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    choice = select(
+        str(model_dir),
+        {"backend": "torch", "chat_template": override},
+        hardware=NO_COMPILER,
+        env={},
+    )
+    assert choice.model.problems == []
+    # ...and the override itself is checked: a broken one is named, not the model's.
+    with pytest.raises(ModelError, match="does not compile") as refused:
+        select(str(model_dir), {"chat_template": "{% if x %}"}, hardware=NO_COMPILER, env={})
+    assert "tokenizer_config.json" not in str(refused.value)
