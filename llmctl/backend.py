@@ -192,6 +192,8 @@ class Backend:
     def check(self, model: ModelInfo, options: Mapping[str, Any], hardware: Hardware) -> list[str]:
         """Every reason this backend cannot serve ``model`` with ``options`` here."""
         reasons = list(self.check_hardware(hardware))
+        if self.loads_local_model:  # a broken model directory (llmctl.engine.model_check)
+            reasons += model.problems
         supported = self.supported_architectures
         if supported is not None and model.architecture not in supported:
             reasons.append(
