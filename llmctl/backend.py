@@ -105,6 +105,7 @@ class EngineStats:
     waiting: int = 0
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
+    kv_blocks_peak: int = 0  # most in use at once (a high-water mark, not a sample)
     block_size: int = 0
     tensor_parallel_size: int = 1  # ranks the model is sharded over
 
@@ -193,6 +194,8 @@ class Backend:
     def check(self, model: ModelInfo, options: Mapping[str, Any], hardware: Hardware) -> list[str]:
         """Every reason this backend cannot serve ``model`` with ``options`` here."""
         reasons = list(self.check_hardware(hardware))
+        if self.loads_local_model:  # a broken model directory (llmctl.engine.model_check)
+            reasons += model.problems
         supported = self.supported_architectures
         if supported is not None and model.architecture not in supported:
             reasons.append(

@@ -341,6 +341,16 @@ CORE_OPTIONS: tuple[Option, ...] = (
         metavar="SECONDS",
     ),
     Option(
+        "client_timeout",
+        "float",
+        30.0,
+        "Seconds a client has to send its request's headers and body, and to take each "
+        "chunk of a stream; a slower client is disconnected (408 for a late body).",
+        commands=SERVER_COMMANDS,
+        min=0.1,
+        metavar="SECONDS",
+    ),
+    Option(
         "log_prompts",
         "bool",
         False,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from llmctl.backend import Backend, Engine, Hardware, ModelInfo
@@ -82,9 +82,8 @@ def select(
     if model is not None:
         flags = {**flags, "model": model}
     profile_obj = selected_profile(profile, env)
-    names = [option_named("model"), option_named("backend")]
-    common = resolve(flags, profile=profile_obj, env=env, options=names)
-    info = model_for(common["model"].value, common["backend"].value)
+    info = model_from_options(flags, profile_obj, env)
+    info.ensure_loadable()  # before probing the hardware imports torch: a broken dir fails fast
     choice = choose(
         info, flags, profile=profile_obj, hardware=hardware or Hardware.probe(), env=env
     )
@@ -169,6 +168,7 @@ def first_that_serves(
 ) -> Choice:
     """The first backend (in priority order) with no reason against it. ``verdicts`` may be
     a generator, so backends after the chosen one are never checked."""
+    model.ensure_loadable()  # a broken model directory is no backend's fault: say so once
     skipped: list[Assessment] = []
     for verdict in verdicts:
         if not verdict.reasons:
@@ -221,9 +221,15 @@ def _other_reasons(tried: list[Assessment]) -> str:
     return (" Other backends were skipped: " + " | ".join(earlier)) if earlier else ""
 
 
-def model_for(model: str, backend_name: str) -> ModelInfo:
-    """Resolve the model argument; for a remote (proxy) backend it is just a name."""
-    backend = installed_backends().get(backend_name)
+def model_from_options(
+    flags: Mapping[str, Any], profile: Profile | None, env: Mapping[str, str] | None = None
+) -> ModelInfo:
+    """The model the options name: ``model``, for the backend asked for (a remote one
+    takes it as a name), with the ``chat_template`` that will replace its own."""
+    names = [option_named(name) for name in ("model", "backend", "chat_template")]
+    common = resolve(flags, profile=profile, env=env, options=names)
+    backend = installed_backends().get(common["backend"].value)
     if backend is not None and not backend.loads_local_model:
-        return ModelInfo.remote(model)
-    return resolve_model(model)
+        return ModelInfo.remote(common["model"].value)
+    info = resolve_model(common["model"].value)
+    return replace(info, chat_template=common["chat_template"].value)

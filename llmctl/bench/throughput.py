@@ -2,8 +2,9 @@
 optionally followed by the transformers baseline on the same prompts.
 
 Requests are greedy with ``ignore_eos``, so each produces exactly the tokens it asked
-for. While they run, a sampler records the peak of KV blocks in use; a ``MemoryPeak``
-records the process's peak memory.
+for. The peak of KV blocks in use is the block manager's own high-water mark (reset
+after the warm-up), so no short peak is missed; a ``MemoryPeak`` records the process's
+peak memory.
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ async def run_engine_throughput(
     *,
     warmup: BenchRequest | None = None,
     on_progress: ProgressCallback | None = None,
-    stats_interval_s: float = 0.01,
 ) -> dict[str, Any]:
     """Run ``workload`` through ``engine``; return the measured figures (see docs)."""
     if workload.longest_request > engine.max_model_len:
@@ -56,29 +56,18 @@ async def run_engine_throughput(
         )
     if warmup is not None:  # first steps pay one-off costs (allocation, kernel compilation)
         await _generate(engine, "bench-warmup", warmup, time.perf_counter(), None)
-
-    peak_blocks = 0
-    done = asyncio.Event()
-
-    async def sample_stats() -> None:
-        nonlocal peak_blocks
-        while not done.is_set():
-            peak_blocks = max(peak_blocks, engine.stats().kv_blocks_used)
-            await asyncio.sleep(stats_interval_s)
+    reset_peak = getattr(engine, "reset_peak_kv_blocks", None)  # engines with a KV cache
+    if reset_peak is not None:
+        reset_peak()  # the warm-up's blocks are not the workload's
 
     with memory:
-        sampler = asyncio.create_task(sample_stats())
         start = time.perf_counter()
-        try:
-            results = await asyncio.gather(
-                *(
-                    _generate(engine, f"bench-{i}", request, start, on_progress)
-                    for i, request in enumerate(workload.requests)
-                )
+        results = await asyncio.gather(
+            *(
+                _generate(engine, f"bench-{i}", request, start, on_progress)
+                for i, request in enumerate(workload.requests)
             )
-        finally:
-            done.set()
-            await sampler
+        )
         duration = time.perf_counter() - start
 
     stats = engine.stats()
@@ -93,7 +82,7 @@ async def run_engine_throughput(
         "output_tokens_per_s": output_tokens / duration,
         "total_tokens_per_s": (prompt_tokens + output_tokens) / duration,
         "ttft_ms": summarize([r["ttft_s"] * 1000.0 for r in results]),
-        "peak_kv_blocks_used": peak_blocks,
+        "peak_kv_blocks_used": stats.kv_blocks_peak,
         "kv_blocks_total": stats.kv_blocks_total,
         "block_size": stats.block_size,
         "peak_memory_bytes": memory.peak_bytes,

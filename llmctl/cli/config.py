@@ -32,17 +32,16 @@ def show(
     """
     from llmctl.errors import LlmctlError
     from llmctl.hardware import Hardware
-    from llmctl.options import all_options, option_named
+    from llmctl.options import all_options
     from llmctl.profiles import describe_source, resolve, selected_profile
-    from llmctl.selection import AUTO, candidates, choose, model_for
+    from llmctl.selection import AUTO, candidates, choose, model_from_options
 
     profile_obj = selected_profile(profile)
     requested, tried = candidates(flags, profile=profile_obj)
     note = ""
     if requested == AUTO:
         try:
-            model = resolve(flags, profile=profile_obj, options=[option_named("model")])
-            info = model_for(model["model"].value, AUTO)
+            info = model_from_options(flags, profile_obj)
             choice = choose(info, flags, profile=profile_obj, hardware=Hardware.probe())
             settings = choice.settings
             note = f"backend: auto chooses {choice.backend.name} for {info.name}"

@@ -40,7 +40,6 @@ def serve(
     With --nnodes N, run it on every machine: node 0 serves HTTP, the others (--node-rank
     1..N-1) run their share of the tensor-parallel ranks (docs/multi-gpu.md).
     """
-    from llmctl.errors import EngineDead
     from llmctl.selection import select
     from llmctl.server.app import create_app
     from llmctl.server.run import bind_socket, run_server, url_of
@@ -61,11 +60,10 @@ def serve(
         max_concurrent_requests=options["max_concurrent_requests"],
         max_queued_requests=options["max_queued_requests"],
         log_prompts=options["log_prompts"],
+        client_timeout=options["client_timeout"],
     )
     _print_banner(choice, engine, url_of(sock))
-    if run_server(app, sock, shutdown_timeout=options["shutdown_timeout"]):
-        reason = getattr(engine, "failure", None) or "see the log above"
-        raise EngineDead(f"the engine stopped while serving: {reason}")
+    run_server(app, sock, shutdown_timeout=options["shutdown_timeout"])
 
 
 def _print_banner(choice: Choice, engine: Engine, url: str) -> None:

@@ -6,6 +6,13 @@ computes, so the event loop stays responsive) and sleeps when there is none. Eac
 request's outputs go to an ``asyncio.Queue`` on the event loop that called
 ``generate``, through ``loop.call_soon_threadsafe``, so any loop may use the engine:
 the server's, or a fresh one per ``LLM.generate`` call.
+
+Faults: a model call that raises fails the requests of its step with ``EngineError``
+and the engine goes on. Several failed steps in a row mean the model itself is broken
+(a lost GPU, say), and any other exception may have left the engine's own state
+inconsistent: then the engine stops, fails everything in flight and ``is_alive()``
+turns false, which the server reports as 503. ``EngineDead`` from the runner (a
+tensor-parallel rank lost) or ``fail`` stops it the same way at once.
 """
 
 from __future__ import annotations
@@ -17,11 +24,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest
-from llmctl.engine.llm_engine import LLMEngine
+from llmctl.engine.llm_engine import LLMEngine, StepFailed
 from llmctl.engine.sampling_params import SamplingParams
-from llmctl.errors import EngineDead, InvalidRequest
+from llmctl.errors import EngineDead, EngineError, InvalidRequest
 
 logger = logging.getLogger("llmctl")
+
+MAX_FAILED_STEPS_IN_A_ROW = 3
 
 
 @dataclass
@@ -42,17 +51,32 @@ class _Abort:
     request_id: str
 
 
+class _ResetPeak:
+    """Start a new high-water mark of KV blocks in use."""
+
+
+@dataclass
+class _Fail:
+    """Stop for good: the engine cannot run any more (see ``fail``)."""
+
+    reason: str
+
+
+_Command = _Add | _Abort | _ResetPeak | _Fail
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._lock = threading.Condition()  # guards the three fields below
-        self._commands: list[_Add | _Abort] = []
+        self._commands: list[_Command] = []
         self._streams: dict[str, _Stream] = {}
         self._stopping = False
-        self.failure: str | None = None  # why the engine stopped for good (see ``fail``)
+        self.failure: BaseException | None = None  # why the engine stopped by itself
         self._thread = threading.Thread(target=self._run, name="llmctl-engine", daemon=True)
         self._thread.start()
 
@@ -67,10 +91,12 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         request_id = request.request_id
         with self._lock:
+            if isinstance(self.failure, EngineDead):
+                raise EngineDead(str(self.failure))
             if self.failure is not None:
-                raise EngineDead(self.failure)
+                raise EngineError(f"the engine has stopped after a failure: {self.failure}")
             if self._stopping:
-                raise RuntimeError("the engine has been shut down")
+                raise EngineError("the engine has been shut down")
             if request_id in self._streams:
                 raise InvalidRequest(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
@@ -96,7 +122,7 @@ class AsyncEngine:
 
     def is_alive(self) -> bool:
         """The engine thread still runs (the server's /health answers 503 otherwise)."""
-        return self._thread.is_alive() and not self._stopping
+        return self._thread.is_alive() and not self._stopping and self.failure is None
 
     async def abort(self, request_id: str) -> None:
         self._submit(_Abort(request_id))
@@ -110,18 +136,19 @@ class AsyncEngine:
             waiting=len(scheduler.waiting) + pending,
             kv_blocks_total=blocks.num_blocks,
             kv_blocks_used=blocks.num_used_blocks,
+            kv_blocks_peak=blocks.peak_used_blocks,
             block_size=blocks.block_size,
             tensor_parallel_size=getattr(self.engine.runner, "tensor_parallel_size", 1),
         )
 
+    def reset_peak_kv_blocks(self) -> None:
+        """Start ``stats().kv_blocks_peak`` afresh from here (the bench, after warming up)."""
+        self._submit(_ResetPeak())
+
     def fail(self, reason: str) -> None:
-        """Stop for good, from any thread (a tensor-parallel rank died, say): requests in
-        flight end with ``EngineDead(reason)``, new ones are refused, ``is_alive`` is False."""
-        with self._lock:
-            if self.failure is None:
-                self.failure = reason
-            self._stopping = True
-            self._lock.notify()
+        """Stop for good, from any thread (a tensor-parallel rank was lost while the
+        engine was idle, say): requests in flight end with ``EngineDead(reason)``."""
+        self._submit(_Fail(reason))
 
     async def shutdown(self) -> None:
         """Stop the engine thread (requests still in flight end with ``abort``), then let
@@ -141,13 +168,36 @@ class AsyncEngine:
             return self.tokenizer.encode(request.prompt)
         return self.tokenizer.encode_chat(request.messages)
 
-    def _submit(self, command: _Add | _Abort) -> None:
+    def _submit(self, command: _Command) -> None:
         with self._lock:
             self._commands.append(command)
             self._lock.notify()
 
     def _run(self) -> None:
-        """The engine thread: apply commands, step while there is work, sleep otherwise."""
+        """The engine thread: run the loop; if it fails, stop and fail every request."""
+        try:
+            self._loop()
+        except Exception as exc:
+            dead = isinstance(exc, EngineDead)
+            logger.error("the engine failed and has stopped: %s", exc, exc_info=not dead)
+            with self._lock:
+                self.failure = exc
+            error = (
+                EngineDead(str(exc))
+                if dead
+                else EngineError(f"the engine failed and has stopped: {exc}")
+            )
+            for request_id in self._stream_ids():
+                self._deliver(request_id, error)
+            return
+        for request_id in self._stream_ids():
+            output = self.engine.abort(request_id)
+            if output is not None:
+                self._deliver(request_id, output)
+
+    def _loop(self) -> None:
+        """Apply commands, step while there is work, sleep otherwise; until shutdown."""
+        failed_in_a_row = 0
         while True:
             with self._lock:
                 while not (self._commands or self._stopping or self.engine.has_unfinished()):
@@ -157,28 +207,46 @@ class AsyncEngine:
             for command in commands:
                 self._apply(command)
             if stopping:
-                break
-            if self.engine.has_unfinished():
-                try:
-                    outputs = self.engine.step()
-                except EngineDead as exc:  # nothing can run any more: stop
-                    logger.error("the engine stopped: %s", exc)
-                    self.fail(str(exc))
-                    continue
-                except Exception as exc:  # a model failure fails its batch, not the engine
-                    logger.exception("engine step failed")
-                    self._fail_all(exc)
-                    continue
-                for output in outputs:
-                    self._deliver(output.request_id, output)
-        for request_id in self._stream_ids():
-            output = self.engine.abort(request_id)
-            if self.failure is not None:
-                self._deliver(request_id, EngineDead(self.failure))
-            elif output is not None:
-                self._deliver(request_id, output)
+                return
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except StepFailed as failed:
+                if isinstance(failed.__cause__, EngineDead):
+                    raise failed.__cause__ from None
+                failed_in_a_row += 1
+                if failed_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
+                    raise RuntimeError(
+                        f"{failed_in_a_row} model calls failed in a row, the last with: "
+                        f"{failed.__cause__!r}"
+                    ) from failed.__cause__
+                self._fail_step(failed)
+                continue
+            failed_in_a_row = 0
+            for output in outputs:
+                self._deliver(output.request_id, output)
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _fail_step(self, failed: StepFailed) -> None:
+        """End the requests of a step whose model call raised; the rest go on."""
+        cause = failed.__cause__
+        logger.error(
+            "the model call failed; failing the %d request(s) of this step: %r",
+            len(failed.request_ids),
+            cause,
+            exc_info=cause,
+        )
+        error = EngineError(f"the engine failed while running this request: {cause!r}")
+        for request_id in failed.request_ids:
+            self.engine.abort(request_id)
+            self._deliver(request_id, error)
+
+    def _apply(self, command: _Command) -> None:
+        if isinstance(command, _ResetPeak):
+            self.engine.block_manager.reset_peak()
+            return
+        if isinstance(command, _Fail):
+            raise EngineDead(command.reason)
         if isinstance(command, _Abort):
             output = self.engine.abort(command.request_id)
             if output is not None:
@@ -188,12 +256,6 @@ class AsyncEngine:
             self.engine.add_request(command.request_id, command.prompt_token_ids, command.sampling)
         except InvalidRequest as exc:
             self._deliver(command.request_id, exc)
-
-    def _fail_all(self, exc: Exception) -> None:
-        for request_id in self._stream_ids():
-            self.engine.abort(request_id)
-            error = RuntimeError(f"the engine failed while running this request: {exc}")
-            self._deliver(request_id, error)
 
     def _stream_ids(self) -> list[str]:
         with self._lock:

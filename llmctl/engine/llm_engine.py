@@ -13,6 +13,7 @@ from llmctl.backend import GenerationOutput, TokenLogprob
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.config import EngineOptions
 from llmctl.engine.detokenizer import IncrementalDetokenizer
+from llmctl.engine.faults import FaultPlan
 from llmctl.engine.runner import ModelRunner
 from llmctl.engine.sampler import SampledToken, Sampler
 from llmctl.engine.sampling_params import SamplingParams
@@ -20,6 +21,15 @@ from llmctl.engine.scheduler import Scheduler
 from llmctl.engine.sequence import Sequence
 from llmctl.engine.tokenizer import Tokenizer
 from llmctl.errors import InvalidRequest
+
+
+class StepFailed(Exception):
+    """Running the model on one step's batch raised (the cause is ``__cause__``); the
+    requests of that step cannot go on, the engine's own state is intact."""
+
+    def __init__(self, request_ids: list[str]) -> None:
+        super().__init__(f"the model call failed for {len(request_ids)} request(s)")
+        self.request_ids = request_ids
 
 
 class LLMEngine:
@@ -55,6 +65,7 @@ class LLMEngine:
         self.scheduler = Scheduler(options, self.block_manager)
         self.sampler = Sampler(eos_token_ids, options.seed)
         self._seqs: dict[str, Sequence] = {}
+        self._faults = FaultPlan.from_env()  # only tests set LLMCTL_TEST_FAULT
 
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Raise ``InvalidRequest`` if this request can never run here."""
@@ -71,7 +82,8 @@ class LLMEngine:
         if sampling.max_tokens is None and prompt_len >= limit:
             raise InvalidRequest(
                 f"the prompt ({prompt_len} tokens) leaves no room to generate within "
-                f"session_len {limit}: shorten the prompt"
+                f"session_len {limit}: shorten the prompt",
+                code="context_length_exceeded",
             )
         total = prompt_len + (
             limit - prompt_len if sampling.max_tokens is None else sampling.max_tokens
@@ -81,7 +93,8 @@ class LLMEngine:
             raise InvalidRequest(
                 f"the prompt ({prompt_len} tokens) plus max_tokens ({sampling.max_tokens}) "
                 f"is {total} tokens, more than session_len {limit}: shorten the prompt or "
-                f"lower max_tokens ({allowed} fit)"
+                f"lower max_tokens ({allowed} fit)",
+                code="context_length_exceeded",
             )
         needed = self.block_manager.blocks_needed(total)
         if needed > self.num_blocks:
@@ -89,7 +102,8 @@ class LLMEngine:
                 f"the prompt ({prompt_len} tokens) plus max_tokens ({sampling.max_tokens}) "
                 f"needs {needed} KV blocks of {self.block_size} tokens, but the whole "
                 f"cache has {self.num_blocks}: lower max_tokens or give the engine "
-                "a larger cache_max_entry_count"
+                "a larger cache_max_entry_count",
+                code="context_length_exceeded",
             )
 
     def add_request(
@@ -122,19 +136,27 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[GenerationOutput]:
-        """Run one batch; return the progress of every request that got a token."""
+        """Run one batch; return the progress of every request that got a token.
+
+        Raises ``StepFailed`` when the model call (or sampling from its logits) raises:
+        the step's requests are still in flight, for the caller to abort.
+        """
         step = self.scheduler.schedule()
         if step is None:
             if self.has_unfinished():  # validation guarantees every request fits alone
                 raise RuntimeError("the scheduler could not run any waiting request")
             return []
-        logits = self.runner.execute(step.to_batch(self.block_size))
-        ready = self.scheduler.mark_computed(step)
-        if not ready:
-            return []
-        ready_ids = {id(seq) for seq in ready}
-        rows = [i for i, seq in enumerate(step.seqs) if id(seq) in ready_ids]
-        sampled = self.sampler(logits[rows], ready)
+        try:
+            self._faults.before_model_call()
+            logits = self.runner.execute(step.to_batch(self.block_size))
+            ready = self.scheduler.mark_computed(step)
+            if not ready:
+                return []
+            ready_ids = {id(seq) for seq in ready}
+            rows = [i for i, seq in enumerate(step.seqs) if id(seq) in ready_ids]
+            sampled = self.sampler(logits[rows], ready)
+        except Exception as exc:
+            raise StepFailed([seq.request_id for seq in step.seqs]) from exc
         return [self._advance(seq, token) for seq, token in zip(ready, sampled)]
 
     def _advance(self, seq: Sequence, sampled: SampledToken) -> GenerationOutput:

@@ -136,14 +136,14 @@ def mask_stops_before_min_tokens(
 def apply_truncation(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Mask (``-inf``) the tokens top-k, top-p and min-p exclude."""
     vocab = logits.shape[1]
-    top_k = [s.sampling.top_k if s.sampling.top_k > 0 else vocab for s in seqs]
+    top_k = [min(s.sampling.top_k, vocab) if s.sampling.top_k > 0 else vocab for s in seqs]
     top_p = [s.sampling.top_p for s in seqs]
     min_p = [s.sampling.min_p for s in seqs]
     device = logits.device
     if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=device).unsqueeze(0)
-        k = torch.tensor(top_k, device=device).clamp(max=vocab).unsqueeze(1)
+        k = torch.tensor(top_k, device=device).unsqueeze(1)
         sorted_logits.masked_fill_(rank >= k, float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
         # Keep a token while the probability of the more likely ones is below top_p;

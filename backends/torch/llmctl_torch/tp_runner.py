@@ -89,10 +89,9 @@ class TensorParallelRunner(ShardRunner):
     ) -> None:
         task = WorkerTask(str(model_dir), dtype, block_size)
         self.ranks = HeadRanks(topology, run_worker, task)
-        self._threads = torch.get_num_threads()
+        self._threads_before = torch.get_num_threads()
+        self._rank_threads = topology.threads_per_rank() if device.type == "cpu" else None
         try:
-            if device.type == "cpu":
-                torch.set_num_threads(topology.threads_per_rank())
             super().__init__(
                 model_dir,
                 config,
@@ -141,12 +140,21 @@ class TensorParallelRunner(ShardRunner):
             dist.barrier()  # every rank has its cache (one out of memory is named here)
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
+        self._use_rank_threads()
         with self._on_all_ranks(("step", batch)):
             return super().execute(batch)
 
+    def _use_rank_threads(self) -> None:
+        """On CPU this machine's ranks split its cores. torch's thread count belongs to
+        the thread that sets it, so it is set in the one that runs the model (the
+        engine's), and the caller's threads keep theirs."""
+        if self._rank_threads and torch.get_num_threads() != self._rank_threads:
+            torch.set_num_threads(self._rank_threads)
+
     def close(self) -> None:
         self.ranks.close()
-        torch.set_num_threads(self._threads)
+        if self._rank_threads:  # the default for threads started from now on
+            torch.set_num_threads(self._threads_before)
 
 
 def run_worker(topology: Topology, task: WorkerTask, rank: int) -> None:

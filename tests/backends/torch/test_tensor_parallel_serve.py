@@ -208,7 +208,8 @@ def assert_dies_naming_rank_1(server: ServerProcess, since: float, cause: str) -
     assert time.monotonic() - since < FAILURE_DEADLINE_S
     assert code != 0
     log = " ".join(server.log().split())
-    assert "Error: the engine stopped while serving: rank 1" in log and cause in log, log
+    assert "Error: the inference engine failed and the server has stopped: rank 1" in log, log
+    assert cause in log, log
 
 
 def assert_in_flight_requests_failed(results: dict[str, object]) -> None:
