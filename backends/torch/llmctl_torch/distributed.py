@@ -289,13 +289,17 @@ class HeadRanks:
         if self._closed:
             return
         self._closed = True
+        deadline = time.monotonic() + STOP_TIMEOUT_S
         if self.failure is None and hasattr(self, "commands"):
             with self.lock:
                 try:
                     self.broadcast(STOP)
                 except Exception:
                     pass
-        deadline = time.monotonic() + STOP_TIMEOUT_S
+            # The store (ours) must outlive the ranks' leaving the group, on every machine.
+            stopped = [f"stopped/{rank}" for rank in self.other_ranks]
+            while not self.store.check(stopped) and time.monotonic() < deadline:
+                time.sleep(0.05)
         for process in self.workers.values():
             process.join(timeout=max(0.0, deadline - time.monotonic()))
         self._kill_workers()
@@ -318,6 +322,7 @@ class WorkerLink:
         # machine's llmctl) stops the workers in order instead.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.rank = rank
+        self._leaving = False
         self._parent = os.getppid()
         threading.Thread(target=self._watch_parent, name="llmctl-parent", daemon=True).start()
         self.store = dist.TCPStore(
@@ -333,11 +338,12 @@ class WorkerLink:
 
     def _beat(self) -> None:
         heart = f"heartbeat/{self.rank}"
-        while True:
+        while not self._leaving:
             try:
                 self.store.add(heart, 1)
             except Exception:  # the store lives in rank 0: it is gone
-                self.exit("lost the head node (rank 0)")
+                if not self._leaving:
+                    self.exit("lost the head node (rank 0)")
             time.sleep(HEARTBEAT_S)
 
     def _watch_parent(self) -> None:
@@ -378,8 +384,16 @@ class WorkerLink:
         print(f"llmctl rank {self.rank}: {message}", file=sys.stderr, flush=True)
         os._exit(1)
 
-    def close(self) -> None:
+    def leave(self) -> None:
+        """After "stop": leave the process group, tell rank 0 (it keeps the store up until
+        every rank has left), and exit at once, before daemon threads can trip over an
+        interpreter shutting down."""
+        self._leaving = True
         dist.destroy_process_group()
+        self.store.set(f"stopped/{self.rank}", "1")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def join_process_group(topology: Topology, rank: int, store: dist.Store) -> dist.ProcessGroup:

@@ -181,7 +181,7 @@ def run_worker(topology: Topology, task: WorkerTask, rank: int) -> None:
                 dist.barrier()
     except Exception as exc:
         link.exit(f"{type(exc).__name__}: {exc}")
-    link.close()
+    link.leave()
 
 
 def topology_for(config: TorchConfig, device: torch.device) -> Topology:

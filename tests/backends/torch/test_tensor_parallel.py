@@ -78,7 +78,7 @@ def test_stories260k_sharded_greedy_equals_transformers(stories_case):
 @pytest.mark.parametrize(
     "kind, overrides",
     [
-        ("llama-mqa", {"vocab_size": 509}),  # one KV head, replicated; vocab padded per rank
+        ("llama-mqa", {"vocab_size": 515}),  # one KV head, replicated; vocab padded per rank
         ("qwen2", {}),  # q/k/v biases, untied LM head
         pytest.param(
             "qwen3",
