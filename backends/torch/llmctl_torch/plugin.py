@@ -53,14 +53,13 @@ class TorchBackend(Backend):
                     block_size=config.block_size,
                     adapters=config.lora_adapters,
                 )
-            from llmctl.engine.runner import TORCH_DTYPES
             from llmctl_torch.tp_runner import TensorParallelRunner, topology_for
 
             runner = TensorParallelRunner(
                 model.path,
                 model_config,
                 topology_for(config, device),
-                dtype=TORCH_DTYPES[dtype],
+                dtype=dtype,
                 device=device,
                 block_size=config.block_size,
             )

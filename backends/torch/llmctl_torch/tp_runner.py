@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from llmctl.engine.assemble import engine_dtype
 from llmctl.engine.model_config import ModelConfig
-from llmctl.engine.runner import TORCH_DTYPES, StepBatch
+from llmctl.engine.runner import StepBatch
 from llmctl.errors import EngineDead
 from llmctl_torch.config import TorchConfig
 from llmctl_torch.distributed import STOP, HeadRanks, Topology, WorkerLink, run_worker_node
@@ -42,7 +42,7 @@ class ShardRunner(TorchModelRunner):
         config: ModelConfig,
         shard: Shard,
         *,
-        dtype: torch.dtype,
+        dtype: str | torch.dtype,
         device: torch.device,
         block_size: int,
     ) -> None:
@@ -67,7 +67,7 @@ class WorkerTask:
     """What a worker process needs to build its shard (picklable: it crosses ``spawn``)."""
 
     model_dir: str
-    dtype: torch.dtype
+    dtype: str | torch.dtype
     block_size: int
 
 
@@ -83,7 +83,7 @@ class TensorParallelRunner(ShardRunner):
         config: ModelConfig,
         topology: Topology,
         *,
-        dtype: torch.dtype,
+        dtype: str | torch.dtype,
         device: torch.device,
         block_size: int,
     ) -> None:
@@ -199,6 +199,6 @@ def serve_worker_node(model_dir: str | Path, config: TorchConfig, device: torch.
     """``llmctl serve --node-rank R`` (R > 0): run this machine's ranks until the head
     node stops them."""
     model_config = ModelConfig.from_dir(model_dir)
-    dtype = TORCH_DTYPES[engine_dtype(config.dtype, model_config, device)]
+    dtype = engine_dtype(config.dtype, model_config, device)
     topology = topology_for(config, device)
     run_worker_node(topology, run_worker, WorkerTask(str(model_dir), dtype, config.block_size))
