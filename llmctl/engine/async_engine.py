@@ -146,9 +146,14 @@ class AsyncEngine:
         self._submit(_ResetPeak())
 
     def fail(self, reason: str) -> None:
-        """Stop for good, from any thread (a tensor-parallel rank was lost while the
-        engine was idle, say): requests in flight end with ``EngineDead(reason)``."""
-        self._submit(_Fail(reason))
+        """Stop for good, from any thread (a tensor-parallel rank was lost, say): requests
+        in flight end with ``EngineDead(reason)``. ``is_alive`` turns false at once, even
+        while the engine thread is still stuck in a step waiting for the lost rank."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = EngineDead(reason)
+            self._commands.append(_Fail(reason))
+            self._lock.notify()
 
     async def shutdown(self) -> None:
         """Stop the engine thread (requests still in flight end with ``abort``), then let
