@@ -32,12 +32,12 @@ NEW_TOKENS = 12
 
 
 def open_transformers_engine(model_dir, **flags: Any):
-    from llmctl.selection import open_engine
+    from llmctl.selection import select
 
     require_transformers_plugin()
-    opened = open_engine(str(model_dir), {**SMALL, **flags})
-    assert opened.choice.backend.name == "transformers"
-    return opened.engine
+    choice = select(str(model_dir), {**SMALL, **flags}, env={})
+    assert choice.backend.name == "transformers"
+    return choice.create_engine()
 
 
 @pytest.fixture(scope="module", params=["gpt2", "phi"])

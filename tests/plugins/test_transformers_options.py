@@ -93,7 +93,7 @@ def test_all_three_forms_of_the_kv_budget(backend, budget, fields, kv_budget) ->
 
 def test_defaults_are_transformers_own(backend) -> None:
     import transformers
-    from llmctl_transformers.plugin import DEFAULT_PAGE_SIZE, MIN_PAGE_SIZE
+    from llmctl_transformers.config import DEFAULT_PAGE_SIZE, MIN_PAGE_SIZE
     from transformers.generation.continuous_batching.initialization import BOUNDS
 
     assert DEFAULT_PAGE_SIZE == transformers.ContinuousBatchingConfig().page_size
@@ -110,10 +110,14 @@ def test_defaults_are_transformers_own(backend) -> None:
     "flags, option, rule",
     [
         ({"cache_block_seq_len": 2}, "cache_block_seq_len", "at least 4 tokens"),
-        ({"max_batch_size": 64, "max_prefill_token_num": 32}, "max_batch_size", "at most max_prefill_token_num (32)"),
+        (
+            {"max_batch_size": 64, "max_prefill_token_num": 32},
+            "max_batch_size",
+            "at most max_prefill_token_num (32)",
+        ),
         ({"adapters": ["/tmp/adapter"]}, "adapters", "does not load LoRA adapters"),
     ],
-)  # fmt: skip
+)
 def test_each_refused_value_has_its_rule(backend, flags, option, rule) -> None:
     errors = backend.option_errors(options(backend, **flags), CPU)
     assert list(errors) == [option]

@@ -40,7 +40,7 @@ from llmctl.engine.sampling_params import SamplingParams
 from llmctl.engine.tokenizer import Tokenizer
 from llmctl.errors import BackendError, InvalidRequest, OptionError
 from llmctl.kv_budget import format_bytes
-from llmctl_transformers.plugin import TransformersConfig
+from llmctl_transformers.config import TransformersConfig
 from llmctl_transformers.sampling import ENGINE_SAMPLING, processor_kwargs, unsupported
 
 logger = logging.getLogger("llmctl")
