@@ -34,7 +34,7 @@ from transformers.generation.continuous_batching.utils import logger as cb_logge
 from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest, Hardware, ModelInfo
 from llmctl.engine.assemble import free_memory_bytes
 from llmctl.engine.detokenizer import IncrementalDetokenizer
-from llmctl.engine.kv_cache import plan_kv_cache
+from llmctl.engine.kv_cache import KVPlan, plan_kv_cache
 from llmctl.engine.request_rules import finish_reason, validate_request
 from llmctl.engine.sampling_params import SamplingParams
 from llmctl.engine.tokenizer import Tokenizer
@@ -63,7 +63,6 @@ def create_transformers_engine(
     text_config = loaded.config.get_text_config()
     max_model_len = _session_len(text_config, config.max_model_len)
     tokenizer = Tokenizer.from_dir(model.path, chat_template=config.chat_template)
-
     bytes_per_block = _kv_bytes_per_block(text_config, loaded.dtype, config.page_size)
     plan = plan_kv_cache(
         config.kv_budget,
@@ -74,6 +73,24 @@ def create_transformers_engine(
         max_model_len=max_model_len,
     )
     logger.info("KV cache: %s", plan.describe())
+    manager = _start_manager(loaded, config, plan, tokenizer.eos_token_ids)
+    _self_test(manager, model.architecture)
+    _log_what_transformers_chose(manager, config, model.architecture)
+    return TransformersEngine(
+        manager,
+        tokenizer,
+        model_name=config.served_model_name or model.name,
+        max_model_len=max_model_len,
+        vocab_size=text_config.vocab_size,
+        page_size=config.page_size,
+        bytes_per_block=bytes_per_block,
+    )
+
+
+def _start_manager(
+    loaded: Any, config: TransformersConfig, plan: KVPlan, eos_token_ids: tuple[int, ...]
+) -> Any:
+    """transformers' continuous-batching manager for ``loaded``, its cache built, running."""
     cb_config = transformers.ContinuousBatchingConfig(
         page_size=config.page_size,
         num_blocks=plan.num_blocks,
@@ -87,7 +104,7 @@ def create_transformers_engine(
         seed=config.seed,
     )
     generation_config = transformers.GenerationConfig(
-        **ENGINE_SAMPLING, eos_token_id=list(tokenizer.eos_token_ids) or -1
+        **ENGINE_SAMPLING, eos_token_id=list(eos_token_ids) or -1
     )
     manager = loaded.init_continuous_batching(
         generation_config=generation_config, continuous_batching_config=cb_config
@@ -101,29 +118,26 @@ def create_transformers_engine(
             "cache_max_entry_count or max_prefill_token_num"
         ) from None
     manager.start()
-    _self_test(manager, model.architecture)
-    if masks := getattr(manager.batch_processor.inputs_and_outputs, "attention_mask", None):
+    return manager
+
+
+def _log_what_transformers_chose(manager: Any, config: TransformersConfig, architecture: str):
+    """Say what transformers decided that costs memory or speed: attention masks (eager and
+    SDPA attention need them), and prefix caching it cannot do for this model."""
+    processor = manager.batch_processor
+    if masks := getattr(processor.inputs_and_outputs, "attention_mask", None):
         logger.info(
             "attention masks (%s attention; flash attention needs none): %s, "
             "max_prefill_token_num x (cache tokens + max_prefill_token_num)",
-            loaded.config._attn_implementation,
+            manager.model.config._attn_implementation,
             format_bytes(sum(mask.numel() * mask.element_size() for mask in masks.values())),
         )
-    if config.allow_block_sharing and not manager.batch_processor.cache.use_prefix_sharing:
+    if config.allow_block_sharing and not processor.cache.use_prefix_sharing:
         logger.warning(
             "enable_prefix_caching is on, but transformers shares no KV blocks for %s "
             "(some of its attention layers cannot): prompts are computed in full",
-            model.architecture,
+            architecture,
         )
-    return TransformersEngine(
-        manager,
-        tokenizer,
-        model_name=config.served_model_name or model.name,
-        max_model_len=max_model_len,
-        vocab_size=text_config.vocab_size,
-        page_size=config.page_size,
-        bytes_per_block=bytes_per_block,
-    )
 
 
 @dataclass
@@ -149,8 +163,17 @@ class _Request:
         )
 
     def ended(self, reason: str) -> GenerationOutput:
-        """The last delta of a request that ends without a new token (aborted, say)."""
+        """The last delta of a request transformers ended at a limit it was given."""
         return self._output(self.detokenizer.take_new_text(final=True), [], reason)
+
+    def aborted(self) -> GenerationOutput:
+        nothing_streamed = self.num_output_tokens == 0
+        return GenerationOutput.aborted(
+            self.request_id,
+            len(self.prompt_token_ids),
+            self.num_output_tokens,
+            prompt_token_ids=self.prompt_token_ids if nothing_streamed else None,
+        )
 
     def _output(self, text: str, token_ids: list[int], reason: str | None) -> GenerationOutput:
         first = self.num_output_tokens == len(token_ids)  # nothing was streamed before
@@ -295,18 +318,21 @@ class TransformersEngine:
             if state.request_id in self._requests:
                 raise InvalidRequest(f"request id {state.request_id!r} is already in use")
             self._requests[state.request_id] = state
-        accepted = self.manager.add_request(
-            state.prompt_token_ids,
-            request_id=state.request_id,
-            max_new_tokens=sampling.max_tokens,
-            streaming=True,
-            eos_token_id=stop_ids,
-            **processor_kwargs(sampling, self.vocab_size),
-        )
-        if accepted is None:  # transformers is stopping and takes no new requests
+        try:
+            accepted = self.manager.add_request(
+                state.prompt_token_ids,
+                request_id=state.request_id,
+                max_new_tokens=sampling.max_tokens,
+                streaming=True,
+                eos_token_id=stop_ids,
+                **processor_kwargs(sampling, self.vocab_size),
+            )
+            if accepted is None:  # transformers is stopping and takes no new requests
+                raise RuntimeError("the transformers engine is stopping: it takes no requests")
+        except BaseException:
             with self._lock:
                 self._requests.pop(state.request_id, None)
-            raise RuntimeError("the transformers engine is stopping: it takes no new requests")
+            raise
 
     def _abort(self, request_id: str) -> None:
         """End a request here with ``abort`` and cancel it in transformers."""
@@ -314,7 +340,7 @@ class TransformersEngine:
             state = self._requests.pop(request_id, None)
             if state is None:
                 return
-            self._deliver(state, state.ended("abort"))
+            self._deliver(state, state.aborted())
         self.manager.cancel_request(request_id)  # frees its pages at transformers' next step
 
     # -- the router thread ----------------------------------------------------------------
@@ -335,11 +361,11 @@ class TransformersEngine:
                 self.manager.stop(block=False, hard_stop=True)
         for result in _drain(self.manager.output_router.output_queue):
             self._on_result(result)
-        fatal = self.manager.background_thread_status.fatal_error
+        why = self.manager.background_thread_status.fatal_error or "it was stopped"
         with self._lock:
             orphans, self._requests = list(self._requests.values()), {}
             for state in orphans:
-                self._deliver(state, RuntimeError(f"the transformers engine stopped: {fatal}"))
+                self._deliver(state, RuntimeError(f"the transformers engine stopped: {why}"))
 
     def _on_result(self, result: Any) -> None:
         """One transformers output: a snapshot of a request's generated tokens."""
