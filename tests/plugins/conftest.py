@@ -20,14 +20,19 @@ DISTRIBUTION = "llmctl-openai-proxy"
 UPSTREAM_KEY = "upstream-key-7c2e"  # the proxy must send it: exercises proxy_api_key
 
 
-def require_plugin_installed() -> None:
+def require_installed(distribution: str, plugin_dir: Path) -> None:
+    """Skip the test unless ``distribution`` is pip-installed here."""
     try:
-        importlib.metadata.distribution(DISTRIBUTION)
+        importlib.metadata.distribution(distribution)
     except importlib.metadata.PackageNotFoundError:
         pytest.skip(
-            f"{DISTRIBUTION} is not installed in this environment: "
-            f"`pip install -e {PLUGIN_DIR.relative_to(REPO)}` (as .ci/run does)"
+            f"{distribution} is not installed in this environment: "
+            f"`pip install -e {plugin_dir.relative_to(REPO)}` (as scripts/setup.sh does)"
         )
+
+
+def require_plugin_installed() -> None:
+    require_installed(DISTRIBUTION, PLUGIN_DIR)
 
 
 def require_stories() -> None:
@@ -107,13 +112,7 @@ TINY_NON_LLAMA = {
 
 
 def require_transformers_plugin() -> None:
-    try:
-        importlib.metadata.distribution(TRANSFORMERS_DISTRIBUTION)
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip(
-            f"{TRANSFORMERS_DISTRIBUTION} is not installed in this environment: `pip install -e "
-            f"{TRANSFORMERS_PLUGIN_DIR.relative_to(REPO)}` (as scripts/setup.sh does)"
-        )
+    require_installed(TRANSFORMERS_DISTRIBUTION, TRANSFORMERS_PLUGIN_DIR)
 
 
 def make_tiny_non_llama(directory: Path, kind: str, seed: int = 0) -> Path:
