@@ -108,6 +108,19 @@ TINY_NON_LLAMA = {
             partial_rotary_factor=0.5,
         ),
     ),
+    # GPT-NeoX: its transformers code cannot run continuous batching in transformers 5.24.
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            rotary_pct=0.5,
+        ),
+    ),
 }
 
 

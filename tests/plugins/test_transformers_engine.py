@@ -13,7 +13,7 @@ import pytest
 
 from llmctl.backend import GenerationOutput, GenerationRequest, SamplingParams
 from llmctl.engine.detokenizer import IncrementalDetokenizer
-from llmctl.errors import InvalidRequest
+from llmctl.errors import BackendError, InvalidRequest
 from tests.backends.torch.tiny_models import hf_greedy, load_hf_model
 from tests.plugins.conftest import require_transformers_plugin
 
@@ -254,3 +254,25 @@ def test_shutdown_ends_requests_in_flight(tiny_non_llama) -> None:
     last = asyncio.run(run())
     assert last.finish_reason == "abort"
     assert not engine.is_alive()
+
+
+def test_an_architecture_transformers_cannot_batch_fails_at_start(tiny_non_llama) -> None:
+    """The self-test before serving: GPT-NeoX's transformers code cannot run continuous
+    batching (transformers 5.24); if a later transformers can, it must then be right."""
+    model_dir = tiny_non_llama("gpt_neox")
+    try:
+        engine = open_transformers_engine(model_dir)
+    except BackendError as exc:
+        message = str(exc)
+        assert "cannot run GPTNeoXForCausalLM with continuous batching" in message
+        assert "another backend" in message
+        return
+    prompts = random_prompts([3, 20])
+    try:
+        got = [
+            tokens(asyncio.run(collect(engine, f"neox-{i}", p, max_tokens=8, temperature=0)))
+            for i, p in enumerate(prompts)
+        ]
+    finally:
+        asyncio.run(engine.shutdown())
+    assert got == hf_greedy(load_hf_model(model_dir), prompts, 8)
