@@ -62,9 +62,11 @@ class TransformersBackend(Backend):
         return []
 
     def check(self, model: ModelInfo, options: Mapping[str, Any], hardware: Hardware) -> list[str]:
-        # Not Backend.check: its architecture reason would list every class transformers has.
-        reasons = self.check_hardware(hardware)
-        if not reasons:
+        # Backend.check, but with a reason of transformers' own for the architecture (the
+        # base class's would list every class transformers has).
+        missing = self.check_hardware(hardware)
+        reasons = missing + model.problems  # problems: a broken model directory
+        if not missing:  # transformers is here to ask
             from llmctl_transformers.support import architecture_problem
 
             if (problem := architecture_problem(model.config)) is not None:
