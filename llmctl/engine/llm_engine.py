@@ -14,6 +14,7 @@ from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.config import EngineOptions
 from llmctl.engine.detokenizer import IncrementalDetokenizer
 from llmctl.engine.faults import FaultPlan
+from llmctl.engine.request_rules import finish_reason, validate_request
 from llmctl.engine.runner import ModelRunner
 from llmctl.engine.sampler import SampledToken, Sampler
 from llmctl.engine.sampling_params import SamplingParams
@@ -69,42 +70,14 @@ class LLMEngine:
 
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Raise ``InvalidRequest`` if this request can never run here."""
-        if not prompt_token_ids:
-            raise InvalidRequest("the prompt is empty: give at least one token")
-        vocab = self.vocab_size
-        if vocab is not None:
-            bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequest(
-                    f"prompt token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})"
-                )
-        prompt_len, limit = len(prompt_token_ids), self.max_model_len
-        if sampling.max_tokens is None and prompt_len >= limit:
-            raise InvalidRequest(
-                f"the prompt ({prompt_len} tokens) leaves no room to generate within "
-                f"session_len {limit}: shorten the prompt",
-                code="context_length_exceeded",
-            )
-        total = prompt_len + (
-            limit - prompt_len if sampling.max_tokens is None else sampling.max_tokens
+        validate_request(
+            prompt_token_ids,
+            sampling,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
         )
-        if total > limit:
-            allowed = f"at most {limit - prompt_len}" if prompt_len < limit else "none"
-            raise InvalidRequest(
-                f"the prompt ({prompt_len} tokens) plus max_tokens ({sampling.max_tokens}) "
-                f"is {total} tokens, more than session_len {limit}: shorten the prompt or "
-                f"lower max_tokens ({allowed} fit)",
-                code="context_length_exceeded",
-            )
-        needed = self.block_manager.blocks_needed(total)
-        if needed > self.num_blocks:
-            raise InvalidRequest(
-                f"the prompt ({prompt_len} tokens) plus max_tokens ({sampling.max_tokens}) "
-                f"needs {needed} KV blocks of {self.block_size} tokens, but the whole "
-                f"cache has {self.num_blocks}: lower max_tokens or give the engine "
-                "a larger cache_max_entry_count",
-                code="context_length_exceeded",
-            )
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
@@ -163,17 +136,9 @@ class LLMEngine:
         """Append the sampled token, decode it and decide whether ``seq`` is done."""
         token_id = sampled.token_id
         seq.append_token(token_id)
-        params = seq.sampling
-        reason = None
-        is_eos = not params.ignore_eos and token_id in self.eos_token_ids
-        if is_eos or token_id in params.stop_token_ids:
-            reason = "stop"
-        if reason is None or params.include_stop_str_in_output:
-            seq.detokenizer.add_token(token_id)
-        if reason is None and seq.detokenizer.stopped:
-            reason = "stop"
-        if reason is None and seq.num_output_tokens >= params.max_tokens:
-            reason = "length"
+        reason = finish_reason(
+            token_id, seq.num_output_tokens, seq.sampling, self.eos_token_ids, seq.detokenizer
+        )
         finished = reason is not None
         output = GenerationOutput(
             request_id=seq.request_id,
