@@ -90,14 +90,24 @@ def record_cuda_graph(
     return graph.replay, output
 
 
+def replay_eagerly(
+    fn: Callable[[], torch.Tensor], pool: object
+) -> tuple[Callable[[], None], torch.Tensor]:
+    """What ``record_cuda_graph`` does, minus the graph, for checks on a machine without
+    a GPU: replaying reruns ``fn`` on the same fixed buffers and writes into the same
+    output tensor, so the staging and padding around the graphs run as they would."""
+    output = fn()
+    return (lambda: output.copy_(fn())), output
+
+
 class DecodeGraphs:
     """The decode step of one runner, captured for every batch-size bucket.
 
     ``forward(inputs) -> logits [batch, vocab]`` is the runner's step (see the module
     docstring). ``max_blocks_per_seq`` is the block-table width of the longest session;
     ``block_size`` and ``num_blocks`` describe the allocated KV cache (the warm-up reads
-    it, and writes nothing). ``record`` exists so the staging and padding can be checked
-    on a machine without a GPU; on a GPU it is ``record_cuda_graph``.
+    it, and writes nothing). ``record`` is ``record_cuda_graph``; ``replay_eagerly`` lets
+    the staging and padding be checked on a machine without a GPU.
     """
 
     def __init__(
@@ -210,8 +220,11 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
 
     def _free_memory(self) -> int:
+        """Device memory free, with the allocator's unused cache handed back first (so the
+        difference around the capture is what the graphs hold)."""
         if self.device.type != "cuda":
             return 0
+        torch.cuda.empty_cache()
         return torch.cuda.mem_get_info(self.device)[0]
 
 

@@ -8,9 +8,8 @@ import random
 import pytest
 import torch
 
-from llmctl.engine.cuda_graphs import DecodeGraphs, batch_buckets, bucket_for
+from llmctl.engine.cuda_graphs import DecodeGraphs, batch_buckets, bucket_for, replay_eagerly
 from llmctl.engine.runner import StepBatch, StepLayout, pack_step, stage_step
-from tests.helpers.graph_replay import replay_eagerly
 
 
 def random_batch(rng: random.Random, num_seqs: int, decode: bool, block_size: int = 16):

@@ -77,7 +77,9 @@ class TorchModelRunner(PagedRunner):
         super().allocate_kv_cache(num_blocks)
         self.decode_graphs = decode_graphs(
             self._decode,
-            enabled=not self.enforce_eager,
+            # The plain-torch kernels (LLMCTL_TORCH_ATTENTION=torch, for debugging) cannot
+            # skip the padding rows a graph bucket adds: they decode eagerly.
+            enabled=not self.enforce_eager and self.ops.name == "triton",
             device=self.device,
             max_batch_size=self.max_num_seqs,
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),

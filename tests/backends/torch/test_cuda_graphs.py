@@ -23,11 +23,10 @@ from llmctl_torch import triton_attention  # noqa: F401  (switches the interpret
 from llmctl_torch.runner import TorchModelRunner
 
 from llmctl import LLM, SamplingParams
-from llmctl.engine.cuda_graphs import DecodeGraphs
+from llmctl.engine.cuda_graphs import DecodeGraphs, replay_eagerly
 from llmctl.engine.model_config import ModelConfig
 from tests.backends.torch.tiny_models import PagedSequences, hf_greedy, load_hf_model
 from tests.conftest import STORIES
-from tests.helpers.graph_replay import replay_eagerly
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need an NVIDIA GPU")
