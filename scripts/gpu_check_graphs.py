@@ -144,7 +144,7 @@ def time_decode_step(device: str, dry_run: bool) -> tuple[bool, str]:
     )  # fmt: skip
     capture_started = time.monotonic()
     graphs = DecodeGraphs(
-        runner._decode,
+        runner.decode_step,
         max_batch_size=max(batches),
         max_blocks_per_seq=-(-runner.max_model_len // block_size),
         block_size=block_size,
@@ -173,8 +173,6 @@ def compare_steps(runner, graphs, batches, context: int, iterations: int):
     """For each batch size: logits of both paths compared, then each path timed."""
     import torch
 
-    from llmctl.engine.runner import stage_step
-
     on_cuda = runner.device.type == "cuda"
     tolerance = 1e-4 if runner.dtype == torch.float32 else 0.03
 
@@ -196,7 +194,7 @@ def compare_steps(runner, graphs, batches, context: int, iterations: int):
             batch = decode_batch(num_seqs, context, runner.block_size)
 
             def eager(batch=batch):
-                return runner._forward(stage_step(batch, runner.device), is_decode=True)
+                return runner.execute(batch)  # the runner decodes eagerly
 
             def graphed(batch=batch):
                 return graphs.run(batch)

@@ -141,8 +141,14 @@ class DecodeGraphs:
         self.replays = 0  # decode steps served by a graph (tests and benchmarks count them)
 
     def fits(self, batch: StepBatch) -> bool:
-        """Whether ``run`` can take this batch: a decode step within the largest bucket."""
-        return batch.is_decode and batch.num_seqs <= self.buckets[-1]
+        """Whether ``run`` can take this batch: a decode step within the largest bucket
+        whose block tables fit the captured width (the scheduler's session length
+        guarantees it; a wider one would run eagerly)."""
+        return (
+            batch.is_decode
+            and batch.num_seqs <= self.buckets[-1]
+            and max(map(len, batch.block_tables)) <= self.max_blocks_per_seq
+        )
 
     def inputs(self, bucket: int) -> StepInputs:
         """The fixed buffers the graph of ``bucket`` reads."""
@@ -193,11 +199,6 @@ class DecodeGraphs:
         bucket = bucket_for(batch.num_seqs, self.buckets)
         staged = stage_step(batch, self.device, pad_to=bucket, out=self.staging)
         rows, width = staged.block_tables.shape
-        if width > self.max_blocks_per_seq:
-            raise ValueError(
-                f"a block table of {width} blocks is wider than the {self.max_blocks_per_seq} "
-                "the graphs were captured for"
-            )
         self.block_tables[:rows, :width].copy_(staged.block_tables)
         self._replays[bucket]()
         self.replays += 1

@@ -122,6 +122,9 @@ def test_graphs_take_decode_batches_up_to_the_largest_bucket():
     mixed.query_lens[1] = 2
     mixed.input_ids.append(9)
     assert not graphs.fits(mixed)
+    too_wide = random_batch(rng, 2, decode=True)
+    too_wide.block_tables[1] = list(range(9))
+    assert not graphs.fits(too_wide)
 
 
 def test_replays_see_each_batch_in_the_fixed_buffers():

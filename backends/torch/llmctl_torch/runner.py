@@ -76,7 +76,7 @@ class TorchModelRunner(PagedRunner):
         """Allocate the cache, then capture the decode graphs over it (GPU only)."""
         super().allocate_kv_cache(num_blocks)
         self.decode_graphs = decode_graphs(
-            self._decode,
+            self.decode_step,
             # The plain-torch kernels (LLMCTL_TORCH_ATTENTION=torch, for debugging) cannot
             # skip the padding rows a graph bucket adds: they decode eagerly.
             enabled=not self.enforce_eager and self.ops.name == "triton",
@@ -97,7 +97,9 @@ class TorchModelRunner(PagedRunner):
             return self.decode_graphs.run(batch)
         return self._forward(stage_step(batch, self.device), batch.is_decode)
 
-    def _decode(self, inputs: StepInputs) -> torch.Tensor:
+    def decode_step(self, inputs: StepInputs) -> torch.Tensor:
+        """The model over staged decode inputs (one token per sequence, padding rows
+        allowed): what the CUDA graphs capture."""
         return self._forward(inputs, is_decode=True)
 
     def _forward(self, inputs: StepInputs, is_decode: bool) -> torch.Tensor:

@@ -50,7 +50,8 @@ def greedy_through_runner(runner, prompts: list[list[int]], steps: int) -> list[
 
 def test_padded_decode_buffers_give_eager_tokens(monkeypatch, tiny_model_dir):
     """The runner's decode on the graphs' fixed buffers, padded 3 -> 4 and 2 -> 2, replayed
-    eagerly (a CUDA graph where there is one): the same tokens as plain eager decode."""
+    eagerly (a CUDA graph where there is one): the same tokens and the same KV cache as
+    plain eager decode."""
     monkeypatch.setenv("LLMCTL_TORCH_ATTENTION", "triton")
     model_dir = tiny_model_dir("mistral-one-kv-head")
     config = ModelConfig.from_dir(model_dir)
@@ -63,10 +64,11 @@ def test_padded_decode_buffers_give_eager_tokens(monkeypatch, tiny_model_dir):
             max_num_seqs=4, max_model_len=48, enforce_eager=eager,
         )  # fmt: skip
 
-    eager = greedy_through_runner(runner(eager=True), prompts, steps=6)
+    eager_runner = runner(eager=True)
+    eager = greedy_through_runner(eager_runner, prompts, steps=6)
     graphed = runner(eager=True)
     graphs = DecodeGraphs(
-        graphed._decode,
+        graphed.decode_step,
         max_batch_size=4,
         max_blocks_per_seq=3,
         block_size=16,
@@ -77,6 +79,10 @@ def test_padded_decode_buffers_give_eager_tokens(monkeypatch, tiny_model_dir):
     graphs.capture(progress=False)
     graphed.decode_graphs = graphs
     assert greedy_through_runner(graphed, prompts, steps=6) == eager
+    # The same blocks got the same tokens: the caches agree everywhere, so the padding
+    # rows wrote nothing.
+    for eager_kv, graphed_kv in zip(eager_runner.kv_caches, graphed.kv_caches):
+        torch.testing.assert_close(graphed_kv, eager_kv, rtol=1e-5, atol=1e-5)
     assert greedy_through_runner(graphed, prompts[:2], steps=3) == [t[:3] for t in eager[:2]]
     assert graphs.replays == 5 + 2
 
