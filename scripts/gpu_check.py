@@ -14,6 +14,9 @@ Three parts, each recorded in ``docs/benchmarks/gpu_check_<date>.md``:
    fraction of the measured device-to-device copy bandwidth (read + write bytes of a
    large ``Tensor.copy_``). Goal: >= 70% at batch 64, context 4096, block size 64.
 
+Also turbo's CUDA kernels (``gpu_check_turbo.py``) and the torch backend's decode as
+CUDA graphs: tests, and eager vs graph step times (``gpu_check_graphs.py``).
+
 Exits non-zero when there is no CUDA GPU (unless ``--dry-run``) or when a check fails.
 """
 
@@ -34,7 +37,8 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
-from gpu_check_turbo import turbo_section  # scripts/ is on sys.path when run as a script
+from gpu_check_graphs import graphs_section  # scripts/ is on sys.path when run as a script
+from gpu_check_turbo import turbo_section
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO.parent / "shared" / "models" / "stories260K"
@@ -130,6 +134,7 @@ def main() -> int:
         ("2. End to end", run_end_to_end, (args.stories, args.dry_run, device)),
         # turbo before the sweep: the sweep stops at the deadline, whatever is left.
         ("3. Turbo native kernels", turbo_section, (device, args.dry_run)),
+        ("CUDA graphs (torch decode)", graphs_section, (device, args.dry_run, run_pytest)),
         ("4. Decode attention bandwidth", run_bandwidth,
          (grid, device, start + args.time_limit, args.dry_run)),
     ]  # fmt: skip
@@ -195,6 +200,12 @@ def run_kernel_tests(dry_run: bool) -> tuple[bool, str]:
     else:
         # everything but the wide kernel grid, whose many shapes would each compile
         selection = [KERNEL_TESTS, E2E_TESTS, "-m", "slow or not slow", "-k", "not wider_grid"]
+    return run_pytest("## 1. Kernel tests", selection)
+
+
+def run_pytest(title: str, selection: list[str], tail_lines: int = 25) -> tuple[bool, str]:
+    """pytest on ``selection`` in a child process (compiled kernels, see ``child_env``):
+    whether it passed, and a report section with the command and the log's tail."""
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection]
     started = time.monotonic()
     try:
@@ -205,9 +216,9 @@ def run_kernel_tests(dry_run: bool) -> tuple[bool, str]:
     except subprocess.TimeoutExpired as timeout:  # its output comes back as bytes
         partial = (timeout.stdout or b"").decode(errors="replace")
         passed, log = False, f"timed out after {timeout.timeout} s\n{partial}"
-    tail = "\n".join(log.strip().splitlines()[-25:])
+    tail = "\n".join(log.strip().splitlines()[-tail_lines:])
     return passed, (
-        "## 1. Kernel tests\n\n"
+        f"{title}\n\n"
         f"`python {shlex.join(command[1:])}`: **{'passed' if passed else 'FAILED'}** "
         f"in {time.monotonic() - started:.0f} s\n\n```\n{tail}\n```\n"
     )
