@@ -1,0 +1,148 @@
+"""turbo's CUDA kernels, run on the CPU by the test emulator, against plain torch and
+turbo's CPU ops.
+
+The .cu sources are compiled as C++ for ``cuda_emulator/`` (fibers for threads; warp
+shuffles, ldmatrix, mma.sync and cp.async emulated from the PTX ISA's definitions) and
+called through their C ABI on CPU tensors, so the kernels' indexing, masking, split-K
+bookkeeping and tensor-core fragment handling are checked on a machine without a GPU.
+Speed, and races only real concurrency shows, are for test_cuda_kernels.py and
+``scripts/gpu_check.py`` on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.backends.turbo.kernel_checks import (
+    CUDA_BLOCK_SIZES,
+    DTYPES,
+    GQA_SHAPES,
+    TOLERANCE,
+    check_decode,
+    check_prefill,
+    check_rotary_and_write_kv,
+    decode_contexts,
+)
+from tests.backends.turbo.test_cpu_ops import poisoned, ref_rms_norm
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    from tests.backends.turbo.cuda_emulator import library
+
+    try:
+        return library.load()
+    except library.EmulatorUnavailable as why:
+        pytest.skip(str(why))
+
+
+@pytest.mark.parametrize("block_size", CUDA_BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_attention(emulated, turbo_ops, block_size, dtype):
+    for heads, kv_heads, head_dim in GQA_SHAPES:
+        check_decode(
+            emulated.paged_decode_attention, turbo_ops, block_size, dtype, heads, kv_heads,
+            head_dim, decode_contexts(block_size), seed=block_size,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+def test_decode_split_k_combines_partial_softmaxes(emulated, turbo_ops, dtype, num_splits):
+    """Forced split counts: sequences that use every split, some, or one (which then
+    writes its output directly)."""
+
+    def run(*args):
+        return emulated.paged_decode_attention(*args, num_splits=num_splits)
+
+    used = check_decode(run, turbo_ops, 64, dtype, 8, 2, 128, [900, 300, 129, 5], seed=num_splits)
+    assert used == num_splits
+
+
+def test_decode_large_groups_and_head_dims(emulated, turbo_ops):
+    """A group of 12 heads takes two blocks per KV head; head_dim 256 and 96."""
+
+    def run(*args):
+        return emulated.paged_decode_attention(*args, num_splits=3)
+
+    for heads, kv_heads, head_dim in [(24, 2, 256), (12, 1, 96), (6, 3, 256)]:
+        check_decode(run, turbo_ops, 32, torch.bfloat16, heads, kv_heads, head_dim, [300, 45])
+
+
+def test_decode_split_plan_fills_the_gpu_and_fits_shared_memory(emulated):
+    # A lone sequence is cut into many splits; a big batch of short contexts into none...
+    assert emulated.decode_num_splits(1, 32, 8, 4096) >= 16
+    assert emulated.decode_num_splits(256, 32, 8, 128) == 1
+    # ...but a long context always gets enough splits for its scores to fit.
+    assert emulated.decode_num_splits(256, 32, 8, 32768) > 1
+    # Splits never go below the minimum length (128 tokens).
+    assert emulated.decode_num_splits(1, 32, 8, 256) == 2
+
+
+def test_decode_context_beyond_the_table_traps(emulated, turbo_ops):
+    """The split plan assumes contexts fit the block table; a longer one stops the kernel
+    (a launch failure) instead of silently dropping tokens."""
+
+    def run(out, q, k_cache, v_cache, tables, lens, scale):
+        emulated.paged_decode_attention(out, q, k_cache, v_cache, tables[:, :2], lens, scale, 1)
+
+    with pytest.raises(RuntimeError, match="__trap"):
+        check_decode(run, turbo_ops, 32, torch.float32, 4, 2, 32, [200, 40])
+
+
+@pytest.mark.parametrize("block_size", CUDA_BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_prefill_attention_on_tensor_cores(emulated, turbo_ops, block_size, dtype):
+    for heads, kv_heads, head_dim in GQA_SHAPES:
+        check_prefill(
+            emulated.paged_prefill_attention, turbo_ops, block_size, dtype, heads, kv_heads,
+            head_dim, seed=block_size,
+        )  # fmt: skip
+
+
+def test_prefill_attention_head_dim_256_on_tensor_cores(emulated, turbo_ops):
+    check_prefill(emulated.paged_prefill_attention, turbo_ops, 64, torch.bfloat16, 8, 2, 256)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefill_attention_simt(emulated, turbo_ops, dtype):
+    """The SIMT kernel: turbo's fp32 prefill and the path for odd head_dims."""
+
+    def run(*args):
+        emulated.paged_prefill_attention(*args, tensor_cores=False)
+
+    check_prefill(run, turbo_ops, 32, dtype, 8, 2, 40)
+    check_prefill(run, turbo_ops, 96, dtype, 6, 6, 12)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_embedding_fused_with_kv_write(emulated, turbo_ops, dtype):
+    check_rotary_and_write_kv(emulated.rotary_write_kv, turbo_ops, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dim", [256, 200, 172], ids=lambda d: f"dim{d}")
+def test_row_ops_vectorised_and_scalar(emulated, dtype, dim):
+    """RMSNorm (with and without the residual add) and SiLU-and-mul, on widths that take
+    the 16-byte path and widths that do not."""
+    generator = torch.Generator().manual_seed(dim)
+    x = (3 * torch.randn(9, dim, generator=generator)).to(dtype)
+    weight = (1 + 0.3 * torch.randn(dim, generator=generator)).to(dtype)
+    residual = torch.randn(9, dim, generator=generator).to(dtype)
+    out = poisoned(9, dim, dtype=dtype)
+    emulated.rms_norm(out, x, weight, 1e-6)
+    torch.testing.assert_close(out, ref_rms_norm(x, weight, 1e-6), **TOLERANCE[dtype])
+    summed = residual + x
+    emulated.rms_norm(out, x, weight, 1e-6, residual=residual)
+    torch.testing.assert_close(residual, summed, **TOLERANCE[dtype])
+    torch.testing.assert_close(out, ref_rms_norm(summed, weight, 1e-6), **TOLERANCE[dtype])
+
+    gate_up = (2 * torch.randn(9, 2 * dim, generator=generator)).to(dtype)
+    out = poisoned(9, dim, dtype=dtype)
+    emulated.silu_and_mul(out, gate_up)
+    expected = F.silu(gate_up[:, :dim].float()) * gate_up[:, dim:].float()
+    torch.testing.assert_close(out, expected.to(dtype), **TOLERANCE[dtype])
