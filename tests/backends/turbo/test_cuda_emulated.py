@@ -25,7 +25,13 @@ from tests.backends.turbo.kernel_checks import (
     check_rotary_and_write_kv,
     decode_contexts,
 )
-from tests.backends.turbo.test_cpu_ops import poisoned, ref_rms_norm
+from tests.backends.turbo.test_cpu_ops import (
+    PagedCache,
+    int32,
+    poisoned,
+    ref_paged_attention,
+    ref_rms_norm,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -71,6 +77,30 @@ def test_decode_large_groups_and_head_dims(emulated, turbo_ops):
 
     for heads, kv_heads, head_dim in [(24, 2, 256), (12, 1, 96), (6, 3, 256)]:
         check_decode(run, turbo_ops, 32, torch.bfloat16, heads, kv_heads, head_dim, [300, 45])
+
+
+@pytest.mark.parametrize("head_dim", [64, 12], ids=["split_k", "simt"])
+def test_decode_padding_rows_of_cuda_graphs_output_zero(emulated, head_dim):
+    """A CUDA-graph batch pads with sequences of context length 0: their output is 0."""
+    context_lens = [5, 0, 40, 0]
+    cache = PagedCache(32, [5, 1, 40, 1], 2, head_dim, torch.float32)
+    q = torch.randn(4, 4, head_dim)
+    out = poisoned(*q.shape)
+    tables, lens = cache.padded_tables(), int32(context_lens)
+    if head_dim % 8 == 0:
+        emulated.paged_decode_attention(out, q, cache.k, cache.v, tables, lens, 0.1, num_splits=2)
+    else:
+        query_start_loc = int32([0, 1, 2, 3, 4])
+        emulated.paged_prefill_attention(
+            out, q, cache.k, cache.v, tables, query_start_loc, lens, 0.1, tensor_cores=False
+        )
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+    real = [0, 2]
+    expected = ref_paged_attention(
+        q[real], cache.k, cache.v, [cache.tables[i] for i in real], [1, 1], [5, 40], 0.1
+    )
+    torch.testing.assert_close(out[real], expected, **TOLERANCE[torch.float32])
 
 
 def test_decode_split_plan_fills_the_gpu_and_fits_shared_memory(emulated):

@@ -15,7 +15,8 @@
 // rather than an online softmax tile by tile, leaves no barrier inside either loop.
 //
 // Layouts (see ../kernels.h): q and out [num_seqs, H, D] with strided rows; the cache
-// [num_blocks, block_size, KVH, D]; block_tables [num_seqs, table_stride].
+// [num_blocks, block_size, KVH, D]; block_tables [num_seqs, table_stride]. A sequence of
+// context length 0 (the padding of a CUDA-graph batch) gets a zero output.
 #include <algorithm>
 
 #include "common.cuh"
@@ -144,6 +145,12 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const DecodePara
   const int context = p.context_lens[seq];
   const int per_split = split_tokens(context, p.num_splits);
   const int start = split * per_split;
+  if (context == 0 && split == 0) {  // padding of a CUDA-graph batch: attends to nothing
+    for (int i = threadIdx.x; i < heads * p.head_dim; i += kThreads) {
+      p.out[seq * p.out_stride + static_cast<int64_t>(first_head) * p.head_dim + i] =
+          from_float<T>(0.f);
+    }
+  }
   if (start >= context) return;  // a shorter context uses fewer splits (whole block exits)
   if (per_split > p.max_split) __trap();  // context_lens beyond max_context: invalid input
   const int count = min(context - start, per_split);

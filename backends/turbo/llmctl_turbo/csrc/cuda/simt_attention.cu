@@ -84,7 +84,9 @@ __global__ void paged_attention_kernel(T* out, int64_t out_stride, const T* q, i
 
   for (int i = 0; i < 2; ++i) {
     const int64_t d = threadIdx.x + i * kThreads;
-    if (d < head_dim) out[t * out_stride + head * head_dim + d] = from_float<T>(acc[i] / running_sum);
+    // No keys (a CUDA-graph batch's padding, context length 0): a zero output, not NaN.
+    const float o = running_sum > 0.f ? acc[i] / running_sum : 0.f;
+    if (d < head_dim) out[t * out_stride + head * head_dim + d] = from_float<T>(o);
   }
 }
 
