@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmctl.backend import DEVICE_RULE, OptionRule
+from llmctl.backend import CUDA_GRAPHS_RULE, DEVICE_RULE, OptionRule
 from llmctl.kv_budget import KVBudget, parse_kv_budget
 
 
@@ -29,6 +29,7 @@ class TorchConfig:
     seed: int
     chat_template: str | None
     served_model_name: str | None
+    enforce_eager: bool  # no CUDA graphs (vLLM's name): the unified cuda_graphs, negated
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> TorchConfig:
@@ -46,6 +47,7 @@ class TorchConfig:
             seed=options["seed"],
             chat_template=options["chat_template"],
             served_model_name=options["model_name"],
+            enforce_eager=not options["cuda_graphs"],
         )
 
 
@@ -67,4 +69,5 @@ RULES = (
         lambda value, options, hardware: block_size_problem(value),
     ),
     DEVICE_RULE,
+    CUDA_GRAPHS_RULE,
 )

@@ -43,6 +43,9 @@ class TorchBackend(Backend):
                 device=device,
                 block_size=config.block_size,
                 adapters=config.lora_adapters,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=max_model_len,
+                enforce_eager=config.enforce_eager,
             )
 
         return build_engine(model, config, hardware, load_runner)

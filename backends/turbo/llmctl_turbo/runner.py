@@ -2,19 +2,19 @@
 
 At load it reads the checkpoint with the shared loader and prepares the weights the
 native step wants (q/k/v and gate/up fused, matrices as transposed views). Each
-``execute`` turns the step's lists into int32 tensors and makes ONE native call,
-``llama_step``, which runs every layer and returns the logits.
+``execute`` turns the step's lists into int32 tensors (one packed buffer, the shared
+``stage_step``) and makes ONE native call, ``llama_step``, which runs every layer and
+returns the logits.
 """
 
 from __future__ import annotations
 
-from itertools import accumulate
 from pathlib import Path
 
 import torch
 
 from llmctl.engine.model_config import ModelConfig
-from llmctl.engine.runner import PagedRunner, StepBatch
+from llmctl.engine.runner import PagedRunner, StepBatch, stage_step
 from llmctl.engine.weights import load_weights
 from llmctl.errors import ModelError
 from llmctl_turbo.build import load_ops
@@ -113,38 +113,19 @@ class TurboModelRunner(PagedRunner):
         """Write the batch's K/V and return fp32 logits ``[num_seqs, vocab]`` of the last new
         token of each sequence."""
         self.check_allocated()
-        input_ids, positions, slots, block_tables, query_start_loc, context_lens = (
-            self._batch_tensors(batch)
-        )
+        # The step's int32 tensors come from ONE list (one allocation, one copy to the
+        # device): at a few hundred microseconds per step, each tensor made counts.
+        inputs = stage_step(batch, self.device)
         return self._llama_step(
-            input_ids,
-            positions,
-            slots,
-            block_tables,
-            query_start_loc,
-            context_lens,
+            inputs.input_ids,
+            inputs.positions,
+            inputs.slot_mapping,
+            inputs.block_tables,
+            inputs.query_start_loc,
+            inputs.context_lens,
             self.weights,
             self.kv_cache,
             self.cos_sin_cache,
             self.config.num_heads,
             self.config.rms_norm_eps,
         )
-
-    def _batch_tensors(self, batch: StepBatch) -> tuple[torch.Tensor, ...]:
-        """The step's int32 tensors, made from ONE list (one allocation, one copy to the
-        device): at a few hundred microseconds per step, each tensor made counts."""
-        num_tokens, num_seqs = len(batch.input_ids), batch.num_seqs
-        width = max(map(len, batch.block_tables))
-        flat = batch.input_ids + batch.positions + batch.slot_mapping
-        flat += accumulate(batch.query_lens, initial=0)
-        flat += batch.context_lens
-        for table in batch.block_tables:
-            flat += table
-            flat += [0] * (width - len(table))  # padding, never read
-        packed = torch.tensor(flat, dtype=torch.int32)
-        if self.device.type == "cuda":
-            packed = packed.pin_memory().to(self.device, non_blocking=True)
-        ids, positions, slots, query_start_loc, context_lens, tables = packed.split(
-            [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * width]
-        )
-        return ids, positions, slots, tables.view(num_seqs, width), query_start_loc, context_lens

@@ -66,6 +66,11 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
         "MistralConfig",
         dict(num_key_value_heads=2, head_dim=16, sliding_window=None, tie_word_embeddings=False),
     ),
+    # Mistral with a single KV head: every query head reads the same K/V (MQA).
+    "mistral-one-kv-head": (
+        "MistralConfig",
+        dict(num_key_value_heads=1, head_dim=16, sliding_window=None, tie_word_embeddings=False),
+    ),
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=False)),
     # Qwen3: RMSNorm on each head's q and k; no q/k/v bias; explicit head_dim.
     "qwen3": (
