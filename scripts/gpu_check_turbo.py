@@ -11,12 +11,12 @@
 3. end to end: stories260K's greedy tokens through the turbo engine on the device,
    against transformers' (``reference_greedy.json``);
 4. decode step: the reference Llama (723.6M, bf16) through turbo's runner, eager and as
-   a replayed CUDA graph, per batch size (``gpu_check_graphs.compare_steps``).
+   the CUDA graphs the runner captured, per batch size (``gpu_check_graphs.compare_steps``;
+   GPU only).
 
 The decode attention kernel itself is timed beside Triton's in the bandwidth table of
 ``gpu_check.py``. With ``dry_run`` on a machine without a GPU the "device" is the CPU:
-the script's plumbing runs on tiny shapes, graphs replay eagerly and the numbers mean
-nothing.
+the script's plumbing runs on tiny shapes and the numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -34,9 +34,6 @@ REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO.parent / "shared" / "models" / "stories260K"
 TESTS = ["tests/backends/turbo/test_cuda_kernels.py", "tests/backends/turbo/test_cuda_graphs.py"]
 STEP_BATCHES, STEP_CONTEXT = (1, 16, 64, 128), 512
-# Bucket sizes only: turbo's CPU kernels refuse the padding rows (context length 0) a
-# graph bucket adds, and without a GPU the "graph" is the same step replayed eagerly.
-DRY_RUN_STEP_BATCHES, DRY_RUN_STEP_CONTEXT = (1, 4), 32
 
 
 def turbo_section(device: str, dry_run: bool, env: dict[str, str]) -> tuple[bool, str]:
@@ -120,45 +117,35 @@ def end_to_end(device: str, dry_run: bool, env: dict[str, str]) -> tuple[bool, s
 
 
 def time_decode_step(device: str, dry_run: bool, env: dict[str, str]) -> tuple[bool, str]:
-    """turbo's whole decode step (``llama_step``), eager and replayed as a CUDA graph."""
+    """turbo's whole decode step (``llama_step``), eager and replayed as the CUDA graphs its
+    runner captures for the engine."""
     from llmctl_turbo.runner import TurboModelRunner
 
-    from llmctl.engine.cuda_graphs import DecodeGraphs, record_cuda_graph, replay_eagerly
     from llmctl.engine.model_config import ModelConfig
 
     title = "### Decode step on the reference Llama: eager vs CUDA graph\n\n"
+    if device != "cuda":
+        return True, title + "Not run: CUDA graphs need a GPU (the runner captures none).\n"
     model_dir = reference_llama(tiny=dry_run)
-    batches = DRY_RUN_STEP_BATCHES if dry_run else STEP_BATCHES
-    context = DRY_RUN_STEP_CONTEXT if dry_run else STEP_CONTEXT
-    dtype, block_size = ("float32", 32) if dry_run else ("bfloat16", 64)
+    dtype, block_size = "bfloat16", 64
     config = ModelConfig.from_dir(model_dir)
-    num_blocks = max(batches) * -(-context // block_size)
+    num_blocks = max(STEP_BATCHES) * -(-STEP_CONTEXT // block_size)
+    started = time.monotonic()
     runner = TurboModelRunner(
         model_dir, config, dtype=dtype, device=device, block_size=block_size,
-        num_blocks=num_blocks, enable_cuda_graph=False,
+        num_blocks=num_blocks, max_num_seqs=max(STEP_BATCHES),
     )  # fmt: skip
-    capture_started = time.monotonic()
-    graphs = DecodeGraphs(
-        runner.forward,
-        max_batch_size=max(batches),
-        max_blocks_per_seq=-(-runner.max_model_len // block_size),
-        block_size=block_size,
-        num_blocks=num_blocks,
-        device=runner.device,
-        record=record_cuda_graph if device == "cuda" else replay_eagerly,
-    )
-    graphs.capture(progress=False)
-    capture_seconds = time.monotonic() - capture_started
-    passed, rows = compare_steps(runner, graphs, batches, context, iterations=2 if dry_run else 30)
+    graphs, runner.decode_graphs = runner.decode_graphs, None  # execute() now runs eagerly
+    setup_seconds = time.monotonic() - started
+    passed, rows = compare_steps(runner, graphs, STEP_BATCHES, STEP_CONTEXT, iterations=30)
     del runner, graphs
-    if device == "cuda":
-        import torch
+    import torch
 
-        torch.cuda.empty_cache()
+    torch.cuda.empty_cache()
     return passed, (
         title + f"`{model_dir.name}`, {dtype}, block size {block_size}, every sequence at "
-        f"context {context}; each step waited for. Graphs captured in "
-        f"{capture_seconds:.1f} s.\n\n"
+        f"context {STEP_CONTEXT}; each step waited for. Loading the model and capturing "
+        f"its graphs took {setup_seconds:.1f} s.\n\n"
         "| batch | eager ms/step | graph ms/step | speed-up | graph logits vs eager "
         "(max abs diff / max abs) |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
     )

@@ -165,6 +165,50 @@ __device__ __forceinline__ int64_t cache_row(const int32_t* table, int token,
   return static_cast<int64_t>(table[block]) * block_size.divisor + offset;
 }
 
+// ------------------------------------------------------------------ paged attention
+
+// What every paged-attention kernel reads, typed (layouts: ../kernels.h).
+template <typename T>
+struct PagedAttentionArgs {
+  T* out;
+  int64_t out_stride;
+  const T* q;
+  int64_t q_stride;
+  const T* k_cache;
+  const T* v_cache;
+  const int32_t* block_tables;
+  int64_t table_stride;
+  const int32_t* context_lens;
+  int num_heads, num_kv_heads, head_dim, group;  // group: query heads per KV head
+  FastDivmod block_size;
+  float scale_log2;  // softmax scale * log2(e): the kernels exponentiate in base 2
+};
+
+template <typename T>
+PagedAttentionArgs<T> paged_attention_args(void* out, int64_t out_stride, const void* q,
+                                           int64_t q_stride, const void* k_cache,
+                                           const void* v_cache, const int32_t* block_tables,
+                                           int64_t table_stride, const int32_t* context_lens,
+                                           int64_t num_heads, int64_t num_kv_heads,
+                                           int64_t head_dim, int64_t block_size, float scale) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  return {static_cast<T*>(out),
+          out_stride,
+          static_cast<const T*>(q),
+          q_stride,
+          static_cast<const T*>(k_cache),
+          static_cast<const T*>(v_cache),
+          block_tables,
+          table_stride,
+          context_lens,
+          static_cast<int>(num_heads),
+          static_cast<int>(num_kv_heads),
+          static_cast<int>(head_dim),
+          static_cast<int>(num_heads / num_kv_heads),
+          FastDivmod(static_cast<uint32_t>(block_size)),
+          scale * kLog2e};
+}
+
 // ------------------------------------------------------------------ the C ABI's dtype
 
 // Runs the statements with `T` bound to the storage type named by `dtype`, then returns

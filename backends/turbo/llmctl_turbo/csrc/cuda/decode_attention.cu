@@ -33,7 +33,6 @@ constexpr int kMinSplitTokens = 128;     // shorter splits cost more to combine 
 constexpr int kScoreBytes = 32 * 1024;   // shared memory for one split's scores, all heads
 constexpr int kTargetBlocksPerSm = 32;   // several waves, so the last (partial) one is short
 constexpr int kCombineThreads = 64;
-constexpr float kLog2e = 1.4426950408889634f;
 
 // How the query heads of one KV head are spread over blocks: `count` blocks of `heads`
 // heads each (the last may have fewer), computed as `padded` (a power of two) heads.
@@ -63,23 +62,11 @@ __host__ __device__ inline int split_tokens(int context, int num_splits) {
 }
 
 template <typename T>
-struct DecodeParams {
-  T* out;
-  int64_t out_stride;
-  const T* q;
-  int64_t q_stride;
-  const T* k_cache;
-  const T* v_cache;
-  const int32_t* block_tables;
-  int64_t table_stride;
-  const int32_t* context_lens;
+struct DecodeParams : PagedAttentionArgs<T> {
   float* partial_out;    // [num_seqs, num_heads, num_splits, head_dim]
   float* partial_stats;  // [num_seqs, num_heads, num_splits, 2]: max (base 2), sum
-  int num_heads, num_kv_heads, head_dim, group;
   int heads_per_block, head_blocks;
   int num_splits, max_split;  // max_split: tokens the scores buffer holds
-  FastDivmod block_size;
-  float scale_log2;  // softmax scale * log2(e): scores are kept in base 2
 };
 
 // The dot products of kGroup heads, each spread over the kLanes lanes of a token, summed
@@ -391,29 +378,16 @@ cudaError_t run_decode(void* out, int64_t out_stride, const void* q, int64_t q_s
                        int64_t block_size, int64_t max_context, float scale, int num_splits,
                        void* workspace, cudaStream_t stream) {
   const HeadBlocks blocks = head_blocks_for(num_heads / num_kv_heads);
-  DecodeParams<T> p;
-  p.out = static_cast<T*>(out);
-  p.out_stride = out_stride;
-  p.q = static_cast<const T*>(q);
-  p.q_stride = q_stride;
-  p.k_cache = static_cast<const T*>(k_cache);
-  p.v_cache = static_cast<const T*>(v_cache);
-  p.block_tables = block_tables;
-  p.table_stride = table_stride;
-  p.context_lens = context_lens;
+  DecodeParams<T> p{paged_attention_args<T>(out, out_stride, q, q_stride, k_cache, v_cache,
+                                            block_tables, table_stride, context_lens, num_heads,
+                                            num_kv_heads, head_dim, block_size, scale)};
   p.partial_out = static_cast<float*>(workspace);
   p.partial_stats = num_splits > 1 ? p.partial_out + num_seqs * num_heads * num_splits * head_dim
                                    : nullptr;
-  p.num_heads = static_cast<int>(num_heads);
-  p.num_kv_heads = static_cast<int>(num_kv_heads);
-  p.head_dim = static_cast<int>(head_dim);
-  p.group = static_cast<int>(num_heads / num_kv_heads);
   p.heads_per_block = blocks.heads;
   p.head_blocks = blocks.count;
   p.num_splits = num_splits;
   p.max_split = split_tokens(static_cast<int>(max_context), num_splits);
-  p.block_size = FastDivmod(static_cast<uint32_t>(block_size));
-  p.scale_log2 = scale * kLog2e;
   if (p.max_split > max_split_tokens(blocks.padded)) return cudaErrorInvalidValue;
   return run<T>(p, blocks.padded, static_cast<int>(num_seqs), stream);
 }

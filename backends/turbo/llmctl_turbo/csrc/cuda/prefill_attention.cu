@@ -21,26 +21,15 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * kWarp;
 constexpr int kTileRows = 16 * kWarps;  // (token, head) rows per block
-constexpr float kLog2e = 1.4426950408889634f;
 
 template <int kHeadDimPad>
 constexpr int kTileTokens = kHeadDimPad <= 128 ? 64 : 32;  // K/V tile: smem and registers
 
 template <typename T>
-struct PrefillParams {
-  T* out;
-  int64_t out_stride;
-  const T* q;
-  int64_t q_stride;
-  const T* k_cache;
-  const T* v_cache;
-  const int32_t* block_tables;
-  int64_t table_stride;
+struct PrefillParams : PagedAttentionArgs<T> {
   const int32_t* query_start_loc;
-  const int32_t* context_lens;
-  int num_seqs, num_kv_heads, head_dim, group;
-  FastDivmod block_size, group_size;
-  float scale_log2;  // softmax scale * log2(e)
+  int num_seqs;
+  FastDivmod group_size;
 };
 
 // Shared-memory tiles hold rows of kChunks 16-byte chunks; chunk c of row r is stored at
@@ -294,24 +283,12 @@ cudaError_t run_prefill(void* out, int64_t out_stride, const void* q, int64_t q_
                         const int32_t* context_lens, int64_t num_seqs, int64_t num_tokens,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                         int64_t block_size, float scale, cudaStream_t stream) {
-  PrefillParams<T> p;
-  p.out = static_cast<T*>(out);
-  p.out_stride = out_stride;
-  p.q = static_cast<const T*>(q);
-  p.q_stride = q_stride;
-  p.k_cache = static_cast<const T*>(k_cache);
-  p.v_cache = static_cast<const T*>(v_cache);
-  p.block_tables = block_tables;
-  p.table_stride = table_stride;
+  PrefillParams<T> p{paged_attention_args<T>(out, out_stride, q, q_stride, k_cache, v_cache,
+                                             block_tables, table_stride, context_lens, num_heads,
+                                             num_kv_heads, head_dim, block_size, scale)};
   p.query_start_loc = query_start_loc;
-  p.context_lens = context_lens;
   p.num_seqs = static_cast<int>(num_seqs);
-  p.num_kv_heads = static_cast<int>(num_kv_heads);
-  p.head_dim = static_cast<int>(head_dim);
-  p.group = static_cast<int>(num_heads / num_kv_heads);
-  p.block_size = FastDivmod(static_cast<uint32_t>(block_size));
   p.group_size = FastDivmod(static_cast<uint32_t>(p.group));
-  p.scale_log2 = scale * kLog2e;
   if (head_dim <= 64) return launch<T, 64>(p, num_tokens, stream);
   if (head_dim <= 128) return launch<T, 128>(p, num_tokens, stream);
   return launch<T, 256>(p, num_tokens, stream);
