@@ -36,6 +36,20 @@ from tests.backends.turbo.test_cpu_ops import (
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
+def block_size_and_dtype(dtypes):
+    """Every (block size, dtype) pair; by default only a diagonal that still covers each
+    block size and each dtype (an emulated kernel runs ~1000x slower than on a GPU, where
+    test_cuda_kernels.py runs every pair); the rest are ``slow``."""
+    return [
+        pytest.param(
+            block_size, dtype, id=f"{block_size}-{str(dtype).removeprefix('torch.')}",
+            marks=() if i % len(dtypes) == j else pytest.mark.slow,
+        )
+        for i, block_size in enumerate(CUDA_BLOCK_SIZES)
+        for j, dtype in enumerate(dtypes)
+    ]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def emulated():
     from tests.backends.turbo.cuda_emulator import library
@@ -46,8 +60,7 @@ def emulated():
         pytest.skip(str(why))
 
 
-@pytest.mark.parametrize("block_size", CUDA_BLOCK_SIZES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("block_size, dtype", block_size_and_dtype(DTYPES))
 def test_decode_attention(emulated, turbo_ops, block_size, dtype):
     for heads, kv_heads, head_dim in GQA_SHAPES:
         check_decode(
@@ -124,8 +137,7 @@ def test_decode_context_beyond_the_table_traps(emulated, turbo_ops):
         check_decode(run, turbo_ops, 32, torch.float32, 4, 2, 32, [200, 40])
 
 
-@pytest.mark.parametrize("block_size", CUDA_BLOCK_SIZES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("block_size, dtype", block_size_and_dtype([torch.bfloat16, torch.float16]))
 def test_prefill_attention_on_tensor_cores(emulated, turbo_ops, block_size, dtype):
     for heads, kv_heads, head_dim in GQA_SHAPES:
         check_prefill(

@@ -37,6 +37,15 @@ cudaStream_t stream_of(const at::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
 }
 
+// The tensor-core prefill kernel needs sm_80 (cp.async, bf16 mma).
+bool has_sm80(const at::Tensor& t) {
+  int major = 0;
+  check_launch(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
+                                      t.device().index()),
+               "cudaDeviceGetAttribute");
+  return major >= 8;
+}
+
 // The vectorised attention kernels read and write whole 16-byte chunks of every row.
 bool rows_aligned(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
@@ -133,8 +142,8 @@ void rotary_embedding_and_write_kv(const at::Tensor& positions, at::Tensor& q, a
 }
 
 // Decode batches (one query per sequence) take the split-K kernel; batches with prompt
-// chunks the tensor-core kernel in bf16 / fp16; fp32 prefill and head_dims the
-// vectorised kernels do not take (not a multiple of 8) the SIMT kernel.
+// chunks the tensor-core kernel in bf16 / fp16 (from sm_80); fp32 prefill, older GPUs and
+// head_dims the vectorised kernels do not take (not a multiple of 8) the SIMT kernel.
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
@@ -150,7 +159,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
     paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale);
     return;
   }
-  const auto kernel = vectorised && turbo_cuda_prefill_supported(dtype, head_dim)
+  const auto kernel = vectorised && turbo_cuda_prefill_supported(dtype, head_dim) && has_sm80(q)
                           ? turbo_cuda_paged_prefill_attention
                           : turbo_cuda_paged_attention;
   check_launch(kernel(dtype, out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0),

@@ -19,6 +19,14 @@
 #include "emulated_ptx.h"
 #else
 
+// cp.async and bf16 mma need sm_80. Built for an older GPU (turbo takes them too), the
+// functions trap; the binding never launches the tensor-core kernel there.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+#define TURBO_SM80(...) __trap()
+#else
+#define TURBO_SM80(...) __VA_ARGS__
+#endif
+
 namespace turbo_cuda {
 
 __device__ __forceinline__ uint32_t shared_address(const void* p) {
@@ -29,16 +37,17 @@ __device__ __forceinline__ uint32_t shared_address(const void* p) {
 // addresses of the 8 (16-byte) rows of matrix i; register i of lane l gets elements
 // (l / 4, 2 (l % 4) + {0, 1}) of matrix i.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(row)));
+  TURBO_SM80(asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                          : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                          : "r"(shared_address(row))));
 }
 
 // The same, transposed: register i of lane l gets elements (2 (l % 4) + {0, 1}, l / 4).
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* row) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(row)));
+  TURBO_SM80(asm volatile(
+      "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+      : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+      : "r"(shared_address(row))));
 }
 
 // d += a b with a 16x16, b 16x8 of T (bfloat16 or half) and d 16x8 fp32.
@@ -46,33 +55,35 @@ template <typename T>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                           uint32_t b1) {
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    asm volatile(
+    TURBO_SM80(asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1)));
   } else {
     static_assert(std::is_same_v<T, __half>, "tensor-core mma runs bfloat16 or half");
-    asm volatile(
+    TURBO_SM80(asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
         "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1)));
   }
 }
 
 // Copies 16 bytes from global to shared memory asynchronously, or writes 16 zero bytes
 // when !valid (then src is not read).
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)),
-               "l"(src), "r"(valid ? 16 : 0));
+  TURBO_SM80(asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                          :: "r"(shared_address(dst)), "l"(src), "r"(valid ? 16 : 0)));
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_commit() {
+  TURBO_SM80(asm volatile("cp.async.commit_group;\n" ::));
+}
 
 // Waits for every copy this thread issued (the caller then syncs the block).
 __device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  TURBO_SM80(asm volatile("cp.async.wait_group 0;\n" ::: "memory"));
 }
 
 }  // namespace turbo_cuda
