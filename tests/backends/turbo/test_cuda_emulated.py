@@ -36,17 +36,17 @@ from tests.backends.turbo.test_cpu_ops import (
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def block_size_and_dtype(dtypes):
-    """Every (block size, dtype) pair; by default only a diagonal that still covers each
-    block size and each dtype (an emulated kernel runs ~1000x slower than on a GPU, where
-    test_cuda_kernels.py runs every pair); the rest are ``slow``."""
+def block_size_and_dtype(variants, name=lambda v: str(v).removeprefix("torch.")):
+    """Every (block size, variant) pair; by default only a diagonal that still covers each
+    block size and each variant (an emulated kernel runs ~1000x slower than on a GPU,
+    where test_cuda_kernels.py runs every pair); the rest are ``slow``."""
     return [
         pytest.param(
-            block_size, dtype, id=f"{block_size}-{str(dtype).removeprefix('torch.')}",
-            marks=() if i % len(dtypes) == j else pytest.mark.slow,
+            block_size, variant, id=f"{block_size}-{name(variant)}",
+            marks=() if i % len(variants) == j else pytest.mark.slow,
         )
         for i, block_size in enumerate(CUDA_BLOCK_SIZES)
-        for j, dtype in enumerate(dtypes)
+        for j, variant in enumerate(variants)
     ]  # fmt: skip
 
 
@@ -60,33 +60,56 @@ def emulated():
         pytest.skip(str(why))
 
 
-@pytest.mark.parametrize("block_size, dtype", block_size_and_dtype(DTYPES))
-def test_decode_attention(emulated, turbo_ops, block_size, dtype):
+# The decode kernels: SIMT (every dtype) and tensor cores (bf16 / fp16).
+DECODE_KERNELS = [(dtype, False) for dtype in DTYPES] + [
+    (torch.bfloat16, True),
+    (torch.float16, True),
+]
+
+
+def decode_kernel_id(kernel) -> str:
+    dtype, tensor_cores = kernel
+    return f"{str(dtype).removeprefix('torch.')}-{'mma' if tensor_cores else 'simt'}"
+
+
+@pytest.mark.parametrize(
+    "block_size, kernel", block_size_and_dtype(DECODE_KERNELS, decode_kernel_id)
+)
+def test_decode_attention(emulated, turbo_ops, block_size, kernel):
+    dtype, tensor_cores = kernel
+
+    def run(*args):
+        return emulated.paged_decode_attention(*args, tensor_cores=tensor_cores)
+
     for heads, kv_heads, head_dim in GQA_SHAPES:
         check_decode(
-            emulated.paged_decode_attention, turbo_ops, block_size, dtype, heads, kv_heads,
-            head_dim, decode_contexts(block_size), seed=block_size,
+            run, turbo_ops, block_size, dtype, heads, kv_heads, head_dim,
+            decode_contexts(block_size), seed=block_size,
         )  # fmt: skip
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kernel", DECODE_KERNELS, ids=decode_kernel_id)
 @pytest.mark.parametrize("num_splits", [2, 3, 7])
-def test_decode_split_k_combines_partial_softmaxes(emulated, turbo_ops, dtype, num_splits):
+def test_decode_split_k_combines_partial_softmaxes(emulated, turbo_ops, kernel, num_splits):
     """Forced split counts: sequences that use every split, some, or one (which then
     writes its output directly)."""
+    dtype, tensor_cores = kernel
 
     def run(*args):
-        return emulated.paged_decode_attention(*args, num_splits=num_splits)
+        return emulated.paged_decode_attention(
+            *args, num_splits=num_splits, tensor_cores=tensor_cores
+        )
 
     used = check_decode(run, turbo_ops, 64, dtype, 8, 2, 128, [900, 300, 129, 5], seed=num_splits)
     assert used == num_splits
 
 
-def test_decode_large_groups_and_head_dims(emulated, turbo_ops):
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["simt", "mma"])
+def test_decode_large_groups_and_head_dims(emulated, turbo_ops, tensor_cores):
     """A group of 12 heads takes two blocks per KV head; head_dim 256 and 96."""
 
     def run(*args):
-        return emulated.paged_decode_attention(*args, num_splits=3)
+        return emulated.paged_decode_attention(*args, num_splits=3, tensor_cores=tensor_cores)
 
     for heads, kv_heads, head_dim in [(24, 2, 256), (12, 1, 96), (6, 3, 256)]:
         check_decode(run, turbo_ops, 32, torch.bfloat16, heads, kv_heads, head_dim, [300, 45])

@@ -37,19 +37,19 @@ cudaStream_t stream_of(const at::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
 }
 
-// The tensor-core prefill kernel needs sm_80 (cp.async, bf16 mma).
+// The vectorised attention kernels read and write whole 16-byte chunks of every row.
+bool rows_aligned(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
+         (t.stride(0) * t.element_size()) % 16 == 0;
+}
+
+// The tensor-core kernels need sm_80 (cp.async, bf16 mma).
 bool has_sm80(const at::Tensor& t) {
   int major = 0;
   check_launch(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
                                       t.device().index()),
                "cudaDeviceGetAttribute");
   return major >= 8;
-}
-
-// The vectorised attention kernels read and write whole 16-byte chunks of every row.
-bool rows_aligned(const at::Tensor& t) {
-  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
-         (t.stride(0) * t.element_size()) % 16 == 0;
 }
 
 // Split-K decode: the split count and its workspace depend on shapes only (the block
@@ -74,7 +74,8 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
                    k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr<int32_t>(),
                    block_tables.stride(0), context_lens.data_ptr<int32_t>(), num_seqs,
                    num_heads, num_kv_heads, head_dim, block_size, max_context,
-                   static_cast<float>(scale), num_splits, workspace.data_ptr(), stream_of(q)),
+                   static_cast<float>(scale), num_splits, workspace.data_ptr(),
+                   q.scalar_type() != at::kFloat && has_sm80(q), stream_of(q)),
                "paged_decode_attention");
 }
 

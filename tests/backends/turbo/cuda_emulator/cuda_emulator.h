@@ -49,6 +49,11 @@ void* dynamic_shared();
 // the others, and gets back the deposits of all 32 lanes (lane i at out + i * bytes).
 void warp_exchange(const void* mine, void* all, size_t bytes);
 void sync_threads();
+// The calling thread's cp.async copies: queued (`bytes` of 16 copied, the rest zeroed),
+// grouped by commits, completed by a wait that leaves at most `pending` groups open.
+void async_copy(void* dst, const void* src, int bytes);
+void async_commit();
+void async_wait(int pending);
 [[noreturn]] void trap();
 int lane_id();
 

@@ -76,14 +76,13 @@ inline void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32
   }
 }
 
+// cp.async as the PTX ISA defines it: a copy lands when a wait_group covers its group,
+// not before, so a kernel that reads shared memory too early reads stale data.
 inline void cp_async_16(void* dst, const void* src, bool valid) {
-  if (valid) {
-    std::memcpy(dst, src, 16);
-  } else {
-    std::memset(dst, 0, 16);
-  }
+  turbo_emu::async_copy(dst, src, valid ? 16 : 0);
 }
-inline void cp_async_commit() {}
-inline void cp_async_wait_all() {}
+inline void cp_async_commit() { turbo_emu::async_commit(); }
+inline void cp_async_wait_all_but_newest() { turbo_emu::async_wait(1); }
+inline void cp_async_wait_all() { turbo_emu::async_wait(0); }
 
 }  // namespace turbo_cuda

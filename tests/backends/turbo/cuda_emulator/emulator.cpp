@@ -83,8 +83,17 @@ void start_context(Context& context, std::vector<char>& stack, void (*entry)()) 
 
 enum class Wait { kNone, kBlock, kWarp };
 
+struct AsyncCopy {
+  void* dst;
+  const void* src;
+  int bytes;
+  uint64_t group;
+};
+
 struct Fiber {
   Context context;
+  std::vector<AsyncCopy> copies;  // cp.async not yet landed
+  uint64_t group = 0;             // the open (uncommitted) group's number
   std::vector<char> stack = std::vector<char>(kStackBytes);
   uint3 thread;
   bool done = false;
@@ -191,6 +200,8 @@ void run_block(size_t shared_bytes) {
                               i / (blockDim.x * blockDim.y));
     fiber.done = false;
     fiber.wait = Wait::kNone;
+    fiber.copies.clear();
+    fiber.group = 0;
     ++block.warp_live[i / 32];
     ++block.warp_size[i / 32];
     start_context(fiber.context, fiber.stack, fiber_main);
@@ -256,6 +267,27 @@ void warp_exchange(const void* mine, void* all, size_t bytes) {
   for (int i = 0; i < block.warp_size[warp]; ++i) {
     std::memcpy(static_cast<char*>(all) + i * bytes, slots + i * kMaxDeposit, bytes);
   }
+}
+
+void async_copy(void* dst, const void* src, int bytes) {
+  Fiber& fiber = block.fibers[block.current];
+  fiber.copies.push_back({dst, src, bytes, fiber.group});
+}
+
+void async_commit() { ++block.fibers[block.current].group; }
+
+void async_wait(int pending) {
+  Fiber& fiber = block.fibers[block.current];
+  std::vector<AsyncCopy> still;
+  for (const AsyncCopy& copy : fiber.copies) {
+    if (copy.group + pending < fiber.group) {  // committed, and not among the newest
+      if (copy.bytes > 0) std::memcpy(copy.dst, copy.src, copy.bytes);
+      std::memset(static_cast<char*>(copy.dst) + copy.bytes, 0, 16 - copy.bytes);
+    } else {
+      still.push_back(copy);
+    }
+  }
+  fiber.copies.swap(still);
 }
 
 void trap() {

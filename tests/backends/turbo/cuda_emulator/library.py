@@ -107,7 +107,7 @@ class EmulatedKernels:
         self.lib.turbo_cuda_decode_workspace_bytes.argtypes = [i64, i64, i64, i32]
         self.lib.turbo_cuda_decode_workspace_bytes.restype = i64
         self.lib.turbo_cuda_paged_decode_attention.argtypes = (
-            [i32, vp, i64, vp, i64, vp, vp, vp, i64, vp] + [i64] * 6 + [f32, i32, vp, vp]
+            [i32, vp, i64, vp, i64, vp, vp, vp, i64, vp] + [i64] * 6 + [f32, i32, vp, i32, vp]
         )
         self.lib.turbo_cuda_paged_prefill_attention.argtypes = (
             [i32, vp, i64, vp, i64, vp, vp, vp, i64, vp, vp] + [i64] * 6 + [f32, vp]
@@ -145,9 +145,11 @@ class EmulatedKernels:
         )
 
     def paged_decode_attention(
-        self, out, q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None
-    ) -> int:
-        """Returns the number of splits used."""
+        self, out, q, k_cache, v_cache, block_tables, context_lens, scale, num_splits=None,
+        tensor_cores: bool = True,
+    ) -> int:  # fmt: skip
+        """Returns the number of splits used. ``tensor_cores``: the mma kernel for bf16 and
+        fp16 (fp32 always runs the SIMT one), as the binding picks on sm_80+."""
         num_seqs, num_heads, head_dim = q.shape
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         max_context = block_tables.shape[1] * block_size
@@ -164,7 +166,7 @@ class EmulatedKernels:
                 DTYPE_CODES[q.dtype], _ptr(out), out.stride(0), _ptr(q), q.stride(0),
                 _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), block_tables.stride(0),
                 _ptr(context_lens), num_seqs, num_heads, num_kv_heads, head_dim, block_size,
-                max_context, scale, splits, _ptr(workspace), None,
+                max_context, scale, splits, _ptr(workspace), int(tensor_cores), None,
             ),
             "paged_decode_attention",
         )  # fmt: skip

@@ -32,20 +32,6 @@ struct PrefillParams : PagedAttentionArgs<T> {
   FastDivmod group_size;
 };
 
-// Shared-memory tiles hold rows of kChunks 16-byte chunks; chunk c of row r is stored at
-// c ^ (r % 8), so the 8 rows an ldmatrix phase reads fall in 8 different bank groups.
-template <int kChunks>
-__device__ __forceinline__ int swizzled(int row, int chunk) {
-  return row * kChunks + (chunk ^ (row & 7));
-}
-
-// Packs two floats into the 32-bit register of a T pair (the first in the low half).
-template <typename T>
-__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
-  return static_cast<uint32_t>(bits_of(from_float<T>(lo))) |
-         (static_cast<uint32_t>(bits_of(from_float<T>(hi))) << 16);
-}
-
 // Warp 0 finds the (sequence, row tile) of tile number `tile`: sequence b has
 // ceil(q_len_b * group / kTileRows) tiles. Sets seq = -1 past the last tile.
 template <typename T>

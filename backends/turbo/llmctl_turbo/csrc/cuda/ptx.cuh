@@ -81,6 +81,11 @@ __device__ __forceinline__ void cp_async_commit() {
   TURBO_SM80(asm volatile("cp.async.commit_group;\n" ::));
 }
 
+// Waits for all but the most recently committed group of this thread's copies.
+__device__ __forceinline__ void cp_async_wait_all_but_newest() {
+  TURBO_SM80(asm volatile("cp.async.wait_group 1;\n" ::: "memory"));
+}
+
 // Waits for every copy this thread issued (the caller then syncs the block).
 __device__ __forceinline__ void cp_async_wait_all() {
   TURBO_SM80(asm volatile("cp.async.wait_group 0;\n" ::: "memory"));
@@ -89,3 +94,24 @@ __device__ __forceinline__ void cp_async_wait_all() {
 }  // namespace turbo_cuda
 
 #endif  // TURBO_CUDA_EMULATOR
+
+#include "common.cuh"
+
+namespace turbo_cuda {
+
+// Shared-memory tiles hold rows of kChunks 16-byte chunks; chunk c of row r is stored at
+// c ^ (r % 8), so the 8 rows an ldmatrix phase reads fall in 8 different bank groups.
+template <int kChunks>
+__device__ __forceinline__ int swizzled(int row, int chunk) {
+  return row * kChunks + (chunk ^ (row & 7));
+}
+
+// Packs two floats into the 32-bit register of a T pair (the first in the low half): an
+// fp32 accumulator fragment becomes an A operand this way.
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(float lo, float hi) {
+  return static_cast<uint32_t>(bits_of(from_float<T>(lo))) |
+         (static_cast<uint32_t>(bits_of(from_float<T>(hi))) << 16);
+}
+
+}  // namespace turbo_cuda

@@ -93,12 +93,14 @@ int turbo_cuda_decode_num_splits(int64_t num_seqs, int64_t num_heads, int64_t nu
 int64_t turbo_cuda_decode_workspace_bytes(int64_t num_seqs, int64_t num_heads,
                                           int64_t head_dim, int num_splits);
 
+/* use_tensor_cores (bf16 / fp16 on sm_80+): the mma kernel; else the SIMT one (also the
+ * only one for fp32). Both write the same partials, combined by the same kernel. */
 cudaError_t turbo_cuda_paged_decode_attention(
     int dtype, void* out, int64_t out_stride, const void* q, int64_t q_stride,
     const void* k_cache, const void* v_cache, const int32_t* block_tables,
     int64_t table_stride, const int32_t* context_lens, int64_t num_seqs, int64_t num_heads,
     int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_context,
-    float scale, int num_splits, void* workspace, cudaStream_t stream);
+    float scale, int num_splits, void* workspace, int use_tensor_cores, cudaStream_t stream);
 
 /* ---- Paged prefill attention on tensor cores (bfloat16 / float16 only).
  *
