@@ -139,6 +139,12 @@ def test_decode_padding_rows_of_cuda_graphs_output_zero(emulated, head_dim):
     torch.testing.assert_close(out[real], expected, **TOLERANCE[torch.float32])
 
 
+def test_fast_division_by_block_size_is_exact(emulated):
+    """The kernels divide token indices by the block size with a multiply and a shift."""
+    for divisor in [*range(1, 300), 384, 512, 1000, 1024, 4096, 65537, (1 << 31) - 1]:
+        assert emulated.fast_divmod_mismatches(divisor) == 0, divisor
+
+
 def test_decode_split_plan_fills_the_gpu_and_fits_shared_memory(emulated):
     # A lone sequence is cut into many splits; a big batch of short contexts into none...
     assert emulated.decode_num_splits(1, 32, 8, 4096) >= 16

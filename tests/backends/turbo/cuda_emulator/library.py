@@ -2,7 +2,8 @@
 tensors.
 
 ``load()`` compiles every ``csrc/cuda/*.cu`` file as C++ with ``cuda_emulator.h``
-force-included, links them with ``emulator.cpp`` into one shared library (cached under
+force-included, links them with ``emulator.cpp`` (and ``fast_divmod_check.cpp``, a direct
+check of one helper) into one shared library (cached under
 llmctl's cache dir by a hash of the sources), and returns an ``EmulatedKernels`` whose
 methods mirror what ``csrc/cuda_ops.cpp`` does around each C function (picking the
 decode split count, allocating the workspace). Needs g++ and the CUDA headers (found
@@ -45,7 +46,7 @@ def cuda_include_dir() -> Path:
 
 
 def _sources() -> list[Path]:
-    return sorted(CUDA_DIR.glob("*.cu")) + [HERE / "emulator.cpp"]
+    return sorted(CUDA_DIR.glob("*.cu")) + [HERE / "emulator.cpp", HERE / "fast_divmod_check.cpp"]
 
 
 def _library_path() -> Path:
@@ -103,6 +104,8 @@ class EmulatedKernels:
         self.lib = ctypes.CDLL(str(library))
         i64, i32, f32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
         self.lib.turbo_emulator_last_error.restype = ctypes.c_char_p
+        self.lib.turbo_emulator_fast_divmod_mismatches.argtypes = [ctypes.c_uint32] * 2
+        self.lib.turbo_emulator_fast_divmod_mismatches.restype = i64
         self.lib.turbo_cuda_decode_num_splits.argtypes = [i64, i64, i64, i64, i32]
         self.lib.turbo_cuda_decode_workspace_bytes.argtypes = [i64, i64, i64, i32]
         self.lib.turbo_cuda_decode_workspace_bytes.restype = i64
@@ -138,6 +141,9 @@ class EmulatedKernels:
         if status != 0:
             message = self.lib.turbo_emulator_last_error().decode()
             raise RuntimeError(f"{name} failed (cudaError {status}): {message}")
+
+    def fast_divmod_mismatches(self, divisor: int, dense: int = 1 << 16) -> int:
+        return self.lib.turbo_emulator_fast_divmod_mismatches(divisor, dense)
 
     def decode_num_splits(self, num_seqs, num_heads, num_kv_heads, max_context, sms=H200_SMS):
         return self.lib.turbo_cuda_decode_num_splits(
