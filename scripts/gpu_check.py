@@ -141,8 +141,8 @@ def main() -> int:
     parts = [
         ("1. Kernel tests", run_kernel_tests, (args.dry_run,)),
         ("2. End to end", run_end_to_end, (args.stories, args.dry_run, device)),
-        ("3. Turbo native kernels", turbo_section, (device, args.dry_run, child_env())),
-        ("CUDA graphs (torch decode)", graphs_section, (device, args.dry_run, child_env())),
+        ("3. Turbo native kernels", turbo_section, (device, args.dry_run, run_pytest)),
+        ("CUDA graphs (torch decode)", graphs_section, (device, args.dry_run, run_pytest)),
         ("4. Throughput workload", workload_section, (device, args.dry_run)),
         # Last: the sweep stops at the deadline, whatever is left.
         ("5. Decode attention bandwidth", run_bandwidth,
@@ -210,6 +210,12 @@ def run_kernel_tests(dry_run: bool) -> tuple[bool, str]:
     else:
         # everything but the wide kernel grid, whose many shapes would each compile
         selection = [KERNEL_TESTS, E2E_TESTS, "-m", "slow or not slow", "-k", "not wider_grid"]
+    return run_pytest("## 1. Kernel tests", selection)
+
+
+def run_pytest(title: str, selection: list[str], tail_lines: int = 25) -> tuple[bool, str]:
+    """pytest on ``selection`` in a child process (compiled kernels, see ``child_env``):
+    whether it passed, and a report section with the command and the log's tail."""
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection]
     started = time.monotonic()
     try:
@@ -220,9 +226,9 @@ def run_kernel_tests(dry_run: bool) -> tuple[bool, str]:
     except subprocess.TimeoutExpired as timeout:  # its output comes back as bytes
         partial = (timeout.stdout or b"").decode(errors="replace")
         passed, log = False, f"timed out after {timeout.timeout} s\n{partial}"
-    tail = "\n".join(log.strip().splitlines()[-25:])
+    tail = "\n".join(log.strip().splitlines()[-tail_lines:])
     return passed, (
-        "## 1. Kernel tests\n\n"
+        f"{title}\n\n"
         f"`python {shlex.join(command[1:])}`: **{'passed' if passed else 'FAILED'}** "
         f"in {time.monotonic() - started:.0f} s\n\n```\n{tail}\n```\n"
     )

@@ -1,6 +1,7 @@
 """The CUDA-graph section of ``scripts/gpu_check.py``: the torch backend's decode step.
 
-``graphs_section(device, dry_run, env)`` returns ``(passed, markdown)``:
+``graphs_section(device, dry_run, run_pytest)`` returns ``(passed, markdown)``
+(``run_pytest`` is gpu_check's: pytest in a child process with compiled kernels):
 
 1. tests: ``tests/backends/torch/test_cuda_graphs.py`` (greedy tokens with graphs on =
    graphs off = transformers on stories260K, a random Qwen2 with biases and a random
@@ -21,14 +22,13 @@ Triton interpreter, graphs replayed eagerly (``replay_eagerly``); numbers mean n
 
 from __future__ import annotations
 
-import shlex
-import subprocess
-import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+# (section title, pytest arguments, lines of log to keep) -> (passed, markdown)
+RunPytest = Callable[..., tuple[bool, str]]
 TESTS = ["tests/backends/torch/test_cuda_graphs.py", "tests/engine/test_step_packing.py"]
 # The reference model of the GPU workload (docs: DESIGN "How speed work is done here").
 REFERENCE_SHAPE = dict(
@@ -53,8 +53,8 @@ STEP_BATCHES = (1, 16, 64, 128)
 DRY_RUN_BATCHES = (1, 3)
 
 
-def graphs_section(device: str, dry_run: bool, env: dict[str, str]) -> tuple[bool, str]:
-    tests_passed, tests = run_tests(dry_run, env)
+def graphs_section(device: str, dry_run: bool, run_pytest: RunPytest) -> tuple[bool, str]:
+    tests_passed, tests = run_tests(dry_run, run_pytest)
     step_passed, step = time_decode_step(device, dry_run)
     if device == "cuda":  # the model and its cache are gone: hand their memory back
         import torch
@@ -64,24 +64,12 @@ def graphs_section(device: str, dry_run: bool, env: dict[str, str]) -> tuple[boo
     return tests_passed and step_passed, "\n".join([heading, tests, step])
 
 
-def run_tests(dry_run: bool, env: dict[str, str]) -> tuple[bool, str]:
+def run_tests(dry_run: bool, run_pytest: RunPytest) -> tuple[bool, str]:
     # Without a GPU the gpu tests skip; the interpreted one is left to the timing part.
-    selection = [*TESTS, "-k", "not padded_decode_buffers"] if dry_run else TESTS
-    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *selection]
-    started = time.monotonic()
-    try:
-        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                              timeout=300)  # fmt: skip
-        passed, log = done.returncode == 0, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as timeout:  # its output comes back as bytes
-        partial = (timeout.stdout or b"").decode(errors="replace")
-        passed, log = False, f"timed out after {timeout.timeout} s\n{partial}"
-    tail = "\n".join(log.strip().splitlines()[-20:])
-    return passed, (
-        "### Tests\n\n"
-        f"`python {shlex.join(command[1:])}`: **{'passed' if passed else 'FAILED'}** "
-        f"in {time.monotonic() - started:.0f} s\n\n```\n{tail}\n```\n"
-    )
+    selection = ["-rs", *TESTS]
+    if dry_run:
+        selection += ["-k", "not padded_decode_buffers"]
+    return run_pytest("### Tests", selection, tail_lines=20)
 
 
 def reference_llama(tiny: bool = False) -> Path:

@@ -1,13 +1,13 @@
 """The turbo section of ``scripts/gpu_check.py``: turbo's CUDA kernels on the GPU machine.
 
-``turbo_section(device, dry_run, env)`` returns ``(passed, markdown)``:
+``turbo_section(device, dry_run, run_pytest)`` returns ``(passed, markdown)``:
 
 1. build: turbo's native ops with the CUDA kernels (nvcc, the current GPU's arch);
 2. tests: ``tests/backends/turbo/test_cuda_kernels.py`` (every CUDA op against plain
    torch and turbo's CPU op on fresh random inputs: fp32 / bf16 / fp16, block sizes 32
    to 256, GQA 1 / 4 / 8, contexts ending mid-block, split-K; the native step against
    transformers) and ``test_cuda_graphs.py`` (greedy tokens with CUDA graphs = without
-   = transformers, preemption, padding), in a child process;
+   = transformers, preemption, padding), in a child process (``run_pytest``);
 3. end to end: stories260K's greedy tokens through the turbo engine on the device,
    against transformers' (``reference_greedy.json``);
 4. decode step: the reference Llama (723.6M, bf16) through turbo's runner, eager and as
@@ -22,13 +22,11 @@ the script's plumbing runs on tiny shapes and the numbers mean nothing.
 from __future__ import annotations
 
 import json
-import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from gpu_check_graphs import compare_steps, reference_llama  # scripts/ is on sys.path
+from gpu_check_graphs import RunPytest, compare_steps, reference_llama  # scripts/ on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO.parent / "shared" / "models" / "stories260K"
@@ -36,7 +34,7 @@ TESTS = ["tests/backends/turbo/test_cuda_kernels.py", "tests/backends/turbo/test
 STEP_BATCHES, STEP_CONTEXT = (1, 16, 64, 128), 512
 
 
-def turbo_section(device: str, dry_run: bool, env: dict[str, str]) -> tuple[bool, str]:
+def turbo_section(device: str, dry_run: bool, run_pytest: RunPytest) -> tuple[bool, str]:
     lines = ["## 3. Turbo: native CUDA kernels\n"]
     started = time.monotonic()
     try:
@@ -53,7 +51,7 @@ def turbo_section(device: str, dry_run: bool, env: dict[str, str]) -> tuple[bool
     passed = True
     for part in (run_tests, end_to_end, time_decode_step):
         try:
-            ok, text = part(device, dry_run, env)
+            ok, text = part(device, dry_run, run_pytest)
         except Exception as exc:  # keep going: the report says what broke
             ok, text = False, f"### {part.__name__}: ERROR\n\n```\n{exc!r}\n```\n"
         passed &= ok
@@ -61,27 +59,12 @@ def turbo_section(device: str, dry_run: bool, env: dict[str, str]) -> tuple[bool
     return passed, "\n".join(lines)
 
 
-def run_tests(device: str, dry_run: bool, env: dict[str, str]) -> tuple[bool, str]:
+def run_tests(device: str, dry_run: bool, run_pytest: RunPytest) -> tuple[bool, str]:
     # Without a GPU every test here skips: the run shows they are collected.
-    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", *TESTS]
-    started = time.monotonic()
-    try:
-        done = subprocess.run(
-            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-        )
-        passed, log = done.returncode == 0, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as timeout:  # its output comes back as bytes
-        partial = (timeout.stdout or b"").decode(errors="replace")
-        passed, log = False, f"timed out after {timeout.timeout} s\n{partial}"
-    tail = "\n".join(log.strip().splitlines()[-25:])
-    return passed, (
-        "### Tests: CUDA ops and CUDA graphs\n\n"
-        f"`python {shlex.join(command[1:])}`: **{'passed' if passed else 'FAILED'}** "
-        f"in {time.monotonic() - started:.0f} s\n\n```\n{tail}\n```\n"
-    )
+    return run_pytest("### Tests: CUDA ops and CUDA graphs", ["-rs", *TESTS])
 
 
-def end_to_end(device: str, dry_run: bool, env: dict[str, str]) -> tuple[bool, str]:
+def end_to_end(device: str, dry_run: bool, run_pytest: RunPytest) -> tuple[bool, str]:
     title = "### End to end: stories260K greedy through the turbo engine\n\n"
     if not (STORIES / "reference_greedy.json").is_file():
         return False, title + f"stories260K not found at {STORIES}: not run.\n"
@@ -116,7 +99,7 @@ def end_to_end(device: str, dry_run: bool, env: dict[str, str]) -> tuple[bool, s
     )
 
 
-def time_decode_step(device: str, dry_run: bool, env: dict[str, str]) -> tuple[bool, str]:
+def time_decode_step(device: str, dry_run: bool, run_pytest: RunPytest) -> tuple[bool, str]:
     """turbo's whole decode step (``llama_step``), eager and replayed as the CUDA graphs its
     runner captures for the engine."""
     from llmctl_turbo.runner import TurboModelRunner
@@ -152,11 +135,10 @@ def time_decode_step(device: str, dry_run: bool, env: dict[str, str]) -> tuple[b
 
 
 if __name__ == "__main__":
-    import os
-
     import torch
+    from gpu_check import run_pytest
 
     on_gpu = torch.cuda.is_available()
-    ok, report = turbo_section("cuda" if on_gpu else "cpu", not on_gpu, dict(os.environ))
+    ok, report = turbo_section("cuda" if on_gpu else "cpu", not on_gpu, run_pytest)
     print(report)
     sys.exit(0 if ok else 1)

@@ -25,7 +25,7 @@ from llmctl_torch.runner import TorchModelRunner
 from llmctl import LLM, SamplingParams
 from llmctl.engine.cuda_graphs import DecodeGraphs, replay_eagerly
 from llmctl.engine.model_config import ModelConfig
-from tests.backends.torch.tiny_models import PagedSequences, hf_greedy, load_hf_model
+from tests.backends.torch.tiny_models import PagedSequences, greedy, hf_greedy, load_hf_model
 from tests.conftest import STORIES
 
 HAS_CUDA = torch.cuda.is_available()
@@ -34,18 +34,6 @@ needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need an NVIDIA
 # (16, 8, 4, 2, 1) and sizes between them, and 17-19 in the top bucket of max 20.
 MAX_BATCH = 20
 NUM_PROMPTS = 19
-
-
-def greedy_through_runner(runner, prompts: list[list[int]], steps: int) -> list[list[int]]:
-    paged = PagedSequences(runner, seed=5)
-    seqs = [paged.add(p) for p in prompts]
-    counts = {s: len(p) for s, p in zip(seqs, prompts)}
-    for _ in range(steps):
-        logits = paged.step(counts)
-        for row, seq in enumerate(counts):
-            paged.tokens[seq].append(int(logits[row].argmax()))
-        counts = {s: 1 for s in seqs}
-    return [tokens[len(p) :] for tokens, p in zip(paged.tokens, prompts)]
 
 
 def test_padded_decode_buffers_give_eager_tokens(monkeypatch, tiny_model_dir):
@@ -65,7 +53,7 @@ def test_padded_decode_buffers_give_eager_tokens(monkeypatch, tiny_model_dir):
         )  # fmt: skip
 
     eager_runner = runner(eager=True)
-    eager = greedy_through_runner(eager_runner, prompts, steps=6)
+    eager = greedy(eager_runner, prompts, steps=6)
     graphed = runner(eager=True)
     graphs = DecodeGraphs(
         graphed.decode_step,
@@ -78,12 +66,12 @@ def test_padded_decode_buffers_give_eager_tokens(monkeypatch, tiny_model_dir):
     )
     graphs.capture(progress=False)
     graphed.decode_graphs = graphs
-    assert greedy_through_runner(graphed, prompts, steps=6) == eager
+    assert greedy(graphed, prompts, steps=6) == eager
     # The same blocks got the same tokens: the caches agree everywhere, so the padding
     # rows wrote nothing.
     for eager_kv, graphed_kv in zip(eager_runner.kv_caches, graphed.kv_caches):
         torch.testing.assert_close(graphed_kv, eager_kv, rtol=1e-5, atol=1e-5)
-    assert greedy_through_runner(graphed, prompts[:2], steps=3) == [t[:3] for t in eager[:2]]
+    assert greedy(graphed, prompts[:2], steps=3) == [t[:3] for t in eager[:2]]
     assert graphs.replays == 5 + 2
 
 
@@ -121,6 +109,14 @@ def generate(model_dir, prompts, max_tokens, cuda_graphs: bool, rounds: int = 1,
     return results, replays, preemptions
 
 
+def model_for(kind: str, tiny_model_dir):
+    if kind != "stories260K":
+        return tiny_model_dir(kind)
+    if not (STORIES / "config.json").is_file():
+        pytest.skip(f"stories260K fixture not found at {STORIES}")
+    return STORIES
+
+
 def workload(seed: int) -> tuple[list[list[int]], list[int]]:
     """Prompts of varied lengths (two share a long prefix) with staggered lengths to
     generate, so the decode batch passes through every size from 19 to 1."""
@@ -135,9 +131,7 @@ def workload(seed: int) -> tuple[list[list[int]], list[int]]:
 @needs_cuda
 @pytest.mark.parametrize("kind", ["stories260K", "qwen2", "mistral-one-kv-head"])
 def test_graphs_give_eager_and_transformers_greedy_tokens(tiny_model_dir, kind):
-    if kind == "stories260K" and not (STORIES / "config.json").is_file():
-        pytest.skip(f"stories260K fixture not found at {STORIES}")
-    model_dir = STORIES if kind == "stories260K" else tiny_model_dir(kind)
+    model_dir = model_for(kind, tiny_model_dir)
     prompts, max_tokens = workload(seed=len(kind))
     reference = hf_greedy(load_hf_model(model_dir), prompts, max(max_tokens))
     expected = [ref[:n] for ref, n in zip(reference, max_tokens)]
@@ -154,9 +148,7 @@ def test_graphs_give_eager_and_transformers_greedy_tokens(tiny_model_dir, kind):
 @needs_cuda
 @pytest.mark.parametrize("kind", ["stories260K", "qwen2", "mistral-one-kv-head"])
 def test_graphs_under_preemption_keep_greedy_exact(tiny_model_dir, kind):
-    if kind == "stories260K" and not (STORIES / "config.json").is_file():
-        pytest.skip(f"stories260K fixture not found at {STORIES}")
-    model_dir = STORIES if kind == "stories260K" else tiny_model_dir(kind)
+    model_dir = model_for(kind, tiny_model_dir)
     prompts, max_tokens = workload(seed=7)
     prompts, max_tokens = prompts[:12], [24] * 12
     reference = hf_greedy(load_hf_model(model_dir), prompts, 24)

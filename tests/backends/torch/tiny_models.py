@@ -152,6 +152,20 @@ class PagedSequences:
         return self.runner.execute(batch)
 
 
+def greedy(runner, prompts: list[list[int]], steps: int, seed: int = 0) -> list[list[int]]:
+    """Decode all prompts together, greedily, through the runner's paged cache: the
+    first step prefills every prompt, each later one decodes a token of each."""
+    paged = PagedSequences(runner, seed)
+    seqs = [paged.add(p) for p in prompts]
+    counts = {s: len(p) for s, p in zip(seqs, prompts)}
+    for _ in range(steps):
+        logits = paged.step(counts)
+        for row, seq in enumerate(counts):
+            paged.tokens[seq].append(int(logits[row].argmax()))
+        counts = {s: 1 for s in seqs}
+    return [tokens[len(p) :] for tokens, p in zip(paged.tokens, prompts)]
+
+
 def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' greedy continuation of each prompt, one at a time (no padding)."""
     outputs = []
