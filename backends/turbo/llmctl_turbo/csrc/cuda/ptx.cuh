@@ -74,11 +74,12 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
 // when !valid (then src is not read).
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
   TURBO_SM80(asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                          :: "r"(shared_address(dst)), "l"(src), "r"(valid ? 16 : 0)));
+                          :: "r"(shared_address(dst)), "l"(src), "r"(valid ? 16 : 0)
+                          : "memory"));
 }
 
 __device__ __forceinline__ void cp_async_commit() {
-  TURBO_SM80(asm volatile("cp.async.commit_group;\n" ::));
+  TURBO_SM80(asm volatile("cp.async.commit_group;\n" ::: "memory"));
 }
 
 // Waits for all but the most recently committed group of this thread's copies.
