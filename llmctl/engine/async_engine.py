@@ -2,10 +2,15 @@
 
 One background thread owns the ``LLMEngine``: it takes new requests and aborts from a
 command queue, runs steps while there is work (torch releases the GIL while it
-computes, so the event loop stays responsive) and sleeps when there is none. Each
-request's outputs go to an ``asyncio.Queue`` on the event loop that called
-``generate``, through ``loop.call_soon_threadsafe``, so any loop may use the engine:
-the server's, or a fresh one per ``LLM.generate`` call.
+computes, so the event loop stays responsive) and sleeps when there is none.
+
+Outputs travel per step, not per request. ``generate`` streams one request to an
+asyncio consumer: after a step the engine thread makes one thread-safe call per event
+loop that has requests in it, carrying all of that loop's outputs, and there each
+request's consumer picks its own. ``generate_all`` (what ``LLM.generate`` and the
+throughput benchmark use) runs many requests for a caller that blocks until they end:
+the engine thread appends each step's outputs to the caller's lists and wakes it once,
+at the end, so no thread switch happens per step.
 """
 
 from __future__ import annotations
@@ -13,21 +18,82 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from time import perf_counter
 
 from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest
 from llmctl.engine.llm_engine import LLMEngine
 from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.step_profile import StepProfile
 from llmctl.errors import InvalidRequest
 
 logger = logging.getLogger("llmctl")
 
+Item = GenerationOutput | BaseException
 
-@dataclass
+
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    """What one asyncio consumer receives: items appended on its event loop, and the
+    future it waits on while there are none."""
+
+    __slots__ = ("loop", "items", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: list[Item] = []
+        self.waiter: asyncio.Future | None = None
+
+    async def take(self) -> list[Item]:
+        """Everything received since the last call; waits if nothing is there."""
+        while not self.items:
+            self.waiter = self.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items, self.items = self.items, []
+        return items
+
+
+def _dispatch(batch: list[tuple[_Stream, Item]]) -> None:
+    """On an event loop: give each stream its items, then wake each consumer once."""
+    for stream, item in batch:
+        stream.items.append(item)
+    for stream, _ in batch:
+        waiter = stream.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class _Collector:
+    """The requests of one blocking ``generate_all`` call: the engine thread appends
+    their outputs and sets ``done`` when the last one finished (or one failed)."""
+
+    def __init__(
+        self, request_ids: list[str], on_outputs: Callable[[list[GenerationOutput]], None] | None
+    ) -> None:
+        self.outputs: dict[str, list[GenerationOutput]] = {rid: [] for rid in request_ids}
+        self.unfinished = set(request_ids)
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self._on_outputs = on_outputs
+
+    def receive(self, batch: list[tuple[_Collector, Item]]) -> None:
+        """In the engine thread: one step's items for these requests."""
+        received = []
+        for _, item in batch:
+            if isinstance(item, BaseException):
+                self.error = self.error or item
+                continue
+            self.outputs[item.request_id].append(item)
+            received.append(item)
+            if item.finished:
+                self.unfinished.discard(item.request_id)
+        if self._on_outputs is not None and received:
+            self._on_outputs(received)
+        if self.error is not None or not self.unfinished:
+            self.done.set()
 
 
 @dataclass
@@ -50,8 +116,9 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self._lock = threading.Condition()  # guards the three fields below
         self._commands: list[_Add | _Abort] = []
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, _Stream | _Collector] = {}  # where each request's outputs go
         self._stopping = False
+        self._undelivered: list[tuple[str, Item]] = []  # engine thread only
         self._thread = threading.Thread(target=self._run, name="llmctl-engine", daemon=True)
         self._thread.start()
 
@@ -61,30 +128,62 @@ class AsyncEngine:
         Leaving the iteration early (a client disconnecting, a cancelled task) aborts the
         request, which frees its KV blocks.
         """
-        prompt_ids = self._prompt_token_ids(request)
-        self.engine.validate(prompt_ids, request.sampling)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        request_id = request.request_id
-        with self._lock:
-            if self._stopping:
-                raise RuntimeError("the engine has been shut down")
-            if request_id in self._streams:
-                raise InvalidRequest(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = stream
-            self._commands.append(_Add(request_id, prompt_ids, request.sampling))
-            self._lock.notify()
+        stream = _Stream(asyncio.get_running_loop())
+        self._register([request], stream)
         finished = False
         try:
             while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
+                for item in await stream.take():
+                    if isinstance(item, BaseException):
+                        finished = True
+                        raise item
+                    finished = item.finished
+                    yield item
         finally:
             if not finished:
-                self._submit(_Abort(request_id))
+                self._submit(_Abort(request.request_id))
+
+    def generate_all(
+        self,
+        requests: Sequence[GenerationRequest],
+        on_outputs: Callable[[list[GenerationOutput]], None] | None = None,
+    ) -> list[list[GenerationOutput]]:
+        """Run ``requests`` together and block until all have finished; return each one's
+        outputs, in request order. ``on_outputs`` is called in the engine thread with
+        each step's outputs (to show progress; it must be quick). ``InvalidRequest``
+        before anything runs if one is refused; an error, or an interrupt, aborts the
+        requests still running."""
+        collector = _Collector([request.request_id for request in requests], on_outputs)
+        self._register(requests, collector)
+        try:
+            collector.done.wait()
+        finally:
+            unfinished = list(collector.unfinished)  # the engine thread may still change it
+            if unfinished:
+                self._submit(*(_Abort(request_id) for request_id in unfinished))
+        if collector.error is not None:
+            raise collector.error
+        return [collector.outputs[request.request_id] for request in requests]
+
+    def _register(
+        self, requests: Sequence[GenerationRequest], target: _Stream | _Collector
+    ) -> None:
+        """Check ``requests`` and queue them, their outputs going to ``target``."""
+        prompts = [self._prompt_token_ids(request) for request in requests]
+        for request, prompt_ids in zip(requests, prompts):
+            self.engine.validate(prompt_ids, request.sampling)
+        with self._lock:
+            if self._stopping:
+                raise RuntimeError("the engine has been shut down")
+            seen = set()
+            for request in requests:
+                if request.request_id in self._streams or request.request_id in seen:
+                    raise InvalidRequest(f"request id {request.request_id!r} is already in use")
+                seen.add(request.request_id)
+            for request, prompt_ids in zip(requests, prompts):
+                self._streams[request.request_id] = target
+                self._commands.append(_Add(request.request_id, prompt_ids, request.sampling))
+            self._lock.notify()
 
     @property
     def has_chat_template(self) -> bool:
@@ -110,6 +209,13 @@ class AsyncEngine:
             block_size=blocks.block_size,
         )
 
+    def step_profile(self, reset: bool = False) -> StepProfile:
+        """Where the engine thread's time went since the last reset (see step_profile.py)."""
+        profile = self.engine.profile
+        if reset:
+            self.engine.profile = StepProfile()
+        return profile
+
     async def shutdown(self) -> None:
         """Stop the engine thread; requests still in flight end with ``abort``."""
         with self._lock:
@@ -124,67 +230,95 @@ class AsyncEngine:
             return self.tokenizer.encode(request.prompt)
         return self.tokenizer.encode_chat(request.messages)
 
-    def _submit(self, command: _Add | _Abort) -> None:
+    def _submit(self, *commands: _Add | _Abort) -> None:
         with self._lock:
-            self._commands.append(command)
+            self._commands.extend(commands)
             self._lock.notify()
 
     def _run(self) -> None:
-        """The engine thread: apply commands, step while there is work, sleep otherwise."""
+        """The engine thread: apply commands, step while there is work, sleep otherwise.
+
+        A step's outputs are handed over just before the next step's model call (or at
+        once when no step follows), so the event loops take them while the model runs."""
+        engine = self.engine
         while True:
+            if not (self._commands or engine.has_unfinished()):
+                self._flush()
+            waited = perf_counter()
             with self._lock:
-                while not (self._commands or self._stopping or self.engine.has_unfinished()):
+                while not (self._commands or self._stopping or engine.has_unfinished()):
                     self._lock.wait()
                 commands, self._commands = self._commands, []
                 stopping = self._stopping
+            engine.profile.idle += perf_counter() - waited
             for command in commands:
-                self._apply(command)
+                self._undelivered += self._apply(command)
             if stopping:
                 break
-            if self.engine.has_unfinished():
+            if engine.has_unfinished():
                 try:
-                    outputs = self.engine.step()
+                    outputs = engine.step(before_model=self._flush)
                 except Exception as exc:  # a model failure fails its batch, not the engine
                     logger.exception("engine step failed")
+                    self._flush()
                     self._fail_all(exc)
                     continue
-                for output in outputs:
-                    self._deliver(output.request_id, output)
+                self._undelivered += [(output.request_id, output) for output in outputs]
         for request_id in self._stream_ids():
-            output = self.engine.abort(request_id)
+            output = engine.abort(request_id)
             if output is not None:
-                self._deliver(request_id, output)
+                self._undelivered.append((request_id, output))
+        self._flush()
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _flush(self) -> None:
+        """Deliver what the engine thread has collected."""
+        if self._undelivered:
+            started = perf_counter()
+            items, self._undelivered = self._undelivered, []
+            self._deliver(items)
+            self.engine.profile.deliver += perf_counter() - started
+
+    def _apply(self, command: _Add | _Abort) -> list[tuple[str, Item]]:
         if isinstance(command, _Abort):
             output = self.engine.abort(command.request_id)
-            if output is not None:
-                self._deliver(command.request_id, output)
-            return
+            return [] if output is None else [(command.request_id, output)]
         try:
             self.engine.add_request(command.request_id, command.prompt_token_ids, command.sampling)
         except InvalidRequest as exc:
-            self._deliver(command.request_id, exc)
+            return [(command.request_id, exc)]
+        return []
 
     def _fail_all(self, exc: Exception) -> None:
+        items = []
         for request_id in self._stream_ids():
             self.engine.abort(request_id)
             error = RuntimeError(f"the engine failed while running this request: {exc}")
-            self._deliver(request_id, error)
+            items.append((request_id, error))
+        self._deliver(items)
 
     def _stream_ids(self) -> list[str]:
         with self._lock:
             return list(self._streams)
 
-    def _deliver(self, request_id: str, item: GenerationOutput | BaseException) -> None:
-        """Hand an output (or an error) to the request's event loop; the last one
-        unregisters the request."""
-        done = isinstance(item, BaseException) or item.finished
-        with self._lock:
-            stream = self._streams.pop(request_id) if done else self._streams.get(request_id)
-        if stream is None:
+    def _deliver(self, items: list[tuple[str, Item]]) -> None:
+        """Hand outputs (or errors) over: one call per event loop, one per blocking
+        caller. A request's last one unregisters it."""
+        if not items:
             return
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-        except RuntimeError:  # its event loop is closed: nobody is listening any more
-            pass
+        batches: dict[object, list[tuple[_Stream | _Collector, Item]]] = {}
+        with self._lock:
+            streams = self._streams
+            for request_id, item in items:
+                done = isinstance(item, BaseException) or item.finished
+                target = streams.pop(request_id, None) if done else streams.get(request_id)
+                if target is not None:
+                    key = target.loop if isinstance(target, _Stream) else target
+                    batches.setdefault(key, []).append((target, item))
+        for key, batch in batches.items():
+            if isinstance(key, _Collector):
+                key.receive(batch)
+                continue
+            try:
+                key.call_soon_threadsafe(_dispatch, batch)
+            except RuntimeError:  # its event loop is closed: nobody is listening any more
+                pass

@@ -11,11 +11,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from llmctl.engine.model_config import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# A step's integers: a list, or (as the engine builds them) a 1-D int32 numpy array.
+IntArray = list[int] | np.ndarray
+
+
+@dataclass
+class SampledTokenFill:
+    """Input tokens of a step that the step before sampled and the host has not seen yet
+    (steps overlap on the GPU): ``token_ids[i]`` goes to ``input_ids[token_indices[i]]``.
+    Both tensors are on the device."""
+
+    token_indices: torch.Tensor
+    token_ids: torch.Tensor
 
 
 @dataclass
@@ -27,19 +42,41 @@ class StepBatch:
     the new ones, so its new tokens sit at positions
     ``context_lens[i] - query_lens[i] .. context_lens[i] - 1``.
     ``slot_mapping[t]`` is the physical cache slot (``block * block_size + offset``)
-    where new token ``t`` writes its K/V.
+    where new token ``t`` writes its K/V. ``block_tables`` is one list per sequence, or
+    (as the engine builds it) a 2-D int32 array padded with 0; ``block_table_array()``
+    gives the padded form either way.
+
+    When ``sampled_tokens`` is set, some ``input_ids`` are placeholders: a runner calls
+    ``fill_sampled_tokens`` on its device copy of the input ids before the model runs.
     """
 
-    input_ids: list[int]
-    positions: list[int]
-    query_lens: list[int]
-    context_lens: list[int]
-    block_tables: list[list[int]]
-    slot_mapping: list[int]
+    input_ids: IntArray
+    positions: IntArray
+    query_lens: IntArray
+    context_lens: IntArray
+    block_tables: list[list[int]] | np.ndarray
+    slot_mapping: IntArray
+    sampled_tokens: SampledTokenFill | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+    def block_table_array(self) -> np.ndarray:
+        """``[num_seqs, longest table]`` int32, padded with 0 (never read)."""
+        if isinstance(self.block_tables, np.ndarray):
+            return self.block_tables
+        width = max(map(len, self.block_tables), default=0)
+        padded = np.zeros((len(self.block_tables), width), dtype=np.int32)
+        for row, table in enumerate(self.block_tables):
+            padded[row, : len(table)] = table
+        return padded
+
+    def fill_sampled_tokens(self, input_ids: torch.Tensor) -> None:
+        """Write the tokens still on the device into ``input_ids`` (the runner's copy)."""
+        fill = self.sampled_tokens
+        if fill is not None:
+            input_ids[fill.token_indices] = fill.token_ids.to(input_ids.dtype)
 
 
 class ModelRunner(Protocol):
@@ -47,6 +84,7 @@ class ModelRunner(Protocol):
 
     block_size: int
     num_blocks: int
+    device: torch.device  # where execute's logits are (steps overlap on a GPU)
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Write the batch's K/V into the cache and return fp32 logits ``[num_seqs, vocab]``

@@ -8,13 +8,14 @@ of each sequence's last new token.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import accumulate
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from llmctl.engine.model_config import ModelConfig
-from llmctl.engine.runner import PagedRunner, StepBatch
+from llmctl.engine.runner import IntArray, PagedRunner, StepBatch
+from llmctl.engine.transfer import to_device
 from llmctl.engine.weights import load_weights
 from llmctl_torch.attention import attention_ops
 from llmctl_torch.lora import apply_lora_adapters
@@ -65,20 +66,21 @@ class TorchModelRunner(PagedRunner):
         """Write the batch's K/V and return fp32 logits ``[num_seqs, vocab]`` of the last new
         token of each sequence."""
         self.check_allocated()
-        query_start_loc = list(accumulate(batch.query_lens, initial=0))
-        max_blocks = max(len(table) for table in batch.block_tables)
-        block_tables = [table + [0] * (max_blocks - len(table)) for table in batch.block_tables]
+        query_start_loc = np.zeros(batch.num_seqs + 1, dtype=np.int64)
+        np.cumsum(batch.query_lens, out=query_start_loc[1:])
         to_device = self._to_device
         meta = AttentionMetadata(
             slot_mapping=to_device(batch.slot_mapping, torch.int64),
-            block_tables=to_device(block_tables, torch.int32),
+            block_tables=to_device(batch.block_table_array(), torch.int32),
             context_lens=to_device(batch.context_lens, torch.int32),
             query_start_loc=to_device(query_start_loc, torch.int32),
-            is_decode=max(batch.query_lens) == 1,
+            is_decode=int(np.max(batch.query_lens)) == 1,
         )
-        logits_indices = to_device([end - 1 for end in query_start_loc[1:]], torch.int64)
+        logits_indices = to_device(query_start_loc[1:] - 1, torch.int64)
+        input_ids = to_device(batch.input_ids, torch.int64)
+        batch.fill_sampled_tokens(input_ids)
         return self.model(
-            to_device(batch.input_ids, torch.int64),
+            input_ids,
             to_device(batch.positions, torch.int64),
             meta,
             self.kv_caches,
@@ -86,8 +88,5 @@ class TorchModelRunner(PagedRunner):
             self.ops,
         )
 
-    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        tensor = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor.to(self.device)
+    def _to_device(self, values: IntArray, dtype: torch.dtype) -> torch.Tensor:
+        return to_device(np.asarray(values), dtype, self.device)
