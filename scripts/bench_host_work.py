@@ -32,6 +32,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--backends", default="turbo,torch")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-batch-size", type=int, default=None, help="The engines' (default: their own)."
+    )
     args = parser.parse_args()
 
     import torch
@@ -39,7 +42,7 @@ def main() -> None:
     from llmctl import LLM, SamplingParams
     from llmctl.bench.baseline_transformers import run_transformers_baseline
     from llmctl.bench.metrics import MemoryPeak
-    from llmctl.bench.report import markdown, step_profile_table
+    from llmctl.bench.report import markdown
     from llmctl.bench.workload import LengthRange, make_workload, ordinary_token_ids
     from llmctl.model_info import resolve_model
 
@@ -54,7 +57,10 @@ def main() -> None:
     prompts = [request.prompt_token_ids for request in workload.requests]
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     backends = args.backends.split(",")
-    engines = {name: LLM(args.model, backend=name, dtype="float32") for name in backends}
+    options = {"dtype": "float32"}
+    if args.max_batch_size is not None:
+        options["max_batch_size"] = args.max_batch_size
+    engines = {name: LLM(args.model, backend=name, **options) for name in backends}
     for llm in engines.values():
         llm.generate([r.prompt_token_ids for r in warmup.requests], params)
 
@@ -73,7 +79,9 @@ def main() -> None:
         )
         rates["transformers"].append(baseline["output_tokens_per_s"])
         for name, llm in engines.items():
-            llm.engine.step_profile(reset=True)
+            profiled = hasattr(llm.engine, "step_profile")  # a local engine
+            if profiled:
+                llm.engine.step_profile(reset=True)
             start = time.perf_counter()
             results = llm.generate(prompts, params)
             duration = time.perf_counter() - start
@@ -81,7 +89,8 @@ def main() -> None:
             assert produced == workload.output_tokens, f"{name} stopped early"
             rates[name].append(produced / duration)
             ratios[name].append(rates[name][-1] / baseline["output_tokens_per_s"])
-            profiles[name] = llm.engine.step_profile().report()
+            if profiled:
+                profiles[name] = llm.engine.step_profile().report()
 
     print(
         f"{info.name}: {args.num_prompts} prompts of {args.input_len} tokens, "
@@ -97,6 +106,8 @@ def main() -> None:
         for name in rates
     ]
     print(markdown((["engine", "output tokens/s", "vs transformers (same round)"], rows)))
+    if profiles:
+        from llmctl.bench.report import step_profile_table
     for name, profile in profiles.items():
         print(f"\nStep profile, {name} (last round):\n")
         print(markdown(step_profile_table(profile)))
