@@ -98,9 +98,8 @@ class LLM:
     def _run(self, requests: list[GenerationRequest]) -> list[RequestOutput]:
         if hasattr(self.engine, "generate_all"):  # a local engine: no event loop needed
             results = [_empty_result(request) for request in requests]
-            for result, outputs in zip(results, self.engine.generate_all(requests)):
-                for output in outputs:
-                    _merge(result, output)
+            for result, output in zip(results, self.engine.generate_all(requests)):
+                _merge(result, output)
             return results
 
         async def run_all() -> list[RequestOutput]:

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from time import perf_counter
 
-from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest
+from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest, TokenLogprob
 from llmctl.engine.llm_engine import LLMEngine
 from llmctl.engine.sampling_params import SamplingParams
 from llmctl.engine.step_profile import StepProfile
@@ -67,17 +67,23 @@ def _dispatch(batch: list[tuple[_Stream, Item]]) -> None:
 
 
 class _Collector:
-    """The requests of one blocking ``generate_all`` call: the engine thread appends
-    their outputs and sets ``done`` when the last one finished (or one failed)."""
+    """The requests of one blocking ``generate_all`` call. The engine thread joins each
+    request's outputs as they come (keeping a step's output objects would leave tens of
+    thousands of them for the garbage collector to walk, in pauses that land in the
+    middle of steps) and sets ``done`` when the last one finished (or one failed)."""
 
     def __init__(
         self, request_ids: list[str], on_outputs: Callable[[list[GenerationOutput]], None] | None
     ) -> None:
-        self.outputs: dict[str, list[GenerationOutput]] = {rid: [] for rid in request_ids}
         self.unfinished = set(request_ids)
         self.error: BaseException | None = None
         self.done = threading.Event()
         self._on_outputs = on_outputs
+        self._texts: dict[str, list[str]] = {rid: [] for rid in request_ids}
+        self._token_ids: dict[str, list[int]] = {rid: [] for rid in request_ids}
+        self._logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid in request_ids}
+        self._prompt_ids: dict[str, list[int] | None] = dict.fromkeys(request_ids)
+        self._last: dict[str, GenerationOutput] = {}
 
     def receive(self, batch: list[tuple[_Collector, Item]]) -> None:
         """In the engine thread: one step's items for these requests."""
@@ -86,14 +92,36 @@ class _Collector:
             if isinstance(item, BaseException):
                 self.error = self.error or item
                 continue
-            self.outputs[item.request_id].append(item)
+            request_id = item.request_id
+            self._texts[request_id].append(item.text)
+            self._token_ids[request_id] += item.token_ids
+            if item.logprobs:
+                self._logprobs[request_id] += item.logprobs
+            if item.prompt_token_ids is not None:
+                self._prompt_ids[request_id] = item.prompt_token_ids
+            self._last[request_id] = item
             received.append(item)
             if item.finished:
-                self.unfinished.discard(item.request_id)
+                self.unfinished.discard(request_id)
         if self._on_outputs is not None and received:
             self._on_outputs(received)
         if self.error is not None or not self.unfinished:
             self.done.set()
+
+    def result(self, request_id: str) -> GenerationOutput:
+        """Everything ``request_id`` produced, as one output."""
+        last = self._last[request_id]
+        return GenerationOutput(
+            request_id=request_id,
+            text="".join(self._texts[request_id]),
+            token_ids=self._token_ids[request_id],
+            prompt_tokens=last.prompt_tokens,
+            completion_tokens=last.completion_tokens,
+            finished=last.finished,
+            finish_reason=last.finish_reason,
+            logprobs=self._logprobs[request_id] or None,
+            prompt_token_ids=self._prompt_ids[request_id],
+        )
 
 
 @dataclass
@@ -147,12 +175,12 @@ class AsyncEngine:
         self,
         requests: Sequence[GenerationRequest],
         on_outputs: Callable[[list[GenerationOutput]], None] | None = None,
-    ) -> list[list[GenerationOutput]]:
-        """Run ``requests`` together and block until all have finished; return each one's
-        outputs, in request order. ``on_outputs`` is called in the engine thread with
-        each step's outputs (to show progress; it must be quick). ``InvalidRequest``
-        before anything runs if one is refused; an error, or an interrupt, aborts the
-        requests still running."""
+    ) -> list[GenerationOutput]:
+        """Run ``requests`` together and block until all have finished; return, in
+        request order, everything each one produced as one output (its text and tokens
+        joined). ``on_outputs`` is called in the engine thread with each step's outputs
+        (to show progress; it must be quick). ``InvalidRequest`` before anything runs if
+        one is refused; an error, or an interrupt, aborts the requests still running."""
         collector = _Collector([request.request_id for request in requests], on_outputs)
         self._register(requests, collector)
         try:
@@ -163,7 +191,7 @@ class AsyncEngine:
                 self._submit(*(_Abort(request_id) for request_id in unfinished))
         if collector.error is not None:
             raise collector.error
-        return [collector.outputs[request.request_id] for request in requests]
+        return [collector.result(request.request_id) for request in requests]
 
     def _register(
         self, requests: Sequence[GenerationRequest], target: _Stream | _Collector

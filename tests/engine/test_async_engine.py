@@ -227,12 +227,13 @@ def test_generate_all_returns_each_requests_outputs(engine, stories_tokenizer) -
     expected = run(make_engine(stories_tokenizer), workload())
     seen = []
     results = engine.generate_all(requests_of(workload()), on_outputs=seen.append)
-    for (request_id, _, _), outputs in zip(workload(), results):
-        assert {o.request_id for o in outputs} == {request_id}
-        tokens = [t for o in outputs for t in o.token_ids]
-        assert (tokens, outputs[-1].finish_reason) == expected[request_id]
-    # One call per step with outputs, each carrying that step's outputs.
-    assert sum(len(batch) for batch in seen) == sum(len(r) for r in results)
+    for (request_id, prompt, _), result in zip(workload(), results):
+        assert result.request_id == request_id and result.prompt_token_ids == prompt
+        assert (result.token_ids, result.finish_reason) == expected[request_id]
+        assert result.finished and result.completion_tokens == len(result.token_ids)
+        steps = [o for batch in seen for o in batch if o.request_id == request_id]
+        assert len(steps) == len(result.token_ids)  # one output per token, per step
+        assert result.text == "".join(o.text for o in steps)
     assert len(seen) <= engine.engine.profile.steps
     wait_until_idle(engine)
 
@@ -245,7 +246,7 @@ def test_generate_all_refuses_before_anything_runs(engine) -> None:
     with pytest.raises(InvalidRequest, match="already in use"):
         engine.generate_all([good, good])
     assert engine.stats().waiting == 0 and engine.stats().running == 0
-    assert len(engine.generate_all([good])[0]) == 4
+    assert len(engine.generate_all([good])[0].token_ids) == 4
 
 
 def test_generate_all_fails_on_a_failing_step_and_frees_blocks(engine, monkeypatch) -> None:
