@@ -69,8 +69,8 @@ class IncrementalDetokenizer:
         if pieces is None:
             self._add_by_window(token_id)
             return
-        if self._skip_special and token_id in pieces.special:
-            return
+        if token_id >= len(pieces.pieces) or (self._skip_special and token_id in pieces.special):
+            return  # an embedding row past the vocabulary decodes to nothing, as in decode
         text = None
         if self._first:
             piece = (pieces.first_pieces or pieces.pieces)[token_id]

@@ -57,6 +57,7 @@ class SampledBatch:
         self.token_ids = token_ids
         self._logprob_rows = logprob_rows or []
         self._top_ks = top_ks or []
+        self._top_width = 0 if top_ids is None else top_ids.shape[1]
         if self._logprob_rows:
             # Ids below 2**53 are exact in float64, so one tensor carries everything.
             packed = torch.cat(
@@ -78,14 +79,14 @@ class SampledBatch:
         if not self._logprob_rows:
             return values, {}
         token_ids = [int(v) for v in values[:num_rows]]
-        count = len(self._logprob_rows)
+        count, width = len(self._logprob_rows), self._top_width
         chosen = values[num_rows : num_rows + count]
-        width = (len(values) - num_rows - count) // (2 * count)
         top_ids = values[num_rows + count : num_rows + count + count * width]
         top_values = values[num_rows + count + count * width :]
         logprobs = {}
         for i, (row, k) in enumerate(zip(self._logprob_rows, self._top_ks)):
-            top = [(int(top_ids[i * width + j]), top_values[i * width + j]) for j in range(k)]
+            first = i * width
+            top = [(int(top_ids[first + j]), top_values[first + j]) for j in range(k)]
             logprobs[row] = SampledToken(token_ids[row], chosen[i], top)
         return token_ids, logprobs
 

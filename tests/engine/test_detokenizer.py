@@ -194,3 +194,10 @@ def _trained_once(kind: str) -> Tokenizer:
     if kind not in _TRAINED:
         _TRAINED[kind] = trained(kind)
     return _TRAINED[kind]
+
+
+def test_ids_past_the_tokenizers_vocabulary_decode_to_nothing(stories_tokenizer, use_pieces):
+    """Models often have more embedding rows than their tokenizer has tokens."""
+    ids = [403, stories_tokenizer.vocab_size + 3, 407]  # 'Once', past the end, 'upon'
+    deltas, _ = stream(stories_tokenizer, [1], ids, SamplingParams(), use_pieces)
+    assert "".join(deltas) == "Once upon"
