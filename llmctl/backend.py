@@ -114,7 +114,13 @@ class EngineStats:
 
 @runtime_checkable
 class Engine(Protocol):
-    """What the server, chat, bench and the Python API talk to."""
+    """What the server, chat, bench and the Python API talk to.
+
+    An engine may also offer ``generate_all(requests, on_outputs=None)``: run several
+    requests from a blocking caller and return each one's whole output (the local
+    engines hand a step's outputs over at once, with no event loop in between);
+    ``LLM.generate`` and ``llmctl bench throughput`` use it where it exists.
+    """
 
     model_name: str
     # session_len: prompt + generated tokens of one request; 0 when unknown (a proxy

@@ -147,7 +147,7 @@ class DecodeGraphs:
         return (
             batch.is_decode
             and batch.num_seqs <= self.buckets[-1]
-            and max(map(len, batch.block_tables)) <= self.max_blocks_per_seq
+            and batch.block_table_array().shape[1] <= self.max_blocks_per_seq
         )
 
     def inputs(self, bucket: int) -> StepInputs:

@@ -57,27 +57,33 @@ def validate_request(
         )
 
 
+def stop_token_ids(sampling: SamplingParams, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
+    """The ids that end a request: its own stop ids, and EOS unless ``ignore_eos``."""
+    stops = set(sampling.stop_token_ids)
+    if not sampling.ignore_eos:
+        stops.update(eos_token_ids)
+    return frozenset(stops)
+
+
 def finish_reason(
     token_id: int,
     num_output_tokens: int,
     sampling: SamplingParams,
-    eos_token_ids: tuple[int, ...],
+    stop_ids: frozenset[int],
     detokenizer: IncrementalDetokenizer,
 ) -> str | None:
     """Feed a request's newest token (its ``num_output_tokens``-th) to its detokenizer and
-    say whether it ends the request: ``"stop"`` (EOS, a stop token or a stop string),
-    ``"length"`` (max_tokens reached) or ``None``.
+    say whether it ends the request: ``"stop"`` (a stop id from ``stop_token_ids``, or a
+    stop string), ``"length"`` (max_tokens reached) or ``None``.
 
     A stopping token's text is left out unless ``include_stop_str_in_output``.
     """
-    reason = None
-    is_eos = not sampling.ignore_eos and token_id in eos_token_ids
-    if is_eos or token_id in sampling.stop_token_ids:
-        reason = "stop"
+    reason = "stop" if token_id in stop_ids else None
     if reason is None or sampling.include_stop_str_in_output:
         detokenizer.add_token(token_id)
-    if reason is None and detokenizer.stopped:
-        reason = "stop"
-    if reason is None and num_output_tokens >= sampling.max_tokens:
-        reason = "length"
+    if reason is None:
+        if detokenizer.stopped:
+            reason = "stop"
+        elif num_output_tokens >= sampling.max_tokens:
+            reason = "length"
     return reason

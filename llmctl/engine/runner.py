@@ -10,14 +10,28 @@ device tensors: every input packed into one int32 buffer, copied to the device o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from llmctl.engine.model_config import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# A step's integers: a list, or (as the engine builds them) a 1-D int32 numpy array.
+IntArray = list[int] | np.ndarray
+
+
+@dataclass
+class SampledTokenFill:
+    """Input tokens of a step that the step before sampled and the host has not seen yet
+    (steps overlap on the GPU): ``token_ids[i]`` goes to ``input_ids[token_indices[i]]``.
+    Both tensors are on the device."""
+
+    token_indices: torch.Tensor
+    token_ids: torch.Tensor
 
 
 @dataclass
@@ -29,15 +43,21 @@ class StepBatch:
     the new ones, so its new tokens sit at positions
     ``context_lens[i] - query_lens[i] .. context_lens[i] - 1``.
     ``slot_mapping[t]`` is the physical cache slot (``block * block_size + offset``)
-    where new token ``t`` writes its K/V.
+    where new token ``t`` writes its K/V. ``block_tables`` is one list per sequence, or
+    (as the engine builds it) a 2-D int32 array padded with 0; ``block_table_array()``
+    gives the padded form either way.
+
+    When ``sampled_tokens`` is set, some ``input_ids`` are placeholders: a runner calls
+    ``fill_sampled_tokens`` on its device copy of the input ids before the model runs.
     """
 
-    input_ids: list[int]
-    positions: list[int]
-    query_lens: list[int]
-    context_lens: list[int]
-    block_tables: list[list[int]]
-    slot_mapping: list[int]
+    input_ids: IntArray
+    positions: IntArray
+    query_lens: IntArray
+    context_lens: IntArray
+    block_tables: list[list[int]] | np.ndarray
+    slot_mapping: IntArray
+    sampled_tokens: SampledTokenFill | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -47,6 +67,22 @@ class StepBatch:
     def is_decode(self) -> bool:
         """Every sequence feeds exactly one new token."""
         return len(self.input_ids) == len(self.query_lens)
+
+    def block_table_array(self) -> np.ndarray:
+        """``[num_seqs, longest table]`` int32, padded with 0 (never read)."""
+        if isinstance(self.block_tables, np.ndarray):
+            return self.block_tables
+        width = max(map(len, self.block_tables), default=0)
+        padded = np.zeros((len(self.block_tables), width), dtype=np.int32)
+        for row, table in enumerate(self.block_tables):
+            padded[row, : len(table)] = table
+        return padded
+
+    def fill_sampled_tokens(self, input_ids: torch.Tensor) -> None:
+        """Write the tokens still on the device into ``input_ids`` (the runner's copy)."""
+        fill = self.sampled_tokens
+        if fill is not None:
+            input_ids[fill.token_indices] = fill.token_ids.to(input_ids.dtype)
 
 
 @dataclass(frozen=True)
@@ -92,8 +128,8 @@ class StepLayout:
         return StepInputs(*parts[:5], parts[5].view(self.table_rows, self.table_width))
 
 
-def pack_step(batch: StepBatch, pad_to: int | None = None) -> tuple[list[int], StepLayout]:
-    """The step's inputs as one flat list of ints, laid out as ``StepLayout`` says.
+def pack_step(batch: StepBatch, pad_to: int | None = None) -> tuple[np.ndarray, StepLayout]:
+    """The step's inputs as one flat int32 array, laid out as ``StepLayout`` says.
 
     ``pad_to`` pads a decode batch (one token per sequence) to that many sequences: the
     padding feeds token 0 at position 0, writes nowhere (slot -1) and attends to nothing
@@ -106,20 +142,26 @@ def pack_step(batch: StepBatch, pad_to: int | None = None) -> tuple[list[int], S
         raise ValueError("only a decode batch (one token per sequence) can be padded")
     if pad < 0:
         raise ValueError(f"cannot pad a batch of {num_seqs} sequences to {pad_to}")
-    width = max(map(len, batch.block_tables), default=0)
-    flat = batch.input_ids + [0] * pad
-    flat += batch.positions
-    flat += [0] * pad
-    flat += batch.slot_mapping
-    flat += [-1] * pad
-    flat += batch.context_lens
-    flat += [0] * pad
-    flat += accumulate(batch.query_lens, initial=0)
-    flat += range(flat[-1] + 1, flat[-1] + 1 + pad)  # one (padding) token per padded sequence
-    for table in batch.block_tables:
-        flat += table
-        flat += [0] * (width - len(table))
-    layout = StepLayout(len(batch.input_ids) + pad, num_seqs + pad, num_seqs, width)
+    tables = batch.block_table_array()
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(batch.query_lens, out=query_start_loc[1:])
+    zeros = np.zeros(pad, dtype=np.int64)
+    flat = np.concatenate(
+        [
+            batch.input_ids,
+            zeros,
+            batch.positions,
+            zeros,
+            batch.slot_mapping,
+            np.full(pad, -1),
+            batch.context_lens,
+            zeros,
+            query_start_loc,
+            query_start_loc[-1] + 1 + np.arange(pad),  # one (padding) token per padded sequence
+            tables.reshape(-1),
+        ]
+    ).astype(np.int32)
+    layout = StepLayout(len(batch.input_ids) + pad, num_seqs + pad, *tables.shape)
     return flat, layout
 
 
@@ -138,7 +180,7 @@ def stage_step(
     step, so this makes one tensor, not one per input.
     """
     flat, layout = pack_step(batch, pad_to)
-    host = torch.tensor(flat, dtype=torch.int32)
+    host = torch.from_numpy(flat)
     if device.type == "cuda":
         # Pinned (from torch's caching host allocator, which keeps the block until the
         # copy is done), so the copy is asynchronous.
@@ -148,7 +190,9 @@ def stage_step(
     else:
         packed = out[: layout.size]
         packed.copy_(host, non_blocking=True)
-    return layout.unpack(packed)
+    inputs = layout.unpack(packed)
+    batch.fill_sampled_tokens(inputs.input_ids)  # tokens the previous step left on the device
+    return inputs
 
 
 class ModelRunner(Protocol):
@@ -156,6 +200,7 @@ class ModelRunner(Protocol):
 
     block_size: int
     num_blocks: int
+    device: torch.device  # where execute's logits are (steps overlap on a GPU)
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Write the batch's K/V into the cache and return fp32 logits ``[num_seqs, vocab]``

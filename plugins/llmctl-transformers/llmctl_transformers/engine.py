@@ -35,7 +35,7 @@ from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest, Har
 from llmctl.engine.assemble import free_memory_bytes
 from llmctl.engine.detokenizer import IncrementalDetokenizer
 from llmctl.engine.kv_cache import KVPlan, plan_kv_cache
-from llmctl.engine.request_rules import finish_reason, validate_request
+from llmctl.engine.request_rules import finish_reason, stop_token_ids, validate_request
 from llmctl.engine.sampling_params import SamplingParams
 from llmctl.engine.tokenizer import Tokenizer
 from llmctl.errors import BackendError, InvalidRequest, OptionError
@@ -149,14 +149,15 @@ class _Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     detokenizer: IncrementalDetokenizer
+    stop_ids: frozenset[int]  # the ids that end it (request_rules.stop_token_ids)
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     num_output_tokens: int = 0
 
-    def advance(self, token_id: int, eos_token_ids: tuple[int, ...]) -> GenerationOutput:
+    def advance(self, token_id: int) -> GenerationOutput:
         """The delta for one more generated token; ``finished`` if it ends the request."""
         self.num_output_tokens += 1
         reason = finish_reason(
-            token_id, self.num_output_tokens, self.sampling, eos_token_ids, self.detokenizer
+            token_id, self.num_output_tokens, self.sampling, self.stop_ids, self.detokenizer
         )
         return self._output(
             self.detokenizer.take_new_text(final=reason is not None), [token_id], reason
@@ -248,6 +249,7 @@ class TransformersEngine:
             prompt_ids,
             sampling,
             IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling),
+            stop_token_ids(sampling, self.tokenizer.eos_token_ids),
         )
         self._submit(state)
         finished = False
@@ -308,10 +310,6 @@ class TransformersEngine:
     def _submit(self, state: _Request) -> None:
         """Register ``state`` and hand its request to transformers."""
         sampling = state.sampling
-        # transformers stops a request on these, which frees its pages at once; llmctl
-        # decides the finish reason from the same tokens.
-        stop_ids = [] if sampling.ignore_eos else list(self.tokenizer.eos_token_ids)
-        stop_ids += sampling.stop_token_ids
         with self._lock:
             if self._stopping:
                 raise RuntimeError("the engine has been shut down")
@@ -324,7 +322,9 @@ class TransformersEngine:
                 request_id=state.request_id,
                 max_new_tokens=sampling.max_tokens,
                 streaming=True,
-                eos_token_id=stop_ids,
+                # transformers stops a request on these, which frees its pages at once;
+                # llmctl decides the finish reason from the same tokens.
+                eos_token_id=sorted(state.stop_ids),
                 **processor_kwargs(sampling, self.vocab_size),
             )
             if accepted is None:  # transformers is stopping and takes no new requests
@@ -379,7 +379,7 @@ class TransformersEngine:
                 self._deliver(state, error)
                 return
             for token_id in result.generated_tokens[state.num_output_tokens :]:
-                output = state.advance(token_id, self.tokenizer.eos_token_ids)
+                output = state.advance(token_id)
                 self._deliver(state, output)
                 if output.finished:
                     del self._requests[result.request_id]
