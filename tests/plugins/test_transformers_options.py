@@ -61,6 +61,7 @@ def test_translate_maps_every_unified_option(backend) -> None:
             seed=7,
             session_len=128,
             model_name="served",
+            cuda_graphs=False,
         )
     )
     assert config.page_size == 32
@@ -74,6 +75,8 @@ def test_translate_maps_every_unified_option(backend) -> None:
     assert config.allow_block_sharing is False
     assert (config.dtype, config.device, config.seed) == ("bfloat16", "cpu", 7)
     assert config.max_model_len == 128 and config.served_model_name == "served"
+    assert config.use_cuda_graph is False  # on: None, transformers decides
+    assert backend.translate(options(backend)).use_cuda_graph is None
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmctl.backend import DEVICE_RULE, Hardware, OptionRule
+from llmctl.backend import DEVICE_RULE, Hardware, OptionRule, cuda_graphs_note
 from llmctl.kv_budget import KVBudget, parse_kv_budget
 
 # transformers' ContinuousBatchingConfig.page_size default: tokens per page of its paged cache.
@@ -42,6 +42,7 @@ class TransformersConfig:
     max_batch_tokens: int
     max_requests_per_batch: int
     allow_block_sharing: bool
+    use_cuda_graph: bool | None  # None: transformers decides where its graphs apply
     dtype: str
     device: str
     seed: int
@@ -53,8 +54,6 @@ class TransformersConfig:
     def from_options(cls, options: Mapping[str, Any]) -> TransformersConfig:
         """The one place the unified option names map to transformers' own."""
         budget = parse_kv_budget(options["cache_max_entry_count"])
-        # cuda_graphs -> use_cuda_graph once llmctl has that option (DESIGN.md, second
-        # wave); until then transformers decides (on for flash attention on CUDA).
         return cls(
             page_size=options["cache_block_seq_len"],
             num_blocks=int(budget.value) if budget.kind == "blocks" else None,
@@ -63,6 +62,9 @@ class TransformersConfig:
             max_batch_tokens=options["max_prefill_token_num"],
             max_requests_per_batch=options["max_batch_size"],
             allow_block_sharing=options["enable_prefix_caching"],
+            # On, transformers captures graphs where its paths support them (CUDA with
+            # the attention kernels they need); off, never.
+            use_cuda_graph=None if options["cuda_graphs"] else False,
             dtype=options["dtype"],
             device=options["device"],
             seed=options["seed"],
@@ -119,5 +121,12 @@ RULES = (
     OptionRule("cache_block_seq_len", "at least 4 (default 256)", refuse_small_page),
     OptionRule("max_batch_size", "at most max_prefill_token_num", refuse_batch_over_tokens),
     OptionRule("adapters", "not supported", refuse_adapters),
+    OptionRule(
+        "cuda_graphs",
+        "on CUDA, transformers captures graphs where its decode path supports them; "
+        "ignored on the CPU",
+        lambda value, options, hardware: None,
+        note=cuda_graphs_note,
+    ),
     DEVICE_RULE,
 )

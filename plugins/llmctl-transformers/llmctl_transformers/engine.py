@@ -100,6 +100,7 @@ def _start_manager(
         # share of free memory; None: its own default (0.6 on CPU, 0.8-0.9 on GPU).
         max_memory_percent=config.max_memory_percent,
         allow_block_sharing=config.allow_block_sharing,
+        use_cuda_graph=config.use_cuda_graph,
         per_request_processors=True,
         seed=config.seed,
     )
