@@ -116,7 +116,13 @@ class EngineStats:
 
 @runtime_checkable
 class Engine(Protocol):
-    """What the server, chat, bench and the Python API talk to."""
+    """What the server, chat, bench and the Python API talk to.
+
+    An engine may also offer ``generate_all(requests, on_outputs=None)``: run several
+    requests from a blocking caller and return each one's whole output (the local
+    engines hand a step's outputs over at once, with no event loop in between);
+    ``LLM.generate`` and ``llmctl bench throughput`` use it where it exists.
+    """
 
     model_name: str
     # session_len: prompt + generated tokens of one request; 0 when unknown (a proxy
@@ -144,6 +150,9 @@ class OptionRule:
     option: str
     summary: str
     refuses: Callable[[Any, Mapping[str, Any], Hardware], str | None]
+    # What an accepted value does here when that is not what it seems (an option with no
+    # effect on this device); ``config show --explain`` prints it. ``None``: nothing to say.
+    note: Callable[[Any, Mapping[str, Any], Hardware], str | None] | None = None
 
 
 def refuse_cuda_without_gpu(
@@ -156,6 +165,23 @@ def refuse_cuda_without_gpu(
 
 
 DEVICE_RULE = OptionRule("device", "`cuda` needs a CUDA GPU", refuse_cuda_without_gpu)
+
+
+def cuda_graphs_note(value: Any, options: Mapping[str, Any], hardware: Hardware) -> str | None:
+    """CUDA graphs save kernel launches on a GPU; on the CPU there is nothing to capture."""
+    if value and hardware.device_for(options.get("device", "auto")) != "cuda":
+        return "ignored on the CPU (CUDA graphs need a CUDA device)"
+    return None
+
+
+# The ``cuda_graphs`` rule both local backends share (llmctl.engine.cuda_graphs).
+CUDA_GRAPHS_RULE = OptionRule(
+    "cuda_graphs",
+    "on CUDA, decode steps replay graphs captured at start for batch sizes 1, 2, 4, 8, 16, "
+    "then every 16 up to max_batch_size; ignored on the CPU",
+    lambda value, options, hardware: None,
+    note=cuda_graphs_note,
+)
 
 
 class Backend:
@@ -190,6 +216,16 @@ class Backend:
             if value is not None and (problem := rule.refuses(value, options, hardware)):
                 errors[rule.option] = problem
         return errors
+
+    def option_notes(self, options: Mapping[str, Any], hardware: Hardware) -> dict[str, str]:
+        """Options whose values have an effect here other than it seems (see ``OptionRule.note``)."""
+        notes = {}
+        for rule in self.rules:
+            value = options.get(rule.option)
+            if rule.note is not None and value is not None:
+                if note := rule.note(value, options, hardware):
+                    notes[rule.option] = note
+        return notes
 
     def check(self, model: ModelInfo, options: Mapping[str, Any], hardware: Hardware) -> list[str]:
         """Every reason this backend cannot serve ``model`` with ``options`` here."""

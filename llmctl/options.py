@@ -219,6 +219,14 @@ CORE_OPTIONS: tuple[Option, ...] = (
         choices=("auto", "cpu", "cuda"),
     ),
     Option(
+        "cuda_graphs",
+        "bool",
+        True,
+        "Capture the decode step as CUDA graphs at engine start and replay them: one call "
+        "per step instead of a launch per kernel. Costs some GPU memory and seconds at "
+        "start; turn off to debug. No effect on the CPU.",
+    ),
+    Option(
         "adapters",
         "list",
         None,

@@ -197,15 +197,18 @@ def _fallback_notes(skipped: list[Assessment], chosen: Assessment) -> list[str]:
 def _no_backend_message(
     model: ModelInfo, requested: str, tried: list[Assessment], backends: Mapping[str, Backend]
 ) -> str:
-    last = tried[-1]
-    if last.refused_explicit:
+    # A value the user set that a backend refused is the news, even when backends tried
+    # after it (a proxy without an upstream, say) failed for other reasons.
+    refusing = [a for a in tried if a.refused_explicit]
+    if refusing:
+        last = refusing[-1]
         name, rule = next(iter(last.refused_explicit.items()))
         setting = last.settings[name]
         return (
             f"backend {last.backend.name} cannot use {name}={setting.value!r} "
             f"(set by {describe_source(setting)}): {rule}. llmctl never changes a value you "
             f"set: choose a value {last.backend.name} accepts, or remove the setting."
-            + _other_reasons(tried)
+            + _other_reasons([a for a in tried if a is not last])
         )
     lines = [f"no backend can serve {model.name} here:"]
     lines += [f"  {a.backend.name}: {'; '.join(a.reasons)}" for a in tried]
@@ -216,9 +219,9 @@ def _no_backend_message(
     return "\n".join(lines)
 
 
-def _other_reasons(tried: list[Assessment]) -> str:
-    earlier = [f"{a.backend.name}: {'; '.join(a.reasons)}" for a in tried[:-1]]
-    return (" Other backends were skipped: " + " | ".join(earlier)) if earlier else ""
+def _other_reasons(others: list[Assessment]) -> str:
+    reasons = [f"{a.backend.name}: {'; '.join(a.reasons)}" for a in others]
+    return (" Other backends were skipped: " + " | ".join(reasons)) if reasons else ""
 
 
 def model_from_options(

@@ -73,6 +73,44 @@ def throughput_table(report: dict[str, Any]) -> Rows:
     return headers, rows
 
 
+# The step profile's phases (llmctl/engine/step_profile.py), as the table names them.
+STEP_PHASES = {
+    "schedule": "schedule",
+    "inputs": "build inputs",
+    "model": "model call",
+    "sample": "sample",
+    "wait": "wait for the device",
+    "outputs": "outputs (tokens, stops, detokenize)",
+    "deliver": "hand outputs over",
+}
+
+
+def step_profile_table(profile: dict[str, Any]) -> Rows:
+    """Where a step's time went: ms per step and share of the step, per phase; then the
+    host's share (everything but the model call and the wait for the device)."""
+    rows = [
+        [label, _num(profile["step_ms"][phase], 3), _num(profile["share"][phase] * 100)]
+        for phase, label in STEP_PHASES.items()
+    ]
+    host_ms = sum(profile["step_ms"][p] for p in STEP_PHASES if p not in ("model", "wait"))
+    rows.append(
+        [
+            "host work (all but model call and wait)",
+            _num(host_ms, 3),
+            _num(profile["host_share"] * 100),
+        ]
+    )
+    rows.append(
+        [
+            "steps / mean sequences per step",
+            f"{profile['steps']} / {profile['mean_batch_seqs']:.1f}",
+            "-",
+        ]
+    )
+    rows.append(["idle, no work (s)", _num(profile["idle"], 3), "-"])
+    return ["phase", "ms per step", "% of step"], rows
+
+
 def serve_table(report: dict[str, Any]) -> Rows:
     result = report["result"]
     rows = [

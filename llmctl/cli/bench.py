@@ -88,6 +88,13 @@ def throughput(
     baseline_batch_size: int = typer.Option(
         64, "--baseline-batch-size", min=1, help="Requests per transformers generate call."
     ),
+    step_profile: bool = typer.Option(
+        False,
+        "--step-profile",
+        help="Also show where the engine's steps spend their time: scheduling, building "
+        "inputs, the model call, sampling, outputs and handing them over.",
+        rich_help_panel=OUTPUT_PANEL,
+    ),
     output: Path | None = OUTPUT_OPT,
     markdown: bool = MARKDOWN_OPT,
 ) -> None:
@@ -101,11 +108,14 @@ def throughput(
       output_tokens_per_s, total_tokens_per_s, ttft_ms {mean, p50, p90, p99},
       peak_kv_blocks_used, kv_blocks_total, block_size, peak_kv_cache_bytes,
       peak_memory_bytes, memory_measure
+    - engine.step_profile (with --step-profile): steps, scheduled_seqs, mean_batch_seqs,
+      seconds per phase (schedule, inputs, model, sample, wait, outputs, deliver, idle),
+      step_ms and share per phase, host_share; null for an engine that keeps none
     - baseline: the same figures for transformers plus batch_size and
       generated_tokens (padding included); null without --baseline
     - ratio: engine output_tokens_per_s / baseline output_tokens_per_s
     """
-    from llmctl.bench.report import throughput_table
+    from llmctl.bench.report import step_profile_table, throughput_table
     from llmctl.bench.throughput import benchmark_throughput
 
     if baseline is not None and baseline != "transformers":
@@ -121,9 +131,16 @@ def throughput(
             profile=profile,
             baseline_batch_size=baseline_batch_size if baseline else None,
             progress=progress,
+            step_profile=step_profile,
         )
     title = f"Throughput: {report['model']} on {report['backend']} ({report['device']})"
     _show(throughput_table(report), title, markdown, output, report)
+    if step_profile:
+        profile = report["engine"]["step_profile"]
+        if profile is None:
+            console.print(f"The {report['backend']} engine keeps no step profile.")
+        else:
+            _show(step_profile_table(profile), "Where a step's time goes", markdown, None, report)
     if report["ratio"] is not None:
         console.print(
             f"llmctl ({report['backend']}) {report['engine']['output_tokens_per_s']:,.1f} vs "

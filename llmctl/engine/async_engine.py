@@ -2,10 +2,15 @@
 
 One background thread owns the ``LLMEngine``: it takes new requests and aborts from a
 command queue, runs steps while there is work (torch releases the GIL while it
-computes, so the event loop stays responsive) and sleeps when there is none. Each
-request's outputs go to an ``asyncio.Queue`` on the event loop that called
-``generate``, through ``loop.call_soon_threadsafe``, so any loop may use the engine:
-the server's, or a fresh one per ``LLM.generate`` call.
+computes, so the event loop stays responsive) and sleeps when there is none.
+
+Outputs travel per step, not per request. ``generate`` streams one request to an
+asyncio consumer: after a step the engine thread makes one thread-safe call per event
+loop that has requests in it, carrying all of that loop's outputs, and there each
+request's consumer picks its own. ``generate_all`` (what ``LLM.generate`` and the
+throughput benchmark use) runs many requests for a caller that blocks until they end:
+the engine thread appends each step's outputs to the caller's lists and wakes it once,
+at the end, so no thread switch happens per step.
 
 Faults: a model call that raises fails the requests of its step with ``EngineError``
 and the engine goes on. Several failed steps in a row mean the model itself is broken
@@ -20,23 +25,112 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from time import perf_counter
 
-from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest
+from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest, TokenLogprob
 from llmctl.engine.llm_engine import LLMEngine, StepFailed
 from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.step_profile import StepProfile
 from llmctl.errors import EngineDead, EngineError, InvalidRequest
 
 logger = logging.getLogger("llmctl")
 
 MAX_FAILED_STEPS_IN_A_ROW = 3
 
+Item = GenerationOutput | BaseException
 
-@dataclass
+
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    """What one asyncio consumer receives: items appended on its event loop, and the
+    future it waits on while there are none."""
+
+    __slots__ = ("loop", "items", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: list[Item] = []
+        self.waiter: asyncio.Future | None = None
+
+    async def take(self) -> list[Item]:
+        """Everything received since the last call; waits if nothing is there."""
+        while not self.items:
+            self.waiter = self.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items, self.items = self.items, []
+        return items
+
+
+def _dispatch(batch: list[tuple[_Stream, Item]]) -> None:
+    """On an event loop: give each stream its items, then wake each consumer once."""
+    for stream, item in batch:
+        stream.items.append(item)
+    for stream, _ in batch:
+        waiter = stream.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class _Collector:
+    """The requests of one blocking ``generate_all`` call. The engine thread joins each
+    request's outputs as they come (keeping a step's output objects would leave tens of
+    thousands of them for the garbage collector to walk, in pauses that land in the
+    middle of steps) and sets ``done`` when the last one finished (or one failed)."""
+
+    def __init__(
+        self, request_ids: list[str], on_outputs: Callable[[list[GenerationOutput]], None] | None
+    ) -> None:
+        self.unfinished = set(request_ids)
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self._on_outputs = on_outputs
+        self._texts: dict[str, list[str]] = {rid: [] for rid in request_ids}
+        self._token_ids: dict[str, list[int]] = {rid: [] for rid in request_ids}
+        self._logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid in request_ids}
+        self._prompt_ids: dict[str, list[int] | None] = dict.fromkeys(request_ids)
+        self._last: dict[str, GenerationOutput] = {}
+
+    def receive(self, batch: list[tuple[_Collector, Item]]) -> None:
+        """In the engine thread: one step's items for these requests."""
+        received = []
+        for _, item in batch:
+            if isinstance(item, BaseException):
+                self.error = self.error or item
+                continue
+            request_id = item.request_id
+            self._texts[request_id].append(item.text)
+            self._token_ids[request_id] += item.token_ids
+            if item.logprobs:
+                self._logprobs[request_id] += item.logprobs
+            if item.prompt_token_ids is not None:
+                self._prompt_ids[request_id] = item.prompt_token_ids
+            self._last[request_id] = item
+            received.append(item)
+            if item.finished:
+                self.unfinished.discard(request_id)
+        if self._on_outputs is not None and received:
+            self._on_outputs(received)
+        if self.error is not None or not self.unfinished:
+            self.done.set()
+
+    def result(self, request_id: str) -> GenerationOutput:
+        """Everything ``request_id`` produced, as one output."""
+        last = self._last[request_id]
+        return GenerationOutput(
+            request_id=request_id,
+            text="".join(self._texts[request_id]),
+            token_ids=self._token_ids[request_id],
+            prompt_tokens=last.prompt_tokens,
+            completion_tokens=last.completion_tokens,
+            finished=last.finished,
+            finish_reason=last.finish_reason,
+            logprobs=self._logprobs[request_id] or None,
+            prompt_token_ids=self._prompt_ids[request_id],
+        )
 
 
 @dataclass
@@ -62,7 +156,7 @@ class _Fail:
     reason: str
 
 
-_Command = _Add | _Abort | _ResetPeak | _Fail
+Command = _Add | _Abort | _ResetPeak | _Fail
 
 
 class AsyncEngine:
@@ -72,11 +166,12 @@ class AsyncEngine:
         self.vocab_size = engine.vocab_size
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self._lock = threading.Condition()  # guards the three fields below
-        self._commands: list[_Command] = []
-        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Condition()  # guards the four fields below
+        self._commands: list[Command] = []
+        self._streams: dict[str, _Stream | _Collector] = {}  # where each request's outputs go
         self._stopping = False
         self.failure: BaseException | None = None  # why the engine stopped by itself
+        self._undelivered: list[tuple[str, Item]] = []  # engine thread only
         self._thread = threading.Thread(target=self._run, name="llmctl-engine", daemon=True)
         self._thread.start()
 
@@ -86,10 +181,50 @@ class AsyncEngine:
         Leaving the iteration early (a client disconnecting, a cancelled task) aborts the
         request, which frees its KV blocks.
         """
-        prompt_ids = self._prompt_token_ids(request)
-        self.engine.validate(prompt_ids, request.sampling)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        request_id = request.request_id
+        stream = _Stream(asyncio.get_running_loop())
+        self._register([request], stream)
+        finished = False
+        try:
+            while not finished:
+                for item in await stream.take():
+                    if isinstance(item, BaseException):
+                        finished = True
+                        raise item
+                    finished = item.finished
+                    yield item
+        finally:
+            if not finished:
+                self._submit(_Abort(request.request_id))
+
+    def generate_all(
+        self,
+        requests: Sequence[GenerationRequest],
+        on_outputs: Callable[[list[GenerationOutput]], None] | None = None,
+    ) -> list[GenerationOutput]:
+        """Run ``requests`` together and block until all have finished; return, in
+        request order, everything each one produced as one output (its text and tokens
+        joined). ``on_outputs`` is called in the engine thread with each step's outputs
+        (to show progress; it must be quick). ``InvalidRequest`` before anything runs if
+        one is refused; an error, or an interrupt, aborts the requests still running."""
+        collector = _Collector([request.request_id for request in requests], on_outputs)
+        self._register(requests, collector)
+        try:
+            collector.done.wait()
+        finally:
+            unfinished = list(collector.unfinished)  # the engine thread may still change it
+            if unfinished:
+                self._submit(*(_Abort(request_id) for request_id in unfinished))
+        if collector.error is not None:
+            raise collector.error
+        return [collector.result(request.request_id) for request in requests]
+
+    def _register(
+        self, requests: Sequence[GenerationRequest], target: _Stream | _Collector
+    ) -> None:
+        """Check ``requests`` and queue them, their outputs going to ``target``."""
+        prompts = [self._prompt_token_ids(request) for request in requests]
+        for request, prompt_ids in zip(requests, prompts):
+            self.engine.validate(prompt_ids, request.sampling)
         with self._lock:
             if isinstance(self.failure, EngineDead):
                 raise EngineDead(str(self.failure))
@@ -97,23 +232,15 @@ class AsyncEngine:
                 raise EngineError(f"the engine has stopped after a failure: {self.failure}")
             if self._stopping:
                 raise EngineError("the engine has been shut down")
-            if request_id in self._streams:
-                raise InvalidRequest(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = stream
-            self._commands.append(_Add(request_id, prompt_ids, request.sampling))
+            seen = set()
+            for request in requests:
+                if request.request_id in self._streams or request.request_id in seen:
+                    raise InvalidRequest(f"request id {request.request_id!r} is already in use")
+                seen.add(request.request_id)
+            for request, prompt_ids in zip(requests, prompts):
+                self._streams[request.request_id] = target
+                self._commands.append(_Add(request.request_id, prompt_ids, request.sampling))
             self._lock.notify()
-        finished = False
-        try:
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self._submit(_Abort(request_id))
 
     @property
     def has_chat_template(self) -> bool:
@@ -145,6 +272,13 @@ class AsyncEngine:
         """Start ``stats().kv_blocks_peak`` afresh from here (the bench, after warming up)."""
         self._submit(_ResetPeak())
 
+    def step_profile(self, reset: bool = False) -> StepProfile:
+        """Where the engine thread's time went since the last reset (see step_profile.py)."""
+        profile = self.engine.profile
+        if reset:
+            self.engine.profile = StepProfile()
+        return profile
+
     def fail(self, reason: str) -> None:
         """Stop for good, from any thread (a tensor-parallel rank was lost, say): requests
         in flight end with ``EngineDead(reason)``. ``is_alive`` turns false at once, even
@@ -173,9 +307,9 @@ class AsyncEngine:
             return self.tokenizer.encode(request.prompt)
         return self.tokenizer.encode_chat(request.messages)
 
-    def _submit(self, command: _Command) -> None:
+    def _submit(self, *commands: Command) -> None:
         with self._lock:
-            self._commands.append(command)
+            self._commands.extend(commands)
             self._lock.notify()
 
     def _run(self) -> None:
@@ -192,35 +326,45 @@ class AsyncEngine:
                 if dead
                 else EngineError(f"the engine failed and has stopped: {exc}")
             )
-            for request_id in self._stream_ids():
-                self._deliver(request_id, error)
+            self._flush()
+            self._deliver([(request_id, error) for request_id in self._stream_ids()])
             return
         for request_id in self._stream_ids():
             output = self.engine.abort(request_id)
             if output is not None:
-                self._deliver(request_id, output)
+                self._undelivered.append((request_id, output))
+        self._flush()
 
     def _loop(self) -> None:
-        """Apply commands, step while there is work, sleep otherwise; until shutdown."""
+        """Apply commands, step while there is work, sleep otherwise; until shutdown.
+
+        A step's outputs are handed over just before the next step's model call (or at
+        once when no step follows), so the event loops take them while the model runs."""
+        engine = self.engine
         failed_in_a_row = 0
         while True:
+            if not (self._commands or engine.has_unfinished()):
+                self._flush()
+            waited = perf_counter()
             with self._lock:
-                while not (self._commands or self._stopping or self.engine.has_unfinished()):
+                while not (self._commands or self._stopping or engine.has_unfinished()):
                     self._lock.wait()
                 commands, self._commands = self._commands, []
                 stopping = self._stopping
+            engine.profile.idle += perf_counter() - waited
             for command in commands:
-                self._apply(command)
+                self._undelivered += self._apply(command)
             if stopping:
                 return
-            if not self.engine.has_unfinished():
+            if not engine.has_unfinished():
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = engine.step(before_model=self._flush)
             except StepFailed as failed:
                 if isinstance(failed.__cause__, EngineDead):
                     raise failed.__cause__ from None
                 failed_in_a_row += 1
+                self._undelivered += [(output.request_id, output) for output in failed.outputs]
                 if failed_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
                     raise RuntimeError(
                         f"{failed_in_a_row} model calls failed in a row, the last with: "
@@ -229,8 +373,7 @@ class AsyncEngine:
                 self._fail_step(failed)
                 continue
             failed_in_a_row = 0
-            for output in outputs:
-                self._deliver(output.request_id, output)
+            self._undelivered += [(output.request_id, output) for output in outputs]
 
     def _fail_step(self, failed: StepFailed) -> None:
         """End the requests of a step whose model call raised; the rest go on."""
@@ -244,37 +387,55 @@ class AsyncEngine:
         error = EngineError(f"the engine failed while running this request: {cause!r}")
         for request_id in failed.request_ids:
             self.engine.abort(request_id)
-            self._deliver(request_id, error)
+            self._undelivered.append((request_id, error))
+        self._flush()
 
-    def _apply(self, command: _Command) -> None:
+    def _flush(self) -> None:
+        """Deliver what the engine thread has collected."""
+        if self._undelivered:
+            started = perf_counter()
+            items, self._undelivered = self._undelivered, []
+            self._deliver(items)
+            self.engine.profile.deliver += perf_counter() - started
+
+    def _apply(self, command: Command) -> list[tuple[str, Item]]:
         if isinstance(command, _ResetPeak):
             self.engine.block_manager.reset_peak()
-            return
+            return []
         if isinstance(command, _Fail):
             raise EngineDead(command.reason)
         if isinstance(command, _Abort):
             output = self.engine.abort(command.request_id)
-            if output is not None:
-                self._deliver(command.request_id, output)
-            return
+            return [] if output is None else [(command.request_id, output)]
         try:
             self.engine.add_request(command.request_id, command.prompt_token_ids, command.sampling)
         except InvalidRequest as exc:
-            self._deliver(command.request_id, exc)
+            return [(command.request_id, exc)]
+        return []
 
     def _stream_ids(self) -> list[str]:
         with self._lock:
             return list(self._streams)
 
-    def _deliver(self, request_id: str, item: GenerationOutput | BaseException) -> None:
-        """Hand an output (or an error) to the request's event loop; the last one
-        unregisters the request."""
-        done = isinstance(item, BaseException) or item.finished
-        with self._lock:
-            stream = self._streams.pop(request_id) if done else self._streams.get(request_id)
-        if stream is None:
+    def _deliver(self, items: list[tuple[str, Item]]) -> None:
+        """Hand outputs (or errors) over: one call per event loop, one per blocking
+        caller. A request's last one unregisters it."""
+        if not items:
             return
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-        except RuntimeError:  # its event loop is closed: nobody is listening any more
-            pass
+        batches: dict[object, list[tuple[_Stream | _Collector, Item]]] = {}
+        with self._lock:
+            streams = self._streams
+            for request_id, item in items:
+                done = isinstance(item, BaseException) or item.finished
+                target = streams.pop(request_id, None) if done else streams.get(request_id)
+                if target is not None:
+                    key = target.loop if isinstance(target, _Stream) else target
+                    batches.setdefault(key, []).append((target, item))
+        for key, batch in batches.items():
+            if isinstance(key, _Collector):
+                key.receive(batch)
+                continue
+            try:
+                key.call_soon_threadsafe(_dispatch, batch)
+            except RuntimeError:  # its event loop is closed: nobody is listening any more
+                pass

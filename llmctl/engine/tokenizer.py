@@ -106,6 +106,11 @@ class Tokenizer:
         )
 
     @property
+    def hf_tokenizer(self) -> HFTokenizer:
+        """The ``tokenizers`` object itself (incremental detokenization reads its decoder)."""
+        return self._tokenizer
+
+    @property
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 

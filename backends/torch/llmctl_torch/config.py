@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmctl.backend import DEVICE_RULE, OptionRule
+from llmctl.backend import CUDA_GRAPHS_RULE, DEVICE_RULE, OptionRule
 from llmctl.errors import ModelError
 from llmctl.kv_budget import KVBudget, parse_kv_budget
 from llmctl.model_info import resolve_model
@@ -31,6 +31,7 @@ class TorchConfig:
     seed: int
     chat_template: str | None
     served_model_name: str | None
+    enforce_eager: bool  # no CUDA graphs (vLLM's name): the unified cuda_graphs, negated
     tensor_parallel_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -53,6 +54,7 @@ class TorchConfig:
             seed=options["seed"],
             chat_template=options["chat_template"],
             served_model_name=options["model_name"],
+            enforce_eager=not options["cuda_graphs"],
             tensor_parallel_size=options["tensor_parallel_size"],
             nnodes=options["nnodes"],
             node_rank=options["node_rank"],
@@ -149,11 +151,20 @@ RULES = (
         lambda value, options, hardware: block_size_problem(value),
     ),
     DEVICE_RULE,
+    CUDA_GRAPHS_RULE,
     OptionRule(
         "tensor_parallel_size",
         "must divide the attention heads and MLP size; KV heads divisible by it, or it a "
         "multiple of them (they are then replicated); no LoRA adapters",
         lambda value, options, hardware: _model_tp_problem(value, options),
+        note=lambda value, options, hardware: (
+            "decode runs eagerly with more than one rank: CUDA graphs are not captured over "
+            "the ranks' collectives yet"
+            if value > 1
+            and options.get("cuda_graphs")
+            and hardware.device_for(options.get("device", "auto")) == "cuda"
+            else None
+        ),
     ),
     OptionRule(
         "nnodes",

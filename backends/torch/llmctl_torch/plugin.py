@@ -52,6 +52,9 @@ class TorchBackend(Backend):
                     device=device,
                     block_size=config.block_size,
                     adapters=config.lora_adapters,
+                    max_num_seqs=config.max_num_seqs,
+                    max_model_len=max_model_len,
+                    enforce_eager=config.enforce_eager,
                 )
             from llmctl_torch.tp_runner import TensorParallelRunner, topology_for
 

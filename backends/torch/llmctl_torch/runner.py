@@ -1,20 +1,23 @@
 """TorchModelRunner: the torch backend's ``ModelRunner`` for the shared engine.
 
 It loads the model, owns the paged KV cache, and runs one scheduler step: the step's
-lists become tensors once, the model writes the new tokens' K/V and returns the logits
-of each sequence's last new token.
+lists become one tensor, copied to the device once (``stage_step``); the model writes
+the new tokens' K/V and returns the logits of each sequence's last new token.
+
+On a GPU, decode steps replay CUDA graphs captured when the cache is allocated (see
+``llmctl.engine.cuda_graphs``); prefill and mixed prefill/decode steps run eagerly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import accumulate
 from pathlib import Path
 
 import torch
 
+from llmctl.engine.cuda_graphs import DecodeGraphs, decode_graphs
 from llmctl.engine.model_config import ModelConfig
-from llmctl.engine.runner import PagedRunner, StepBatch
+from llmctl.engine.runner import PagedRunner, StepBatch, StepInputs, stage_step
 from llmctl.engine.weights import load_weights
 from llmctl_torch.attention import attention_ops
 from llmctl_torch.lora import apply_lora_adapters
@@ -26,6 +29,8 @@ class TorchModelRunner(PagedRunner):
 
     ``num_blocks`` may be left out and given later through ``allocate_kv_cache`` (the
     engine sizes the cache from the memory free once the weights are loaded).
+    ``max_num_seqs`` and ``max_model_len`` (default: the model's context) bound the
+    decode steps the CUDA graphs are captured for; ``enforce_eager`` turns them off.
     """
 
     def __init__(
@@ -38,11 +43,18 @@ class TorchModelRunner(PagedRunner):
         block_size: int = 64,
         num_blocks: int | None = None,
         adapters: Sequence[str | Path] = (),
+        max_num_seqs: int = 128,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
     ) -> None:
         super().__init__(config, dtype=dtype, device=device, block_size=block_size)
         self.ops = attention_ops(self.device)
         self.model = self._load_model(model_dir, adapters)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len or config.session_len()
+        self.enforce_eager = enforce_eager
+        self.decode_graphs: DecodeGraphs | None = None
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
 
@@ -67,34 +79,50 @@ class TorchModelRunner(PagedRunner):
         )
         self.kv_caches = [(cache[0, layer], cache[1, layer]) for layer in range(c.num_layers)]
 
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the cache, then capture the decode graphs over it (GPU only)."""
+        super().allocate_kv_cache(num_blocks)
+        self.decode_graphs = decode_graphs(
+            self.decode_step,
+            # The plain-torch kernels (LLMCTL_TORCH_ATTENTION=torch, for debugging) cannot
+            # skip the padding rows a graph bucket adds: they decode eagerly.
+            enabled=not self.enforce_eager and self.ops.name == "triton",
+            device=self.device,
+            max_batch_size=self.max_num_seqs,
+            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+            block_size=self.block_size,
+            num_blocks=num_blocks,
+        )
+
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Write the batch's K/V and return fp32 logits ``[num_seqs, vocab]`` of the last new
-        token of each sequence."""
+        token of each sequence (on a GPU a decode step's logits stay valid until the next
+        ``execute``)."""
         self.check_allocated()
-        query_start_loc = list(accumulate(batch.query_lens, initial=0))
-        max_blocks = max(len(table) for table in batch.block_tables)
-        block_tables = [table + [0] * (max_blocks - len(table)) for table in batch.block_tables]
-        to_device = self._to_device
+        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
+            return self.decode_graphs.run(batch)
+        return self._forward(stage_step(batch, self.device), batch.is_decode)
+
+    def decode_step(self, inputs: StepInputs) -> torch.Tensor:
+        """The model over staged decode inputs (one token per sequence, padding rows
+        allowed): what the CUDA graphs capture."""
+        return self._forward(inputs, is_decode=True)
+
+    def _forward(self, inputs: StepInputs, is_decode: bool) -> torch.Tensor:
         meta = AttentionMetadata(
-            slot_mapping=to_device(batch.slot_mapping, torch.int64),
-            block_tables=to_device(block_tables, torch.int32),
-            context_lens=to_device(batch.context_lens, torch.int32),
-            query_start_loc=to_device(query_start_loc, torch.int32),
-            is_decode=max(batch.query_lens) == 1,
+            slot_mapping=inputs.slot_mapping.long(),  # index_copy_ (plain torch) wants int64
+            block_tables=inputs.block_tables,
+            context_lens=inputs.context_lens,
+            query_start_loc=inputs.query_start_loc,
+            is_decode=is_decode,
         )
-        logits_indices = to_device([end - 1 for end in query_start_loc[1:]], torch.int64)
+        last_token_of_each_seq = inputs.query_start_loc[1:] - 1
         return self.model(
-            to_device(batch.input_ids, torch.int64),
-            to_device(batch.positions, torch.int64),
+            inputs.input_ids,
+            inputs.positions,
             meta,
             self.kv_caches,
-            logits_indices,
+            last_token_of_each_seq,
             self.ops,
         )
-
-    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        tensor = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor.to(self.device)

@@ -13,10 +13,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -34,7 +35,8 @@ logger = logging.getLogger("llmctl")
 
 class ShardRunner(TorchModelRunner):
     """One rank's runner: its shard of the model and the KV cache of its KV heads.
-    ``execute`` returns the logits on rank 0 and ``None`` elsewhere."""
+    ``execute`` returns the logits on rank 0 and ``None`` elsewhere. Decode runs eagerly:
+    CUDA graphs are not captured over the ranks' collectives (yet)."""
 
     def __init__(
         self,
@@ -56,6 +58,7 @@ class ShardRunner(TorchModelRunner):
             dtype=dtype,
             device=device,
             block_size=block_size,
+            enforce_eager=True,
         )
 
     def _load_model(self, model_dir: str | Path, adapters: Any) -> ParallelLlamaForCausalLM:
@@ -141,6 +144,7 @@ class TensorParallelRunner(ShardRunner):
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         self._use_rank_threads()
+        batch = with_host_tokens(batch)
         with self._on_all_ranks(("step", batch)):
             return super().execute(batch)
 
@@ -155,6 +159,18 @@ class TensorParallelRunner(ShardRunner):
         self.ranks.close()
         if self._rank_threads:  # the default for threads started from now on
             torch.set_num_threads(self._threads_before)
+
+
+def with_host_tokens(batch: StepBatch) -> StepBatch:
+    """``batch`` with every input token on the host. When steps overlap (on a GPU) some
+    are still on rank 0's device, where the other ranks cannot read them: this waits for
+    them, so sharded steps do not overlap."""
+    fill = batch.sampled_tokens
+    if fill is None:
+        return batch
+    input_ids = np.array(batch.input_ids, dtype=np.int32)
+    input_ids[fill.token_indices.cpu().numpy()] = fill.token_ids.cpu().numpy()
+    return replace(batch, input_ids=input_ids, sampled_tokens=None)
 
 
 def run_worker(topology: Topology, task: WorkerTask, rank: int) -> None:

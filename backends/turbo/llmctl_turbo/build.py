@@ -30,7 +30,13 @@ from llmctl.paths import cache_dir
 LIBRARY_NAME = "llmctl_turbo_ops"
 CSRC = Path(__file__).resolve().parent / "csrc"
 CPU_SOURCES = ("kernels.cpp", "cpu_kernels.cpp", "checks.cpp", "llama_step.cpp", "ops.cpp")
-CUDA_SOURCES = ("cuda_ops.cpp", "cuda/attention.cu", "cuda/elementwise.cu")
+CUDA_SOURCES = (
+    "cuda_ops.cpp",
+    "cuda/decode_attention.cu",
+    "cuda/prefill_attention.cu",
+    "cuda/simt_attention.cu",
+    "cuda/elementwise.cu",
+)
 # -fno-trapping-math lets loops with a clamp or a max vectorise; results are unchanged.
 CXX_FLAGS = ("-O3", "-march=native", "-fno-trapping-math", "-fopenmp")
 CUDA_FLAGS = ("-O3",)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmctl.backend import DEVICE_RULE, Hardware, OptionRule
+from llmctl.backend import CUDA_GRAPHS_RULE, DEVICE_RULE, Hardware, OptionRule
 from llmctl.kv_budget import KVBudget, parse_kv_budget
 
 LLAMA_FAMILY = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
@@ -31,6 +31,7 @@ class TurboConfig:
     seed: int
     chat_template: str | None
     model_name: str | None
+    enable_cuda_graph: bool  # decode replays CUDA graphs (on CUDA only)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> TurboConfig:
@@ -46,6 +47,7 @@ class TurboConfig:
             seed=options["seed"],
             chat_template=options["chat_template"],
             model_name=options["model_name"],
+            enable_cuda_graph=options["cuda_graphs"],
         )
 
     # The shared engine's names for the same settings (EngineOptions).
@@ -98,6 +100,7 @@ RULES = (
         ),
     ),
     DEVICE_RULE,
+    CUDA_GRAPHS_RULE,
     _one_device_only("tensor_parallel_size", 1),
     _one_device_only("nnodes", 1),
     _one_device_only("node_rank", 0),

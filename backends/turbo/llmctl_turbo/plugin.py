@@ -53,6 +53,8 @@ class TurboBackend(Backend):
                 device=device,
                 block_size=config.cache_block_seq_len,
                 max_model_len=max_model_len,
+                max_num_seqs=config.max_batch_size,
+                enable_cuda_graph=config.enable_cuda_graph,
             )
 
         return build_engine(model, config, hardware, load_runner)

@@ -10,15 +10,17 @@ from __future__ import annotations
 import json
 import random
 
+import numpy as np
 import pytest
 import torch
 from llmctl_torch.config import tensor_parallel_problem
 from llmctl_torch.distributed import Topology
 from llmctl_torch.runner import TorchModelRunner
-from llmctl_torch.tp_runner import TensorParallelRunner
+from llmctl_torch.tp_runner import TensorParallelRunner, with_host_tokens
 
 from llmctl import LLM, SamplingParams
 from llmctl.engine.model_config import ModelConfig
+from llmctl.engine.runner import SampledTokenFill, StepBatch
 from tests.backends.torch.tiny_models import (
     PagedSequences,
     hf_greedy,
@@ -146,3 +148,21 @@ def test_the_sharding_rule(tp, heads, kv_heads, mlp, fits):
     assert (problem is None) == fits
     if not fits:
         assert f"tensor_parallel_size {tp}" in problem and "use 1" in problem
+
+
+def test_tokens_still_on_the_device_reach_the_other_ranks():
+    """Overlapped steps leave the tokens sampled by the step before on rank 0's device;
+    the batch the other ranks get carries them."""
+    batch = StepBatch(
+        input_ids=np.array([5, 0, 7, 0], dtype=np.int32),
+        positions=[3, 9, 4, 2],
+        query_lens=[1, 1, 1, 1],
+        context_lens=[4, 10, 5, 3],
+        block_tables=[[0], [1], [2], [3]],
+        slot_mapping=[3, 25, 36, 50],
+        sampled_tokens=SampledTokenFill(torch.tensor([1, 3]), torch.tensor([42, 43])),
+    )
+    resolved = with_host_tokens(batch)
+    assert resolved.sampled_tokens is None
+    assert resolved.input_ids.tolist() == [5, 42, 7, 43]
+    assert batch.input_ids.tolist() == [5, 0, 7, 0]  # the engine's own buffer is untouched
