@@ -167,6 +167,21 @@ def refuse_cuda_without_gpu(
 DEVICE_RULE = OptionRule("device", "`cuda` needs a CUDA GPU", refuse_cuda_without_gpu)
 
 
+def one_device_rules(backend: str) -> tuple[OptionRule, ...]:
+    """The rules of a backend that runs a model on one device of one machine: it refuses
+    the tensor-parallel options (the torch backend shards models)."""
+
+    def rule(option: str, single: int) -> OptionRule:
+        def refuses(value: Any, options: Mapping[str, Any], hardware: Hardware) -> str | None:
+            if value == single:
+                return None
+            return f"{option} must be {single}: {backend} runs a model on one device of one machine"
+
+        return OptionRule(option, f"{single} only (one device)", refuses)
+
+    return (rule("tensor_parallel_size", 1), rule("nnodes", 1), rule("node_rank", 0))
+
+
 def cuda_graphs_note(value: Any, options: Mapping[str, Any], hardware: Hardware) -> str | None:
     """CUDA graphs save kernel launches on a GPU; on the CPU there is nothing to capture."""
     if value and hardware.device_for(options.get("device", "auto")) != "cuda":

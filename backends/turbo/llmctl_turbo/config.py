@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmctl.backend import CUDA_GRAPHS_RULE, DEVICE_RULE, Hardware, OptionRule
+from llmctl.backend import CUDA_GRAPHS_RULE, DEVICE_RULE, Hardware, OptionRule, one_device_rules
 from llmctl.kv_budget import KVBudget, parse_kv_budget
 
 LLAMA_FAMILY = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
@@ -73,17 +73,6 @@ def block_size_problem(block_size: int, on_cuda: bool, hardware: Hardware) -> st
     return why if block_size % multiple else None
 
 
-def _one_device_only(option: str, single: int) -> OptionRule:
-    """turbo runs a model on one device of one machine: it refuses the sharding options."""
-
-    def refuses(value: int, options: Mapping[str, Any], hardware: Hardware) -> str | None:
-        if value == single:
-            return None
-        return f"{option} must be {single}: turbo runs a model on one device of one machine"
-
-    return OptionRule(option, f"{single} only (one device)", refuses)
-
-
 RULES = (
     OptionRule(
         "cache_block_seq_len",
@@ -101,7 +90,5 @@ RULES = (
     ),
     DEVICE_RULE,
     CUDA_GRAPHS_RULE,
-    _one_device_only("tensor_parallel_size", 1),
-    _one_device_only("nnodes", 1),
-    _one_device_only("node_rank", 0),
+    *one_device_rules("turbo"),
 )

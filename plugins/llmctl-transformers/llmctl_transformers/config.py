@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmctl.backend import DEVICE_RULE, Hardware, OptionRule, cuda_graphs_note
+from llmctl.backend import DEVICE_RULE, Hardware, OptionRule, cuda_graphs_note, one_device_rules
 from llmctl.kv_budget import KVBudget, parse_kv_budget
 
 # transformers' ContinuousBatchingConfig.page_size default: tokens per page of its paged cache.
@@ -129,4 +129,5 @@ RULES = (
         note=cuda_graphs_note,
     ),
     DEVICE_RULE,
+    *one_device_rules("transformers"),
 )
