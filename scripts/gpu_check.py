@@ -14,6 +14,9 @@ Three parts, each recorded in ``docs/benchmarks/gpu_check_<date>.md``:
    fraction of the measured device-to-device copy bandwidth (read + write bytes of a
    large ``Tensor.copy_``). Goal: >= 70% at batch 64, context 4096, block size 64.
 
+Two more sections have their own modules: turbo's CUDA kernels (``gpu_check_turbo.py``)
+and quantization, int8 weights and int8 / fp8 KV cache (``gpu_check_quant.py``).
+
 Exits non-zero when there is no CUDA GPU (unless ``--dry-run``) or when a check fails.
 """
 
@@ -34,7 +37,8 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
-from gpu_check_turbo import turbo_section  # scripts/ is on sys.path when run as a script
+from gpu_check_quant import quant_section  # scripts/ is on sys.path when run as a script
+from gpu_check_turbo import turbo_section
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO.parent / "shared" / "models" / "stories260K"
@@ -130,6 +134,7 @@ def main() -> int:
         ("2. End to end", run_end_to_end, (args.stories, args.dry_run, device)),
         # turbo before the sweep: the sweep stops at the deadline, whatever is left.
         ("3. Turbo native kernels", turbo_section, (device, args.dry_run)),
+        ("3b. Quantization", quant_section, (device, args.dry_run, child_env())),
         ("4. Decode attention bandwidth", run_bandwidth,
          (grid, device, start + args.time_limit, args.dry_run)),
     ]  # fmt: skip

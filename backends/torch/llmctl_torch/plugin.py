@@ -43,6 +43,8 @@ class TorchBackend(Backend):
                 device=device,
                 block_size=config.block_size,
                 adapters=config.lora_adapters,
+                quantization=config.quantization,
+                kv_cache_dtype=config.kv_cache_dtype,
             )
 
         return build_engine(model, config, hardware, load_runner)
