@@ -1,12 +1,12 @@
 """``llmctl bench quality``: what quantization costs in quality, beside what it saves.
 
-The same model runs twice on the same backend: unquantized (``quantization=none``,
-``kv_cache_dtype=auto``), then with the quantization options given. For each run:
+The same model is loaded unquantized (``quantization=none``, ``kv_cache_dtype=auto``)
+and with each set of quantization options asked for, on the same backend. For each:
 
 - greedy generation of ``max_tokens`` tokens for each of the fixed ``PROMPTS``, one
-  prompt at a time (batch 1; the tokens per second are the decode speed reported), and
-  each quantized continuation is compared with the unquantized one: **greedy
-  agreement** counts the steps up to each prompt's first difference;
+  request at a time (batch 1), alternating between the two models prompt by prompt, so
+  a machine that slows down (shared with other work) slows both and their speed ratio
+  holds; **greedy agreement** counts the steps up to each prompt's first difference;
 - **teacher-forced agreement**: the quantized model is fed the unquantized greedy
   tokens and its top token is compared at every step (a near-tie that flips early no
   longer hides every later step, so this measures the per-step error);
@@ -15,7 +15,7 @@ The same model runs twice on the same backend: unquantized (``quantization=none`
 - the bytes of the weights and of one token's KV cache.
 
 Teacher forcing drives the engine's runner directly (a paged decode step per token),
-so it needs a local backend; both engines run with prefix caching off, so what the
+so it needs a local backend; the engines run with prefix caching off, so what the
 runner writes into cache blocks can never be served to a later request.
 """
 
@@ -96,7 +96,9 @@ def benchmark_quality(
 
     if not 1 <= spec.num_prompts <= len(PROMPTS):
         raise OptionError(f"--num-prompts must be 1..{len(PROMPTS)}, got {spec.num_prompts}")
-    flags = {**flags, "enable_prefix_caching": False}
+    # At most 16 sequences run at once, so the KV cache need not be sized for more
+    # (an explicit --max-batch-size still wins).
+    flags = {"max_batch_size": len(PROMPTS), **flags, "enable_prefix_caching": False}
     if variants is not None:
         variants = [{**UNQUANTIZED, **variant} for variant in variants]
     first = select(model, {**flags, **(variants[0] if variants else {})}, profile=profile)
@@ -108,14 +110,35 @@ def benchmark_quality(
             "(the benchmark runs the unquantized model itself)"
         )
     flags["backend"] = first.backend.name
-    task = _task(progress, "unquantized", spec)
-    with _open(model, {**flags, **UNQUANTIZED}, profile) as llm:
-        baseline, text, prompts = _run_baseline(llm, spec, progress, task)
-    runs = []
-    for variant in variants:
-        task = _task(progress, variant_label(variant, UNQUANTIZED), spec)
-        with _open(model, {**flags, **variant}, profile) as llm:
-            runs.append(_run_variant(llm, variant, baseline, prompts, text, progress, task))
+    with _open(model, {**flags, **UNQUANTIZED}, profile) as unquantized:
+        engine, runner = _local(unquantized)
+        prompts = [engine.tokenizer.encode(p) for p in PROMPTS[: spec.num_prompts]]
+        start = _start_token(runner, prompts)
+        if spec.text_token_ids is not None:
+            text = [start, *spec.text_token_ids]
+        else:
+            text = _sample_text(unquantized, start, spec)
+        baseline = {"options": UNQUANTIZED, **_static_figures(runner, text)}
+        runs = []
+        for variant in variants:
+            task = _task(progress, variant_label(variant, UNQUANTIZED), spec)
+            with _open(model, {**flags, **variant}, profile) as quantized:
+                runs.append(
+                    _compare(
+                        unquantized,
+                        quantized,
+                        variant,
+                        baseline,
+                        prompts,
+                        text,
+                        spec.max_tokens,
+                        progress,
+                        task,
+                    )
+                )
+    # Every round's unquantized tokens are the same (greedy, batch 1): keep one copy.
+    baseline["greedy_token_ids"] = [run.pop("baseline_token_ids") for run in runs][0]
+    baseline["tokens_per_s"] = runs[0]["baseline_tokens_per_s"]
     return {
         "kind": "quality",
         "model": first.model.name,
@@ -138,91 +161,69 @@ def _open(model: str, flags: Mapping[str, Any], profile: str | None) -> LLM:
     return LLM(model, backend=options.pop("backend"), profile=profile, **options)
 
 
-def _run_baseline(
-    llm: LLM, spec: QualitySpec, progress: Progress | None, task: Any
-) -> tuple[dict[str, Any], list[int], list[list[int]]]:
-    engine, runner = _local(llm)
-    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[: spec.num_prompts]]
-    if spec.text_token_ids is not None:
-        text = [_start_token(runner, prompts), *spec.text_token_ids]
-    else:
-        text = _sample_text(llm, _start_token(runner, prompts), spec)
-    outputs, seconds = _greedy_one_by_one(llm, prompts, spec.max_tokens, progress, task)
-    scored = score(runner, [text], [1])[0]
-    _advance(progress, task, len(text) - 1)
-    return (
-        {
-            "options": UNQUANTIZED,
-            **_figures(runner, outputs, seconds, scored),
-            "greedy_token_ids": outputs,
-        },
-        text,
-        prompts,
-    )
-
-
-def _run_variant(
-    llm: LLM,
+def _compare(
+    unquantized: LLM,
+    quantized: LLM,
     variant: Mapping[str, str],
     baseline: dict[str, Any],
     prompts: list[list[int]],
     text: list[int],
+    max_tokens: int,
     progress: Progress | None,
     task: Any,
 ) -> dict[str, Any]:
-    _, runner = _local(llm)
-    reference = baseline["greedy_token_ids"]
-    forced = score(runner, [p + r for p, r in zip(prompts, reference)], [len(p) for p in prompts])
-    scored = score(runner, [text], [1])[0]
-    _advance(progress, task, len(text) - 1)
-    outputs, seconds = _greedy_one_by_one(llm, prompts, len(reference[0]), progress, task)
-    figures = _figures(runner, outputs, seconds, scored)
-    first_differences = [_first_difference(a, b) for a, b in zip(reference, outputs)]
-    total = sum(len(r) for r in reference)
+    """One variant against the unquantized model, both loaded: each prompt's greedy run
+    on one then the other, so a machine that slows down slows both (their speed ratio
+    holds even where others share the machine); then teacher forcing and perplexity."""
+    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for llm in (unquantized, quantized):  # warm up: first steps pay one-off costs
+        llm.generate([prompts[0][:1]], SamplingParams(max_tokens=2))
+    reference, outputs, seconds = [], [], {id(unquantized): 0.0, id(quantized): 0.0}
+    for prompt in prompts:
+        for llm, tokens in ((unquantized, reference), (quantized, outputs)):
+            started = time.perf_counter()
+            tokens.append(llm.generate([prompt], sampling)[0].token_ids)
+            seconds[id(llm)] += time.perf_counter() - started
+        _advance(progress, task, max_tokens)
+    _, runner = _local(quantized)
     # The prediction at step i follows the reference's tokens up to i - 1.
+    forced = score(runner, [p + r for p, r in zip(prompts, reference)], [len(p) for p in prompts])
     forced_agree = sum(
         top == want for seq, ref in zip(forced, reference) for top, want in zip(seq.top_tokens, ref)
     )
+    figures = _static_figures(runner, text)
+    _advance(progress, task, len(text) - 1)
+    total = sum(len(r) for r in reference)
+    first_differences = [_first_difference(a, b) for a, b in zip(reference, outputs)]
+    speed = total / seconds[id(quantized)]
+    baseline_speed = total / seconds[id(unquantized)]
     return {
         "options": dict(variant),
+        "tokens_per_s": speed,
+        "baseline_tokens_per_s": baseline_speed,
         **figures,
         "greedy_agreement": sum(first_differences) / total,
         "first_differences": first_differences,
         "teacher_forced_agreement": forced_agree / total,
         "ratios": {
-            "tokens_per_s": figures["tokens_per_s"] / baseline["tokens_per_s"],
+            "tokens_per_s": speed / baseline_speed,
             "weight_bytes": _ratio(figures["weight_bytes"], baseline["weight_bytes"]),
             "kv_bytes_per_token": figures["kv_bytes_per_token"] / baseline["kv_bytes_per_token"],
             "perplexity": figures["perplexity"] / baseline["perplexity"],
         },
+        "baseline_token_ids": reference,
     }
 
 
-def _figures(
-    runner: PagedRunner, outputs: list[list[int]], seconds: float, scored: Scored
-) -> dict[str, Any]:
-    tokens = sum(len(o) for o in outputs)
+def _static_figures(runner: PagedRunner, text: list[int]) -> dict[str, Any]:
+    """Weight and KV bytes, and the perplexity of ``text`` (teacher forcing from its first
+    token)."""
+    scored = score(runner, [text], [1])[0]
     return {
-        "tokens_per_s": tokens / seconds,
         "weight_bytes": runner.weight_bytes(),
         "kv_bytes_per_token": runner.kv_bytes_per_block() / runner.block_size,
         "perplexity": math.exp(-sum(scored.logprobs) / len(scored.logprobs)),
     }
-
-
-def _greedy_one_by_one(
-    llm: LLM, prompts: list[list[int]], max_tokens: int, progress: Progress | None, task: Any
-) -> tuple[list[list[int]], float]:
-    """Each prompt's greedy continuation, one request at a time (batch-1 decode)."""
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    llm.generate([prompts[0][:1]], SamplingParams(max_tokens=2))  # warm up
-    outputs, seconds = [], 0.0
-    for prompt in prompts:
-        started = time.perf_counter()
-        outputs.append(llm.generate([prompt], sampling)[0].token_ids)
-        seconds += time.perf_counter() - started
-        _advance(progress, task, max_tokens)
-    return outputs, seconds
 
 
 def _sample_text(llm: LLM, start: int, spec: QualitySpec) -> list[int]:

@@ -320,18 +320,19 @@ def quality(
     markdown: bool = MARKDOWN_OPT,
 ) -> None:
     """Quality beside speed: the model with --quantization / --kv-cache-dtype against the
-    same model unquantized, on the same backend.
+    same model unquantized, on the same backend (both loaded, timed turn by turn).
 
     Greedy agreement (steps up to each prompt's first difference), teacher-forced
     top-1 agreement, perplexity of a fixed text, batch-1 tokens/s, weight and KV bytes.
 
-    JSON fields (--output; details in docs/benchmarks.md):
+    JSON fields (--output; details in docs/quantization.md):
 
     - model, backend, device, dtype, workload
-    - baseline: tokens_per_s, weight_bytes, kv_bytes_per_token, perplexity,
+    - baseline: options, tokens_per_s, weight_bytes, kv_bytes_per_token, perplexity,
       greedy_token_ids
-    - runs: per variant the same figures plus options, greedy_agreement,
-      first_differences, teacher_forced_agreement and ratios (to the baseline)
+    - runs: per variant options, the same figures, baseline_tokens_per_s (timed beside
+      it), greedy_agreement, first_differences, teacher_forced_agreement and ratios
+      (to the baseline)
     """
     from llmctl.bench.quality import QualitySpec, benchmark_quality
     from llmctl.bench.report import quality_table

@@ -18,6 +18,7 @@ The LM head and the embeddings are not ``Linear``s: they keep the model dtype.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -103,10 +104,15 @@ def _cpu_int8_matmul(
     products dequantize the weight for this call and use the ordinary matmul."""
     num_out, num_in = qweight.shape
     if rows.shape[0] <= CPU_INT8_KERNEL_MAX_ROWS and num_in % 16 == 0 and num_out % 8 == 0:
-        unit = torch.ones(num_out, dtype=torch.bfloat16)
-        out = torch._weight_int8pack_mm(rows.to(torch.bfloat16).contiguous(), qweight, unit)
-        return (out.float() * scale).to(rows.dtype)
+        unscaled = torch._weight_int8pack_mm(rows.to(torch.bfloat16), qweight, _ones(num_out))
+        return torch.mul(unscaled, scale).to(rows.dtype)  # bf16 * fp32: computed in fp32
     return F.linear(rows, dequantize_weight_int8(qweight, scale, rows.dtype))
+
+
+@functools.cache
+def _ones(size: int) -> torch.Tensor:
+    """Unit bfloat16 scales for ``_weight_int8pack_mm`` (the real ones are applied after)."""
+    return torch.ones(size, dtype=torch.bfloat16)
 
 
 @dataclass(frozen=True)
