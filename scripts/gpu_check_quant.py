@@ -2,8 +2,9 @@
 
 ``quant_section(device, dry_run, env)`` returns ``(passed, markdown)``:
 
-1. kernel tests: the int8 GEMM and the quantized-cache attention tests (fp8 included,
-   on a GPU of compute capability >= 8.9) compiled natively;
+1. kernel tests: the int8 GEMM, and the model with an int8 cache through the Triton
+   kernels (the quantized-cache kernel tests, fp8 included on compute capability >= 8.9,
+   are in ``test_triton_kernels.py``, which part 1 of ``gpu_check.py`` runs);
 2. int8 GEMM timing: the Triton kernel beside bf16 ``F.linear`` (cuBLAS) on the
    layer shapes of the 723.6M reference Llama, for decode (1, 16 rows) and prefill (256);
 3. decode attention timing over a bf16, an int8 and an fp8 cache;
@@ -65,14 +66,8 @@ def run_tests(device: str, dry_run: bool, env: dict[str, str]) -> tuple[bool, st
     tests = "tests/backends/torch/"
     if dry_run:
         selection = [tests + "test_int8_linear.py", "-k", "triton and 1-48-40"]
-    else:
-        selection = [
-            tests + "test_int8_linear.py",
-            tests + "test_triton_kernels.py",
-            tests + "test_triton_e2e.py",
-            "-k",
-            "triton_gemm or quantized or quantizes or int8",
-        ]
+    else:  # the quantized-cache kernel tests run with the others, in part 1
+        selection = [tests + "test_int8_linear.py", tests + "test_triton_e2e.py", "-k", "int8"]
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection]
     started = time.monotonic()
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
