@@ -46,6 +46,8 @@ class TorchBackend(Backend):
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=max_model_len,
                 enforce_eager=config.enforce_eager,
+                quantization=config.quantization,
+                kv_cache_dtype=config.kv_cache_dtype,
             )
 
         return build_engine(model, config, hardware, load_runner)
