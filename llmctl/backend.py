@@ -166,6 +166,23 @@ def refuse_cuda_without_gpu(
 
 DEVICE_RULE = OptionRule("device", "`cuda` needs a CUDA GPU", refuse_cuda_without_gpu)
 
+FP8_MIN_COMPUTE_CAPABILITY = (8, 9)  # Ada and Hopper have fp8 (e4m3) conversions
+
+
+def fp8_problem(options: Mapping[str, Any], hardware: Hardware) -> str | None:
+    """Why fp8 (e4m3) cannot run with these options here (``None``: it can): it needs a
+    CUDA GPU of compute capability >= 8.9. Shared by every backend with fp8 kernels."""
+    need = ".".join(map(str, FP8_MIN_COMPUTE_CAPABILITY))
+    if hardware.device_for(options.get("device", "auto")) != "cuda":
+        return f"fp8 (e4m3) needs a CUDA GPU of compute capability >= {need}; on the CPU use int8"
+    capability = hardware.compute_capability or (0, 0)
+    if capability < FP8_MIN_COMPUTE_CAPABILITY:
+        return (
+            f"fp8 (e4m3) needs compute capability >= {need}, this GPU has "
+            f"{capability[0]}.{capability[1]}: use int8"
+        )
+    return None
+
 
 def one_device_rules(backend: str) -> tuple[OptionRule, ...]:
     """The rules of a backend that runs a model on one device of one machine: it refuses

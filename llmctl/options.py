@@ -227,6 +227,25 @@ CORE_OPTIONS: tuple[Option, ...] = (
         "start; turn off to debug. No effect on the CPU.",
     ),
     Option(
+        "quantization",
+        "str",
+        "none",
+        "Weight quantization: `none` (the checkpoint's weights in `dtype`) or `int8` "
+        "(weight-only, symmetric, one scale per output channel, quantized from the checkpoint "
+        "when the model loads; embeddings and the LM head stay in `dtype`).",
+        choices=("none", "int8"),
+    ),
+    Option(
+        "kv_cache_dtype",
+        "str",
+        "auto",
+        "KV-cache element type: `auto` (the model's `dtype`), `int8` or `fp8` (e4m3), each "
+        "with a float32 scale per token and KV head stored beside the blocks. One byte per "
+        "element: the same cache_max_entry_count holds about 4x the tokens of a float32 "
+        "cache, 2x a 16-bit one.",
+        choices=("auto", "int8", "fp8"),
+    ),
+    Option(
         "adapters",
         "list",
         None,

@@ -21,6 +21,9 @@ The parts, each recorded in ``docs/benchmarks/gpu_check_<date>.md``:
    turbo >= 3,500 GB/s at batch 64, context 4096, block size 64; turbo no slower than
    Triton in any cell. This part runs last and stops at ``--time-limit``.
 
+Between 3 and 4, quantization: the int8 weight GEMM and int8 / fp8 KV-cache attention
+(``gpu_check_quant.py``).
+
 Exits non-zero when there is no CUDA GPU (unless ``--dry-run``) or when a check fails.
 """
 
@@ -42,6 +45,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from gpu_check_graphs import graphs_section  # scripts/ is on sys.path when run as a script
+from gpu_check_quant import quant_section
 from gpu_check_turbo import turbo_section
 from gpu_check_workload import workload_section
 
@@ -143,6 +147,7 @@ def main() -> int:
         ("2. End to end", run_end_to_end, (args.stories, args.dry_run, device)),
         ("3. Turbo native kernels", turbo_section, (device, args.dry_run, run_pytest)),
         ("CUDA graphs (torch decode)", graphs_section, (device, args.dry_run, run_pytest)),
+        ("3b. Quantization", quant_section, (device, args.dry_run, child_env())),
         ("4. Throughput workload", workload_section, (device, args.dry_run)),
         # Last: the sweep stops at the deadline, whatever is left.
         ("5. Decode attention bandwidth", run_bandwidth,

@@ -172,6 +172,39 @@ def sweep_table(report: dict[str, Any]) -> Rows:
     return headers, rows
 
 
+def variant_label(options: dict[str, str], baseline: dict[str, str]) -> str:
+    """``quantization=int8, kv_cache_dtype=int8``: the options that differ from ``baseline``."""
+    changed = [f"{k}={v}" for k, v in options.items() if baseline.get(k) != v]
+    return ", ".join(changed) or "unquantized"
+
+
+def quality_table(report: dict[str, Any]) -> Rows:
+    """One column for the unquantized run and one per variant (value, then its ratio)."""
+    baseline, runs = report["baseline"], report["runs"]
+    headers = ["metric", "unquantized"]
+    headers += [variant_label(run["options"], baseline["options"]) for run in runs]
+    metrics = [
+        ("tokens/s (batch 1)", "tokens_per_s", _num),
+        ("weights (MiB)", "weight_bytes", _mib),
+        ("KV cache per token (KiB)", "kv_bytes_per_token", lambda v: _num(v / 1024, 2)),
+        ("perplexity of the text", "perplexity", lambda v: _num(v, 3)),
+    ]
+    rows = []
+    for label, key, show in metrics:
+        row = [label, show(baseline[key])]
+        for run in runs:
+            ratio = run["ratios"][key]
+            row.append(show(run[key]) + ("" if ratio is None else f" ({ratio:.2f}x)"))
+        rows.append(row)
+    agreement = [
+        ("greedy agreement (steps to first difference)", "greedy_agreement"),
+        ("teacher-forced top-1 agreement", "teacher_forced_agreement"),
+    ]
+    for label, key in agreement:
+        rows.append([label, "-"] + [f"{run[key]:.1%}" for run in runs])
+    return headers, rows
+
+
 def markdown(table: Rows) -> str:
     headers, rows = table
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]

@@ -217,9 +217,10 @@ def benchmark_throughput(
         import torch
 
         torch.cuda.empty_cache()
-    engine_result["peak_kv_cache_bytes"] = engine_result[
-        "peak_kv_blocks_used"
-    ] * model_config.kv_bytes_per_block(engine_result["block_size"], dtype)
+    bytes_per_block = model_config.kv_bytes_per_block(
+        engine_result["block_size"], dtype, values["kv_cache_dtype"]
+    )
+    engine_result["peak_kv_cache_bytes"] = engine_result["peak_kv_blocks_used"] * bytes_per_block
     report: dict[str, Any] = {
         "kind": "throughput",
         "model": info.name,

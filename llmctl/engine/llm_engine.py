@@ -31,9 +31,8 @@ from llmctl.engine.request_rules import finish_reason, validate_request
 from llmctl.engine.runner import ModelRunner
 from llmctl.engine.sampler import SampledBatch, SampledToken, Sampler
 from llmctl.engine.sampling_params import SamplingParams
-from llmctl.engine.scheduler import Scheduler
+from llmctl.engine.scheduler import ScheduledStep, Scheduler
 from llmctl.engine.sequence import Sequence, SequenceStatus
-from llmctl.engine.step_inputs import ScheduledStep, StepInputs
 from llmctl.engine.step_profile import StepProfile
 from llmctl.engine.tokenizer import Tokenizer
 from llmctl.engine.transfer import to_device
@@ -83,12 +82,9 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.num_blocks, self.block_size, options.enable_prefix_caching
         )
-        self.inputs = StepInputs(
-            self.block_size,
-            options.max_num_seqs,
-            self.block_manager.blocks_needed(max_model_len),
+        self.scheduler = Scheduler(
+            options, self.block_manager, self.block_manager.blocks_needed(max_model_len)
         )
-        self.scheduler = Scheduler(options, self.block_manager, self.inputs)
         self.sampler = Sampler(eos_token_ids, options.seed)
         self.profile = StepProfile()
         # ``overlap`` None: steps overlap where the device runs apart from the host.
@@ -163,7 +159,7 @@ class LLMEngine:
                 raise RuntimeError("the scheduler could not run any waiting request")
             return outputs
         scheduled = perf_counter()
-        batch = self.inputs.build(step)
+        batch = self.scheduler.batches.build(step)
         built = perf_counter()
         if before_model is not None:
             before_model()

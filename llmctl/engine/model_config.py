@@ -38,6 +38,10 @@ _DTYPE_ALIASES = {
     "half": "float16",
 }
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# A quantized KV cache (kv_cache_dtype int8 / fp8): one byte per element, plus one
+# float32 scale per token and KV head (llmctl.engine.quant).
+KV_QUANTIZED_ELEMENT_BYTES = {"int8": 1, "fp8": 1}
+KV_SCALE_BYTES = 4
 # The default of a ConfigReader key that must be present.
 REQUIRED: Any = object()
 
@@ -231,13 +235,23 @@ class ModelConfig:
             )
         return requested
 
-    def kv_bytes_per_block(self, block_size: int, dtype: Any) -> int:
+    def kv_bytes_per_block(self, block_size: int, dtype: Any, kv_cache_dtype: str = "auto") -> int:
         """Bytes one KV block takes across all layers: K and V, ``block_size`` tokens each.
 
-        ``dtype`` is a dtype name (``"bfloat16"``, ``"fp16"``...) or a ``torch.dtype``.
+        ``dtype`` is the model's dtype: a name (``"bfloat16"``, ``"fp16"``...) or a
+        ``torch.dtype``; the cache holds it when ``kv_cache_dtype`` is ``auto``. An
+        ``int8`` / ``fp8`` cache holds one byte per element and a scale per token and KV
+        head (head_dim + 4 bytes per row: 4 * head_dim / (head_dim + 4) times fewer
+        than fp32, 3.8x at head_dim 64).
         """
-        itemsize = DTYPE_SIZES[canonical_dtype(dtype)] if isinstance(dtype, str) else dtype.itemsize
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * block_size * itemsize
+        if kv_cache_dtype in KV_QUANTIZED_ELEMENT_BYTES:
+            row_bytes = self.head_dim * KV_QUANTIZED_ELEMENT_BYTES[kv_cache_dtype] + KV_SCALE_BYTES
+        else:
+            itemsize = (
+                DTYPE_SIZES[canonical_dtype(dtype)] if isinstance(dtype, str) else dtype.itemsize
+            )
+            row_bytes = self.head_dim * itemsize
+        return 2 * self.num_layers * self.num_kv_heads * block_size * row_bytes
 
     def resolve_dtype(self, requested: str) -> str:
         """``auto`` means the checkpoint's own dtype; anything else must be a known dtype."""

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from llmctl.engine.model_config import ModelConfig
+from llmctl.engine.quant import kv_cache_torch_dtype
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -211,7 +212,8 @@ class ModelRunner(Protocol):
 class PagedRunner:
     """Base of a runner over a paged KV cache of ``num_blocks`` blocks.
 
-    ``dtype`` is a name (``auto`` is the checkpoint's) or a ``torch.dtype``. The engine
+    ``dtype`` is a name (``auto`` is the checkpoint's) or a ``torch.dtype``;
+    ``kv_cache_dtype`` (``auto``: ``dtype``, ``int8``, ``fp8``) is the KV cache's. The engine
     sizes the cache from the memory free once the weights are loaded, then calls
     ``allocate_kv_cache``; tests may pass ``num_blocks`` to the subclass directly.
     Subclasses implement ``_allocate(num_blocks)`` and ``execute``.
@@ -226,15 +228,28 @@ class PagedRunner:
         dtype: str | torch.dtype,
         device: str | torch.device,
         block_size: int,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.config = config
         self.device = torch.device(device)
         self.dtype = TORCH_DTYPES[config.resolve_dtype(dtype)] if isinstance(dtype, str) else dtype
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, self.dtype)
         self.block_size = block_size
         self.num_blocks = 0
 
     def kv_bytes_per_block(self) -> int:
-        return self.config.kv_bytes_per_block(self.block_size, self.dtype)
+        return self.config.kv_bytes_per_block(self.block_size, self.dtype, self.kv_cache_dtype)
+
+    def weight_bytes(self) -> int | None:
+        """Bytes the loaded (possibly quantized) weights take, if the runner can tell."""
+        return None
+
+    def kv_element(self) -> str:
+        """What one cache element is, for the KV plan's line: ``float32``, ``int8 + scales``."""
+        if self.kv_cache_dtype == "auto":
+            return str(self.dtype).removeprefix("torch.")
+        return f"{self.kv_cache_dtype} + scales"
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         if num_blocks <= 0:

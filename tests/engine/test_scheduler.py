@@ -210,7 +210,7 @@ def test_steady_decode_steps_look_only_at_sequences_that_change(
 ) -> None:
     """Once every running sequence decodes, a step is the previous one moved on: no
     sequence is scheduled one by one, and only those opening a block get one."""
-    from llmctl.engine.step_inputs import ScheduledStep
+    from llmctl.engine.scheduler import ScheduledStep
 
     added = []
     real_add = ScheduledStep.add

@@ -119,6 +119,8 @@ def test_defaults_are_transformers_own(backend) -> None:
             "at most max_prefill_token_num (32)",
         ),
         ({"adapters": ["/tmp/adapter"]}, "adapters", "does not load LoRA adapters"),
+        ({"quantization": "int8"}, "quantization", "does not quantize weights"),
+        ({"kv_cache_dtype": "int8"}, "kv_cache_dtype", "in the model's dtype"),
     ],
 )
 def test_each_refused_value_has_its_rule(backend, flags, option, rule) -> None:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmctl.backend import CUDA_GRAPHS_RULE, DEVICE_RULE, OptionRule
+from llmctl.backend import CUDA_GRAPHS_RULE, DEVICE_RULE, OptionRule, fp8_problem
 from llmctl.errors import ModelError
 from llmctl.kv_budget import KVBudget, parse_kv_budget
 from llmctl.model_info import resolve_model
@@ -27,6 +27,8 @@ class TorchConfig:
     enable_prefix_caching: bool
     dtype: str
     device: str
+    quantization: str
+    kv_cache_dtype: str
     lora_adapters: tuple[str, ...]
     seed: int
     chat_template: str | None
@@ -50,6 +52,8 @@ class TorchConfig:
             enable_prefix_caching=options["enable_prefix_caching"],
             dtype=options["dtype"],
             device=options["device"],
+            quantization=options["quantization"],
+            kv_cache_dtype=options["kv_cache_dtype"],
             lora_adapters=tuple(options["adapters"] or ()),
             seed=options["seed"],
             chat_template=options["chat_template"],
@@ -149,6 +153,16 @@ RULES = (
         "cache_block_seq_len",
         "a power of two >= 16",
         lambda value, options, hardware: block_size_problem(value),
+    ),
+    OptionRule(
+        "quantization",
+        "`int8` on CPU (torch's int8 kernel) and CUDA (a Triton GEMM)",
+        lambda value, options, hardware: None,
+    ),
+    OptionRule(
+        "kv_cache_dtype",
+        "`int8` everywhere; `fp8` on CUDA with compute capability >= 8.9",
+        lambda value, options, hardware: fp8_problem(options, hardware) if value == "fp8" else None,
     ),
     DEVICE_RULE,
     CUDA_GRAPHS_RULE,

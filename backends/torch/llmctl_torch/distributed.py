@@ -171,7 +171,8 @@ class HeadRanks:
             raise
         self.store.set("go", "1")
         self._last_command = time.monotonic()
-        threading.Thread(target=self._watch, name="llmctl-rank-watch", daemon=True).start()
+        self._watcher = threading.Thread(target=self._watch, name="llmctl-rank-watch", daemon=True)
+        self._watcher.start()
 
     def _wait_for_all(self, stage: str, timeout: float | None) -> None:
         keys = [f"{stage}/{rank}" for rank in self.other_ranks]
@@ -303,6 +304,11 @@ class HeadRanks:
         for process in self.workers.values():
             process.join(timeout=max(0.0, deadline - time.monotonic()))
         self._kill_workers()
+        # The watcher must not be inside a store call when the interpreter exits (a daemon
+        # thread stopped there aborts the process), so it is joined here.
+        watcher = getattr(self, "_watcher", None)
+        if watcher is not None and watcher is not threading.current_thread():
+            watcher.join(timeout=WATCH_S + STOP_TIMEOUT_S)
         if dist.is_initialized():
             dist.destroy_process_group()
 

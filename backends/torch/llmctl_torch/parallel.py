@@ -32,6 +32,7 @@ from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.weights import SliceOf, load_weight_slices
 from llmctl.errors import ModelError, OptionError
 from llmctl_torch.config import tensor_parallel_problem
+from llmctl_torch.linear import Linear
 from llmctl_torch.model import LlamaForCausalLM, build_model
 
 
@@ -110,16 +111,17 @@ def slice_of(config: ModelConfig, rank: int, tp: int) -> SliceOf:
     return where
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Linear):
     """A linear layer over this rank's slice of the input features: the ranks' partial
-    products are summed (all-reduce); the bias, whole on every rank, is added once."""
+    products (in the layer's weight format, see ``linear.py``) are summed (all-reduce);
+    the bias, whole on every rank, is added once."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, shard: Shard) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self.shard = shard
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = self.method.apply(self, x, None)
         dist.all_reduce(out, group=self.shard.group)
         return out if self.bias is None else out + self.bias
 

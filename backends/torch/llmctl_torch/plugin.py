@@ -55,6 +55,8 @@ class TorchBackend(Backend):
                     max_num_seqs=config.max_num_seqs,
                     max_model_len=max_model_len,
                     enforce_eager=config.enforce_eager,
+                    quantization=config.quantization,
+                    kv_cache_dtype=config.kv_cache_dtype,
                 )
             from llmctl_torch.tp_runner import TensorParallelRunner, topology_for
 
@@ -65,6 +67,8 @@ class TorchBackend(Backend):
                 dtype=dtype,
                 device=device,
                 block_size=config.block_size,
+                quantization=config.quantization,
+                kv_cache_dtype=config.kv_cache_dtype,
             )
             sharded.append(runner)
             return runner

@@ -17,9 +17,11 @@ import torch
 
 from llmctl.engine.cuda_graphs import DecodeGraphs, decode_graphs
 from llmctl.engine.model_config import ModelConfig
+from llmctl.engine.quant import SCALE_DTYPE, is_quantized_kv
 from llmctl.engine.runner import PagedRunner, StepBatch, StepInputs, stage_step
 from llmctl.engine.weights import load_weights
-from llmctl_torch.attention import attention_ops
+from llmctl_torch.attention import LayerCache, attention_ops
+from llmctl_torch.linear import quantize_linears
 from llmctl_torch.lora import apply_lora_adapters
 from llmctl_torch.model import AttentionMetadata, LlamaForCausalLM, build_model
 
@@ -31,6 +33,8 @@ class TorchModelRunner(PagedRunner):
     engine sizes the cache from the memory free once the weights are loaded).
     ``max_num_seqs`` and ``max_model_len`` (default: the model's context) bound the
     decode steps the CUDA graphs are captured for; ``enforce_eager`` turns them off.
+    ``quantization`` (``none`` or ``int8``) converts the linear layers' weights once
+    loaded; ``kv_cache_dtype`` (``auto``, ``int8``, ``fp8``) is the cache's element type.
     """
 
     def __init__(
@@ -46,11 +50,20 @@ class TorchModelRunner(PagedRunner):
         max_num_seqs: int = 128,
         max_model_len: int | None = None,
         enforce_eager: bool = False,
+        quantization: str = "none",
+        kv_cache_dtype: str = "auto",
     ) -> None:
-        super().__init__(config, dtype=dtype, device=device, block_size=block_size)
+        super().__init__(
+            config,
+            dtype=dtype,
+            device=device,
+            block_size=block_size,
+            kv_cache_dtype=kv_cache_dtype,
+        )
         self.ops = attention_ops(self.device)
         self.model = self._load_model(model_dir, adapters)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        quantize_linears(self.model, quantization)
+        self.kv_caches: list[LayerCache] = []
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len or config.session_len()
         self.enforce_eager = enforce_eager
@@ -69,15 +82,28 @@ class TorchModelRunner(PagedRunner):
 
     def _allocate(self, num_blocks: int) -> None:
         """One ``[2, layers, num_blocks, block_size, kv_heads, head_dim]`` tensor, viewed
-        as a (K, V) pair per layer. Zeroed, not empty: attention masks unwritten slots
-        with a zero weight, and 0 * NaN from uninitialised memory would still be NaN."""
+        as a (K, V) pair per layer; an int8 / fp8 cache has a float32 scale per token and
+        KV head beside it, ``[2, layers, num_blocks, block_size, kv_heads]``. Zeroed, not
+        empty: attention masks unwritten slots with a zero weight, and 0 * NaN from
+        uninitialised memory would still be NaN."""
         c = self.config
-        cache = torch.zeros(
-            (2, c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim),
-            dtype=self.dtype,
-            device=self.device,
-        )
-        self.kv_caches = [(cache[0, layer], cache[1, layer]) for layer in range(c.num_layers)]
+        shape = (2, c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        scales = None
+        if is_quantized_kv(self.kv_dtype):
+            scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=self.device)
+        self.kv_caches = [
+            LayerCache(
+                cache[0, layer],
+                cache[1, layer],
+                None if scales is None else (scales[0, layer], scales[1, layer]),
+            )
+            for layer in range(c.num_layers)
+        ]
+
+    def weight_bytes(self) -> int:
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache, then capture the decode graphs over it (GPU only)."""

@@ -47,6 +47,8 @@ class ShardRunner(TorchModelRunner):
         dtype: str | torch.dtype,
         device: torch.device,
         block_size: int,
+        quantization: str = "none",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.shard = shard
         self.full_config = config
@@ -59,6 +61,8 @@ class ShardRunner(TorchModelRunner):
             device=device,
             block_size=block_size,
             enforce_eager=True,
+            quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
         )
 
     def _load_model(self, model_dir: str | Path, adapters: Any) -> ParallelLlamaForCausalLM:
@@ -72,6 +76,8 @@ class WorkerTask:
     model_dir: str
     dtype: str | torch.dtype
     block_size: int
+    quantization: str = "none"
+    kv_cache_dtype: str = "auto"
 
 
 class TensorParallelRunner(ShardRunner):
@@ -89,8 +95,10 @@ class TensorParallelRunner(ShardRunner):
         dtype: str | torch.dtype,
         device: torch.device,
         block_size: int,
+        quantization: str = "none",
+        kv_cache_dtype: str = "auto",
     ) -> None:
-        task = WorkerTask(str(model_dir), dtype, block_size)
+        task = WorkerTask(str(model_dir), dtype, block_size, quantization, kv_cache_dtype)
         self.ranks = HeadRanks(topology, run_worker, task)
         self._threads_before = torch.get_num_threads()
         self._rank_threads = topology.threads_per_rank() if device.type == "cpu" else None
@@ -102,6 +110,8 @@ class TensorParallelRunner(ShardRunner):
                 dtype=dtype,
                 device=topology.device(0) if device.type == "cuda" else device,
                 block_size=block_size,
+                quantization=quantization,
+                kv_cache_dtype=kv_cache_dtype,
             )
             self.ranks.wait_until_ready()
         except BaseException:
@@ -186,6 +196,8 @@ def run_worker(topology: Topology, task: WorkerTask, rank: int) -> None:
             dtype=task.dtype,
             device=topology.device(rank),
             block_size=task.block_size,
+            quantization=task.quantization,
+            kv_cache_dtype=task.kv_cache_dtype,
         )
         link.ready()
         while (command := link.receive()) != STOP:
@@ -217,4 +229,10 @@ def serve_worker_node(model_dir: str | Path, config: TorchConfig, device: torch.
     model_config = ModelConfig.from_dir(model_dir)
     dtype = engine_dtype(config.dtype, model_config, device)
     topology = topology_for(config, device)
-    run_worker_node(topology, run_worker, WorkerTask(str(model_dir), dtype, config.block_size))
+    run_worker_node(
+        topology,
+        run_worker,
+        WorkerTask(
+            str(model_dir), dtype, config.block_size, config.quantization, config.kv_cache_dtype
+        ),
+    )

@@ -73,6 +73,21 @@ def block_size_problem(block_size: int, on_cuda: bool, hardware: Hardware) -> st
     return why if block_size % multiple else None
 
 
+def quantized_kv_problem(kv_cache_dtype: str) -> str | None:
+    """turbo has no int8 / fp8 KV cache yet: say where to turn instead."""
+    if kv_cache_dtype == "auto":
+        return None
+    where = (
+        "(--backend torch, or auto)"
+        if kv_cache_dtype == "int8"
+        else "on CUDA GPUs of compute capability >= 8.9"
+    )
+    return (
+        f"turbo has no {kv_cache_dtype} KV-cache kernels yet; the torch backend supports "
+        f"kv_cache_dtype={kv_cache_dtype} {where}"
+    )
+
+
 RULES = (
     OptionRule(
         "cache_block_seq_len",
@@ -87,6 +102,22 @@ RULES = (
         lambda value, options, hardware: (
             "turbo does not support LoRA adapters (use the torch backend)" if value else None
         ),
+    ),
+    # No int8 kernels in turbo yet: the rules below go when they land.
+    OptionRule(
+        "quantization",
+        "`none` only for now (the torch backend has `int8`)",
+        lambda value, options, hardware: (
+            "turbo has no int8 weight kernels yet; the torch backend supports "
+            "quantization=int8 (--backend torch, or auto)"
+            if value != "none"
+            else None
+        ),
+    ),
+    OptionRule(
+        "kv_cache_dtype",
+        "`auto` only for now (the torch backend has `int8` and `fp8`)",
+        lambda value, options, hardware: quantized_kv_problem(value),
     ),
     DEVICE_RULE,
     CUDA_GRAPHS_RULE,

@@ -117,8 +117,30 @@ def refuse_adapters(value: list[str], options: Mapping[str, Any], hardware: Hard
     return None
 
 
+def refuse_quantization(value: str, options: Mapping[str, Any], hardware: Hardware) -> str | None:
+    """quantization: this backend runs the checkpoint's weights as they are."""
+    if value != "none":
+        return (
+            "the transformers backend does not quantize weights at load: use "
+            "--backend torch for int8 weights, or quantization none"
+        )
+    return None
+
+
+def refuse_kv_cache_dtype(value: str, options: Mapping[str, Any], hardware: Hardware) -> str | None:
+    """kv_cache_dtype: transformers' paged cache holds the model's dtype."""
+    if value != "auto":
+        return (
+            "transformers' paged cache holds keys and values in the model's dtype: use "
+            "--backend torch for an int8 or fp8 cache, or kv_cache_dtype auto"
+        )
+    return None
+
+
 RULES = (
     OptionRule("cache_block_seq_len", "at least 4 (default 256)", refuse_small_page),
+    OptionRule("quantization", "`none` only", refuse_quantization),
+    OptionRule("kv_cache_dtype", "`auto` only", refuse_kv_cache_dtype),
     OptionRule("max_batch_size", "at most max_prefill_token_num", refuse_batch_over_tokens),
     OptionRule("adapters", "not supported", refuse_adapters),
     OptionRule(
