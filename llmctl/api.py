@@ -96,20 +96,19 @@ class LLM:
         return f"llm-{next(self._ids)}"
 
     def _run(self, requests: list[GenerationRequest]) -> list[RequestOutput]:
+        if hasattr(self.engine, "generate_all"):  # a local engine: no event loop needed
+            results = [_empty_result(request) for request in requests]
+            for result, output in zip(results, self.engine.generate_all(requests)):
+                _merge(result, output)
+            return results
+
         async def run_all() -> list[RequestOutput]:
             return list(await asyncio.gather(*(self._collect(r) for r in requests)))
 
         return _run_sync(run_all())
 
     async def _collect(self, request: GenerationRequest) -> RequestOutput:
-        result = RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=list(request.prompt_token_ids or []),
-            text="",
-            token_ids=[],
-            finish_reason=None,
-        )
+        result = _empty_result(request)
         async for output in self.engine.generate(request):
             _merge(result, output)
         return result
@@ -128,6 +127,17 @@ def checked_options(options: dict[str, Any]) -> dict[str, Any]:
             raise OptionError(unknown_key_message(name, f"LLM({name}=...)"))
         checked[name] = schema[name].convert(value, f"LLM({name}=...)")
     return checked
+
+
+def _empty_result(request: GenerationRequest) -> RequestOutput:
+    return RequestOutput(
+        request_id=request.request_id,
+        prompt=request.prompt,
+        prompt_token_ids=list(request.prompt_token_ids or []),
+        text="",
+        token_ids=[],
+        finish_reason=None,
+    )
 
 
 def _merge(result: RequestOutput, output: GenerationOutput) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from llmctl.engine.sampling_params import SamplingParams
+from llmctl.errors import BackendError
 from llmctl.hardware import Hardware
 from llmctl.model_info import ModelInfo
 
@@ -104,7 +105,9 @@ class EngineStats:
     waiting: int = 0
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
+    kv_blocks_peak: int = 0  # most in use at once (a high-water mark, not a sample)
     block_size: int = 0
+    tensor_parallel_size: int = 1  # ranks the model is sharded over
 
     @property
     def kv_blocks_free(self) -> int:
@@ -113,7 +116,13 @@ class EngineStats:
 
 @runtime_checkable
 class Engine(Protocol):
-    """What the server, chat, bench and the Python API talk to."""
+    """What the server, chat, bench and the Python API talk to.
+
+    An engine may also offer ``generate_all(requests, on_outputs=None)``: run several
+    requests from a blocking caller and return each one's whole output (the local
+    engines hand a step's outputs over at once, with no event loop in between);
+    ``LLM.generate`` and ``llmctl bench throughput`` use it where it exists.
+    """
 
     model_name: str
     # session_len: prompt + generated tokens of one request; 0 when unknown (a proxy
@@ -141,6 +150,9 @@ class OptionRule:
     option: str
     summary: str
     refuses: Callable[[Any, Mapping[str, Any], Hardware], str | None]
+    # What an accepted value does here when that is not what it seems (an option with no
+    # effect on this device); ``config show --explain`` prints it. ``None``: nothing to say.
+    note: Callable[[Any, Mapping[str, Any], Hardware], str | None] | None = None
 
 
 def refuse_cuda_without_gpu(
@@ -153,6 +165,55 @@ def refuse_cuda_without_gpu(
 
 
 DEVICE_RULE = OptionRule("device", "`cuda` needs a CUDA GPU", refuse_cuda_without_gpu)
+
+FP8_MIN_COMPUTE_CAPABILITY = (8, 9)  # Ada and Hopper have fp8 (e4m3) conversions
+
+
+def fp8_problem(options: Mapping[str, Any], hardware: Hardware) -> str | None:
+    """Why fp8 (e4m3) cannot run with these options here (``None``: it can): it needs a
+    CUDA GPU of compute capability >= 8.9. Shared by every backend with fp8 kernels."""
+    need = ".".join(map(str, FP8_MIN_COMPUTE_CAPABILITY))
+    if hardware.device_for(options.get("device", "auto")) != "cuda":
+        return f"fp8 (e4m3) needs a CUDA GPU of compute capability >= {need}; on the CPU use int8"
+    capability = hardware.compute_capability or (0, 0)
+    if capability < FP8_MIN_COMPUTE_CAPABILITY:
+        return (
+            f"fp8 (e4m3) needs compute capability >= {need}, this GPU has "
+            f"{capability[0]}.{capability[1]}: use int8"
+        )
+    return None
+
+
+def one_device_rules(backend: str) -> tuple[OptionRule, ...]:
+    """The rules of a backend that runs a model on one device of one machine: it refuses
+    the tensor-parallel options (the torch backend shards models)."""
+
+    def rule(option: str, single: int) -> OptionRule:
+        def refuses(value: Any, options: Mapping[str, Any], hardware: Hardware) -> str | None:
+            if value == single:
+                return None
+            return f"{option} must be {single}: {backend} runs a model on one device of one machine"
+
+        return OptionRule(option, f"{single} only (one device)", refuses)
+
+    return (rule("tensor_parallel_size", 1), rule("nnodes", 1), rule("node_rank", 0))
+
+
+def cuda_graphs_note(value: Any, options: Mapping[str, Any], hardware: Hardware) -> str | None:
+    """CUDA graphs save kernel launches on a GPU; on the CPU there is nothing to capture."""
+    if value and hardware.device_for(options.get("device", "auto")) != "cuda":
+        return "ignored on the CPU (CUDA graphs need a CUDA device)"
+    return None
+
+
+# The ``cuda_graphs`` rule both local backends share (llmctl.engine.cuda_graphs).
+CUDA_GRAPHS_RULE = OptionRule(
+    "cuda_graphs",
+    "on CUDA, decode steps replay graphs captured at start for batch sizes 1, 2, 4, 8, 16, "
+    "then every 16 up to max_batch_size; ignored on the CPU",
+    lambda value, options, hardware: None,
+    note=cuda_graphs_note,
+)
 
 
 class Backend:
@@ -188,9 +249,21 @@ class Backend:
                 errors[rule.option] = problem
         return errors
 
+    def option_notes(self, options: Mapping[str, Any], hardware: Hardware) -> dict[str, str]:
+        """Options whose values have an effect here other than it seems (see ``OptionRule.note``)."""
+        notes = {}
+        for rule in self.rules:
+            value = options.get(rule.option)
+            if rule.note is not None and value is not None:
+                if note := rule.note(value, options, hardware):
+                    notes[rule.option] = note
+        return notes
+
     def check(self, model: ModelInfo, options: Mapping[str, Any], hardware: Hardware) -> list[str]:
         """Every reason this backend cannot serve ``model`` with ``options`` here."""
         reasons = list(self.check_hardware(hardware))
+        if self.loads_local_model:  # a broken model directory (llmctl.engine.model_check)
+            reasons += model.problems
         supported = self.supported_architectures
         if supported is not None and model.architecture not in supported:
             reasons.append(
@@ -205,6 +278,13 @@ class Backend:
         """Build or fetch what the backend needs ahead of first use (``llmctl backends
         build``); return a one-line summary, or None when there is nothing to prepare."""
         return None
+
+    def run_worker_node(
+        self, model: ModelInfo, options: Mapping[str, Any], hardware: Hardware
+    ) -> None:
+        """Run this machine's ranks of an engine sharded over several machines
+        (``node_rank`` > 0) until the head node stops them (``llmctl serve`` there)."""
+        raise BackendError(f"backend {self.name!r} does not run across machines")
 
     def translate(self, options: Mapping[str, Any]) -> Any:
         """Map unified option names to this backend's own config: the one place it happens."""

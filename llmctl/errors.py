@@ -27,8 +27,25 @@ class InvalidRequest(LlmctlError, ValueError):
     """A generation request the engine refuses before starting (too long, bad params).
 
     The server answers it with HTTP 400; engines raise it from ``generate`` before
-    yielding anything.
+    yielding anything. ``param`` names the request field at fault (the server reports
+    it as OpenAI's ``param``); ``code`` is a machine-readable reason, such as
+    ``context_length_exceeded``.
     """
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param = param
+        self.code = code
+
+
+class EngineError(LlmctlError, RuntimeError):
+    """The engine failed while running a request (a fault in the model call, or an
+    engine that has stopped). Not the client's fault: the server answers HTTP 500."""
+
+
+class EngineDead(EngineError):
+    """The engine cannot run any more (a tensor-parallel rank died or hung): requests in
+    flight fail, new ones are refused. The server answers 503 and ``serve`` exits non-zero."""
 
 
 class UpstreamError(LlmctlError):

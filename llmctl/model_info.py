@@ -1,6 +1,9 @@
 """Turn a model argument (``demo``, a local directory, a cached hub id) into facts backends check.
 
-Reads only ``config.json``: no torch, no weights. Loading happens in the engine.
+Resolving reads only ``config.json``. A directory the user named is checked further on
+first use of ``problems``, once per command: ``llmctl.engine.model_check`` reads the
+config values, the safetensors headers and the tokenizer files (no torch, no weights).
+Loading happens in the engine.
 """
 
 from __future__ import annotations
@@ -8,10 +11,14 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmctl.errors import ModelError
+
+if TYPE_CHECKING:
+    from llmctl.engine.model_check import ModelReport
 
 DEMO_NAME = "demo"
 
@@ -24,6 +31,11 @@ class ModelInfo:
     path: Path
     config: dict[str, Any] = field(default_factory=dict, compare=False)
     is_demo: bool = False
+    # A directory the user named (or a hub cache snapshot): checked before it is loaded.
+    # Not the demo (llmctl writes it) nor a remote model (no directory here).
+    is_user_dir: bool = False
+    # The chat_template option, which replaces the directory's own template when set.
+    chat_template: str | None = None
 
     @classmethod
     def remote(cls, name: str) -> ModelInfo:
@@ -32,12 +44,34 @@ class ModelInfo:
 
     @property
     def architecture(self) -> str:
-        architectures = self.config.get("architectures") or ["unknown"]
-        return architectures[0]
+        try:
+            return read_architecture(self.config, "config.json")
+        except ModelError:  # the check reports it (problems)
+            return "unknown"
 
     @property
     def model_type(self) -> str:
-        return self.config.get("model_type", "unknown")
+        return str(self.config.get("model_type", "unknown"))
+
+    @cached_property
+    def report(self) -> ModelReport:
+        """What llmctl reads from the directory and what is wrong with it (checked once).
+
+        The one import up a layer besides the demo's: the check is the engine's knowledge
+        of the files it loads, and selection must have it before any backend is tried."""
+        from llmctl.engine.model_check import check_model_dir
+
+        return check_model_dir(self.path, self.chat_template)
+
+    @property
+    def problems(self) -> list[str]:
+        """Why llmctl's engines cannot load this directory (empty: nothing found)."""
+        return list(self.report.problems) if self.is_user_dir else []
+
+    def ensure_loadable(self) -> None:
+        """Raise a ModelError listing the problems, if there are any."""
+        if self.problems:
+            raise ModelError(self.report.error_message())
 
 
 def resolve_model(arg: str) -> ModelInfo:
@@ -52,7 +86,7 @@ def resolve_model(arg: str) -> ModelInfo:
         return ModelInfo(name=DEMO_NAME, path=demo_model_dir(), config=DEMO_CONFIG, is_demo=True)
     path = Path(arg).expanduser()
     if path.is_dir():
-        return ModelInfo(name=arg, path=path, config=_read_config(path))
+        return ModelInfo(name=arg, path=path, config=_read_config(path), is_user_dir=True)
     if path.exists():
         raise ModelError(
             f"model {arg!r} is a file; give the directory that holds config.json, the "
@@ -61,7 +95,9 @@ def resolve_model(arg: str) -> ModelInfo:
     if arg.count("/") == 1 and not arg.startswith((".", "/", "~")):
         snapshot = _hf_cache_snapshot(arg)
         if snapshot is not None:
-            return ModelInfo(name=arg, path=snapshot, config=_read_config(snapshot))
+            return ModelInfo(
+                name=arg, path=snapshot, config=_read_config(snapshot), is_user_dir=True
+            )
         raise ModelError(
             f"model {arg!r} is not in the local Hugging Face cache ({hf_hub_cache()}). "
             "llmctl never downloads: fetch it first (e.g. `huggingface-cli download "
@@ -74,16 +110,54 @@ def resolve_model(arg: str) -> ModelInfo:
 
 
 def _read_config(path: Path) -> dict[str, Any]:
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise ModelError(
-            f"{path} has no config.json: give a Hugging Face model directory "
-            "(config.json + *.safetensors + tokenizer files)"
-        )
+    return read_json_object(path / "config.json", required=True)
+
+
+def read_json_object(path: Path, *, required: bool) -> dict[str, Any]:
+    """A JSON file that must hold an object; a missing optional file reads as ``{}``."""
+    if not path.is_file():
+        if required:
+            raise ModelError(
+                f"{path.parent} has no {path.name}: give a Hugging Face model directory "
+                "(config.json + *.safetensors + tokenizer files)"
+            )
+        return {}
     try:
-        return json.loads(config_file.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelError(f"{config_file} is not valid JSON: {exc}") from None
+        content = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(content, dict):
+        raise ModelError(f"{path} must hold a JSON object {{...}}, not {describe(content)}")
+    return content
+
+
+def read_architecture(config: dict[str, Any], source: str) -> str:
+    """The model class config.json names (``architectures[0]``)."""
+    architectures = config.get("architectures")
+    if (
+        not isinstance(architectures, list)
+        or not architectures
+        or not isinstance(architectures[0], str)
+    ):
+        raise ModelError(
+            f"{source}: 'architectures' must name the model class, e.g. "
+            f'["LlamaForCausalLM"], got {describe(architectures)}'
+        )
+    return architectures[0]
+
+
+def describe(value: Any) -> str:
+    """A JSON value as an error message shows it: ``the string '1e4'``, ``null``, ``-3``."""
+    if value is None:
+        return "null (or nothing)"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return f"the string {value!r}"
+    if isinstance(value, (list, dict)):
+        kind = "a list" if isinstance(value, list) else "an object"
+        return f"{kind} ({json.dumps(value)[:40]})"
+    return repr(value)
 
 
 def hf_hub_cache() -> Path:

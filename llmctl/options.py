@@ -228,6 +228,33 @@ CORE_OPTIONS: tuple[Option, ...] = (
         metavar="N",
     ),
     Option(
+        "cuda_graphs",
+        "bool",
+        True,
+        "Capture the decode step as CUDA graphs at engine start and replay them: one call "
+        "per step instead of a launch per kernel. Costs some GPU memory and seconds at "
+        "start; turn off to debug. No effect on the CPU.",
+    ),
+    Option(
+        "quantization",
+        "str",
+        "none",
+        "Weight quantization: `none` (the checkpoint's weights in `dtype`) or `int8` "
+        "(weight-only, symmetric, one scale per output channel, quantized from the checkpoint "
+        "when the model loads; embeddings and the LM head stay in `dtype`).",
+        choices=("none", "int8"),
+    ),
+    Option(
+        "kv_cache_dtype",
+        "str",
+        "auto",
+        "KV-cache element type: `auto` (the model's `dtype`), `int8` or `fp8` (e4m3), each "
+        "with a float32 scale per token and KV head stored beside the blocks. One byte per "
+        "element: the same cache_max_entry_count holds about 4x the tokens of a float32 "
+        "cache, 2x a 16-bit one.",
+        choices=("auto", "int8", "fp8"),
+    ),
+    Option(
         "adapters",
         "list",
         None,
@@ -248,6 +275,52 @@ CORE_OPTIONS: tuple[Option, ...] = (
         None,
         "Name the model is served under (the API's `model` field). Default: the model argument.",
         metavar="NAME",
+    ),
+    Option(
+        "tensor_parallel_size",
+        "int",
+        1,
+        "Tensor parallelism: shard the model over this many ranks (processes llmctl starts, "
+        "one per GPU on CUDA), across `nnodes` machines. See docs/multi-gpu.md.",
+        min=1,
+        metavar="N",
+        aliases=("--tp",),
+    ),
+    Option(
+        "nnodes",
+        "int",
+        1,
+        "Machines the tensor-parallel ranks are spread over (each runs "
+        "tensor_parallel_size / nnodes of them).",
+        min=1,
+        metavar="N",
+    ),
+    Option(
+        "node_rank",
+        "int",
+        0,
+        "This machine's index among `nnodes`: 0 is the head node (it schedules and serves "
+        "HTTP); 1.. run `llmctl serve` as worker nodes.",
+        min=0,
+        metavar="N",
+    ),
+    Option(
+        "master_addr",
+        "str",
+        "127.0.0.1",
+        "Address of the head node (node_rank 0) where the ranks meet (torch.distributed "
+        "rendezvous).",
+        metavar="HOST",
+    ),
+    Option(
+        "master_port",
+        "int",
+        None,
+        "Port of the rendezvous on the head node. Default: a free port on one machine; "
+        "several machines need it set (the same on every node).",
+        min=1,
+        max=65535,
+        metavar="PORT",
     ),
     Option(
         "host",
@@ -301,6 +374,16 @@ CORE_OPTIONS: tuple[Option, ...] = (
         "Seconds to let in-flight requests finish after SIGINT/SIGTERM before exiting.",
         commands=SERVER_COMMANDS,
         min=0,
+        metavar="SECONDS",
+    ),
+    Option(
+        "client_timeout",
+        "float",
+        30.0,
+        "Seconds a client has to send its request's headers and body, and to take each "
+        "chunk of a stream; a slower client is disconnected (408 for a late body).",
+        commands=SERVER_COMMANDS,
+        min=0.1,
         metavar="SECONDS",
     ),
     Option(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from llmctl.backend import Backend, Engine, Hardware, ModelInfo
@@ -82,9 +82,8 @@ def select(
     if model is not None:
         flags = {**flags, "model": model}
     profile_obj = selected_profile(profile, env)
-    names = [option_named("model"), option_named("backend")]
-    common = resolve(flags, profile=profile_obj, env=env, options=names)
-    info = model_for(common["model"].value, common["backend"].value)
+    info = model_from_options(flags, profile_obj, env)
+    info.ensure_loadable()  # before probing the hardware imports torch: a broken dir fails fast
     choice = choose(
         info, flags, profile=profile_obj, hardware=hardware or Hardware.probe(), env=env
     )
@@ -169,6 +168,7 @@ def first_that_serves(
 ) -> Choice:
     """The first backend (in priority order) with no reason against it. ``verdicts`` may be
     a generator, so backends after the chosen one are never checked."""
+    model.ensure_loadable()  # a broken model directory is no backend's fault: say so once
     skipped: list[Assessment] = []
     for verdict in verdicts:
         if not verdict.reasons:
@@ -197,15 +197,18 @@ def _fallback_notes(skipped: list[Assessment], chosen: Assessment) -> list[str]:
 def _no_backend_message(
     model: ModelInfo, requested: str, tried: list[Assessment], backends: Mapping[str, Backend]
 ) -> str:
-    last = tried[-1]
-    if last.refused_explicit:
+    # A value the user set that a backend refused is the news, even when backends tried
+    # after it (a proxy without an upstream, say) failed for other reasons.
+    refusing = [a for a in tried if a.refused_explicit]
+    if refusing:
+        last = refusing[-1]
         name, rule = next(iter(last.refused_explicit.items()))
         setting = last.settings[name]
         return (
             f"backend {last.backend.name} cannot use {name}={setting.value!r} "
             f"(set by {describe_source(setting)}): {rule}. llmctl never changes a value you "
             f"set: choose a value {last.backend.name} accepts, or remove the setting."
-            + _other_reasons(tried)
+            + _other_reasons([a for a in tried if a is not last])
         )
     lines = [f"no backend can serve {model.name} here:"]
     lines += [f"  {a.backend.name}: {'; '.join(a.reasons)}" for a in tried]
@@ -216,14 +219,20 @@ def _no_backend_message(
     return "\n".join(lines)
 
 
-def _other_reasons(tried: list[Assessment]) -> str:
-    earlier = [f"{a.backend.name}: {'; '.join(a.reasons)}" for a in tried[:-1]]
-    return (" Other backends were skipped: " + " | ".join(earlier)) if earlier else ""
+def _other_reasons(others: list[Assessment]) -> str:
+    reasons = [f"{a.backend.name}: {'; '.join(a.reasons)}" for a in others]
+    return (" Other backends were skipped: " + " | ".join(reasons)) if reasons else ""
 
 
-def model_for(model: str, backend_name: str) -> ModelInfo:
-    """Resolve the model argument; for a remote (proxy) backend it is just a name."""
-    backend = installed_backends().get(backend_name)
+def model_from_options(
+    flags: Mapping[str, Any], profile: Profile | None, env: Mapping[str, str] | None = None
+) -> ModelInfo:
+    """The model the options name: ``model``, for the backend asked for (a remote one
+    takes it as a name), with the ``chat_template`` that will replace its own."""
+    names = [option_named(name) for name in ("model", "backend", "chat_template")]
+    common = resolve(flags, profile=profile, env=env, options=names)
+    backend = installed_backends().get(common["backend"].value)
     if backend is not None and not backend.loads_local_model:
-        return ModelInfo.remote(model)
-    return resolve_model(model)
+        return ModelInfo.remote(common["model"].value)
+    info = resolve_model(common["model"].value)
+    return replace(info, chat_template=common["chat_template"].value)

@@ -1,18 +1,28 @@
-"""Check the torch backend's Triton attention on an NVIDIA GPU; write a markdown report.
+"""Check turbo's and the torch backend's GPU paths on an NVIDIA GPU; write a markdown report.
 
-    python scripts/gpu_check.py             # on a CUDA machine, about 5-8 minutes
+    python scripts/gpu_check.py             # on a CUDA machine, under 9 minutes
     python scripts/gpu_check.py --dry-run   # anywhere: tiny shapes, Triton interpreter
 
-Three parts, each recorded in ``docs/benchmarks/gpu_check_<date>.md``:
+The parts, each recorded in ``docs/benchmarks/gpu_check_<date>.md``:
 
 1. kernel tests: pytest on the Triton kernel and end-to-end tests, compiled natively;
 2. end to end: stories260K's greedy tokens through the torch backend (``llmctl.LLM``,
    Triton attention) against transformers' (its ``reference_greedy.json``);
-3. decode bandwidth: paged decode attention (bf16, head_dim 128, 32 query / 8 KV heads)
-   timed with CUDA events over block sizes, batches and context lengths, as achieved
-   GB/s of the bytes it must move (K/V, queries, outputs, block tables) and as a
-   fraction of the measured device-to-device copy bandwidth (read + write bytes of a
-   large ``Tensor.copy_``). Goal: >= 70% at batch 64, context 4096, block size 64.
+3. turbo (``gpu_check_turbo.py``): build, its CUDA kernel and CUDA-graph tests,
+   stories260K end to end, its decode step eager vs graph;
+   then the torch backend's decode as CUDA graphs (``gpu_check_graphs.py``);
+4. the reference throughput workload end to end for turbo, torch and transformers:
+   tokens/s, step time, GPU busy share (``gpu_check_workload.py``);
+5. decode bandwidth: paged decode attention, turbo's CUDA kernel beside the Triton
+   kernel on the same inputs (bf16, head_dim 128, 32 query / 8 KV heads) over block
+   sizes, batches and context lengths, as achieved GB/s of the bytes it must move
+   (K/V, queries, outputs, block tables) and as a fraction of the device's measured
+   copy bandwidth (``copy_bandwidth``). Goals: Triton >= 70% of copy bandwidth and
+   turbo >= 3,500 GB/s at batch 64, context 4096, block size 64; turbo no slower than
+   Triton in any cell. This part runs last and stops at ``--time-limit``.
+
+Between 3 and 4, quantization: the int8 weight GEMM and int8 / fp8 KV-cache attention
+(``gpu_check_quant.py``).
 
 Exits non-zero when there is no CUDA GPU (unless ``--dry-run``) or when a check fails.
 """
@@ -34,7 +44,10 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
-from gpu_check_turbo import turbo_section  # scripts/ is on sys.path when run as a script
+from gpu_check_graphs import graphs_section  # scripts/ is on sys.path when run as a script
+from gpu_check_quant import quant_section
+from gpu_check_turbo import turbo_section
+from gpu_check_workload import workload_section
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO.parent / "shared" / "models" / "stories260K"
@@ -42,6 +55,9 @@ KERNEL_TESTS = "tests/backends/torch/test_triton_kernels.py"
 E2E_TESTS = "tests/backends/torch/test_triton_e2e.py"
 
 GOAL = dict(block_size=64, batch=64, context=4096, fraction=0.70)
+TURBO_GOAL_GBS = 3500.0  # turbo's decode at the GOAL point
+# turbo "no slower than Triton": ratios within this of 1 are timing noise.
+NOISE = 0.03
 
 
 @dataclass(frozen=True)
@@ -56,16 +72,16 @@ class BenchGrid:
 
 
 GPU_GRID = BenchGrid(
-    block_sizes=(16, 32, 64, 128, 256),
+    block_sizes=(32, 64, 128, 256),  # turbo on CUDA takes multiples of 32
     batches=(1, 16, 64, 256),
     contexts=(512, 2048, 4096, 8192),
     num_heads=32,
     num_kv_heads=8,
     head_dim=128,
-    copy_bytes=2 << 30,
+    copy_bytes=4 << 30,
 )
 DRY_RUN_GRID = BenchGrid(
-    block_sizes=(16, 32),
+    block_sizes=(32,),
     batches=(1, 2),
     contexts=(64, 128),
     num_heads=4,
@@ -98,8 +114,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--time-limit",
         type=float,
-        default=450.0,
-        help="seconds for the whole run; the bandwidth sweep stops early to stay inside",
+        default=480.0,
+        help="seconds for the whole run; the bandwidth sweep (last) stops early to stay "
+        "inside, after its goal point",
     )
     return parser.parse_args()
 
@@ -128,9 +145,12 @@ def main() -> int:
     parts = [
         ("1. Kernel tests", run_kernel_tests, (args.dry_run,)),
         ("2. End to end", run_end_to_end, (args.stories, args.dry_run, device)),
-        # turbo before the sweep: the sweep stops at the deadline, whatever is left.
-        ("3. Turbo native kernels", turbo_section, (device, args.dry_run)),
-        ("4. Decode attention bandwidth", run_bandwidth,
+        ("3. Turbo native kernels", turbo_section, (device, args.dry_run, run_pytest)),
+        ("CUDA graphs (torch decode)", graphs_section, (device, args.dry_run, run_pytest)),
+        ("3b. Quantization", quant_section, (device, args.dry_run, child_env())),
+        ("4. Throughput workload", workload_section, (device, args.dry_run)),
+        # Last: the sweep stops at the deadline, whatever is left.
+        ("5. Decode attention bandwidth", run_bandwidth,
          (grid, device, start + args.time_limit, args.dry_run)),
     ]  # fmt: skip
     for name, part, part_args in parts:
@@ -195,6 +215,12 @@ def run_kernel_tests(dry_run: bool) -> tuple[bool, str]:
     else:
         # everything but the wide kernel grid, whose many shapes would each compile
         selection = [KERNEL_TESTS, E2E_TESTS, "-m", "slow or not slow", "-k", "not wider_grid"]
+    return run_pytest("## 1. Kernel tests", selection)
+
+
+def run_pytest(title: str, selection: list[str], tail_lines: int = 25) -> tuple[bool, str]:
+    """pytest on ``selection`` in a child process (compiled kernels, see ``child_env``):
+    whether it passed, and a report section with the command and the log's tail."""
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection]
     started = time.monotonic()
     try:
@@ -205,9 +231,9 @@ def run_kernel_tests(dry_run: bool) -> tuple[bool, str]:
     except subprocess.TimeoutExpired as timeout:  # its output comes back as bytes
         partial = (timeout.stdout or b"").decode(errors="replace")
         passed, log = False, f"timed out after {timeout.timeout} s\n{partial}"
-    tail = "\n".join(log.strip().splitlines()[-25:])
+    tail = "\n".join(log.strip().splitlines()[-tail_lines:])
     return passed, (
-        "## 1. Kernel tests\n\n"
+        f"{title}\n\n"
         f"`python {shlex.join(command[1:])}`: **{'passed' if passed else 'FAILED'}** "
         f"in {time.monotonic() - started:.0f} s\n\n```\n{tail}\n```\n"
     )
@@ -301,14 +327,66 @@ class Timer:
         return start.elapsed_time(end) / 1e3 / iterations, how
 
 
-def copy_bandwidth(num_bytes: int, device: str) -> float:
-    """Bytes read plus written per second by a large device-to-device copy."""
+def copy_bandwidth(num_bytes: int, device: str) -> tuple[float, str]:
+    """The device's copy bandwidth (bytes read + written per second) and how it was found.
+
+    A large buffer is copied back to back, timed with CUDA events around many launches
+    (so neither one launch's latency nor a single copy's ramp-up counts): once with
+    ``Tensor.copy_`` (cudaMemcpy, device to device) and once with an elementwise kernel
+    (``torch.mul(src, 1, out=dst)`` on fp32, a read and a write per element, as a
+    memory-bound kernel does). The reference is the faster of the two. (The first version
+    of this check replayed one copy captured in a CUDA graph and got 2,770 GB/s on an
+    H200 that copies at about 4,300.)
+    """
     import torch
 
-    src = torch.empty(num_bytes, dtype=torch.uint8, device=device).random_()
+    src = torch.empty(num_bytes // 4, dtype=torch.float32, device=device).normal_()
     dst = torch.empty_like(src)
-    seconds, _ = Timer(device)(lambda: dst.copy_(src), iterations=20)
-    return 2 * num_bytes / seconds
+    iterations = 20 if device == "cuda" else 2
+
+    def per_second(fn) -> float:
+        fn()  # warm up
+        if device != "cuda":
+            started = time.perf_counter()
+            for _ in range(iterations):
+                fn()
+            return 2 * num_bytes * iterations / (time.perf_counter() - started)
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iterations):
+            fn()
+        end.record()
+        end.synchronize()
+        return 2 * num_bytes * iterations / (start.elapsed_time(end) / 1e3)
+
+    memcpy = per_second(lambda: dst.copy_(src))
+    kernel = per_second(lambda: torch.mul(src, 1.0, out=dst))
+    how = (
+        f"{num_bytes >> 20} MiB, {iterations} back-to-back launches timed with "
+        f"{'CUDA events' if device == 'cuda' else 'the wall clock'}: "
+        f"`copy_` (cudaMemcpy) {memcpy / 1e9:,.0f} GB/s, elementwise kernel "
+        f"{kernel / 1e9:,.0f} GB/s; the faster is the reference"
+    )
+    return max(memcpy, kernel), how
+
+
+def turbo_decode():
+    """turbo's paged decode op where it is built with CUDA kernels (without a GPU, for
+    --dry-run, its CPU op stands in); else ``None``, and the table shows Triton alone."""
+    try:
+        from llmctl_turbo.build import build_spec, load_ops
+
+        ops = load_ops()
+    except Exception:  # turbo's own section reports why it did not build
+        return None
+    import torch
+
+    return (
+        ops.paged_decode_attention
+        if build_spec().with_cuda or not torch.cuda.is_available()
+        else None
+    )
 
 
 def run_bandwidth(grid: BenchGrid, device: str, deadline: float, dry_run: bool) -> tuple[bool, str]:
@@ -316,7 +394,8 @@ def run_bandwidth(grid: BenchGrid, device: str, deadline: float, dry_run: bool) 
     from llmctl_torch.triton_decode import paged_decode_attention, plan_splits
 
     timer = Timer(device)
-    copy_bw = copy_bandwidth(grid.copy_bytes, device)
+    copy_bw, copy_how = copy_bandwidth(grid.copy_bytes, device)
+    turbo = turbo_decode()
     dtype = torch.bfloat16
     max_tokens = max(grid.batches) * max(grid.contexts)
     gen = torch.Generator(device=device).manual_seed(0)
@@ -330,13 +409,13 @@ def run_bandwidth(grid: BenchGrid, device: str, deadline: float, dry_run: bool) 
         (bs, b, ctx) for bs in grid.block_sizes for b in grid.batches for ctx in grid.contexts
     ]
     goal = (GOAL["block_size"], GOAL["batch"], GOAL["context"])
-    if goal in points:  # measure the goal first, so it is in the report whatever happens
+    if goal in points:  # measured first, deadline or not, so it is always in the report
         points.remove(goal)
         points.insert(0, goal)
-    results: dict[tuple[int, int, int], tuple[float, int, str]] = {}
+    results: dict[tuple[int, int, int], dict] = {}
     skipped = 0
     for block_size, batch, context in points:
-        if time.monotonic() > deadline:
+        if results and time.monotonic() > deadline:
             skipped += 1
             continue
         blocks_per_seq = context // block_size
@@ -346,41 +425,74 @@ def run_bandwidth(grid: BenchGrid, device: str, deadline: float, dry_run: bool) 
         tables = order[: batch * blocks_per_seq].view(batch, blocks_per_seq).to(torch.int32)
         lens = torch.full((batch,), context, dtype=torch.int32, device=device)
         q = torch.randn(batch, grid.num_heads, grid.head_dim, dtype=dtype, device=device)
-        decode = functools.partial(
-            paged_decode_attention, q, k_cache, v_cache, tables, lens, grid.head_dim**-0.5
-        )
-        seconds, how = timer(decode, iterations=20 if not dry_run else 2)
+        args = (q, k_cache, v_cache, tables, lens, grid.head_dim**-0.5)
+        iterations = 20 if not dry_run else 2
         kv_bytes = 2 * batch * context * grid.num_kv_heads * grid.head_dim * dtype.itemsize
         moved = kv_bytes + 2 * q.numel() * dtype.itemsize + tables.numel() * 4
+        seconds, how = timer(functools.partial(paged_decode_attention, *args), iterations)
         splits, _ = plan_splits(batch * grid.num_kv_heads, context, torch.device(device))
-        results[(block_size, batch, context)] = (moved / seconds, splits, how)
+        cell = dict(triton=moved / seconds, splits=splits, how=how, turbo=None)
+        if turbo is not None:
+            out = torch.empty_like(q)
+            turbo_seconds, _ = timer(functools.partial(turbo, out, *args), iterations)
+            cell["turbo"] = moved / turbo_seconds
+        results[(block_size, batch, context)] = cell
         del tables, order
-    return summarize_bandwidth(grid, results, copy_bw, l2_bytes, skipped, dry_run)
+    del k_pool, v_pool
+    return summarize_bandwidth(grid, results, copy_bw, copy_how, l2_bytes, skipped, dry_run)
 
 
-def summarize_bandwidth(grid, results, copy_bw, l2_bytes, skipped, dry_run) -> tuple[bool, str]:
+def summarize_bandwidth(
+    grid, results, copy_bw, copy_how, l2_bytes, skipped, dry_run
+) -> tuple[bool, str]:
     lines = [
-        "## 3. Decode attention bandwidth\n",
+        "## 5. Decode attention bandwidth: turbo CUDA beside Triton\n",
         f"bf16, head_dim {grid.head_dim}, {grid.num_heads} query heads over "
         f"{grid.num_kv_heads} KV heads, every sequence at the full context, blocks "
-        "shuffled across the cache. Bytes = K/V read + queries + outputs + block tables. "
-        f"Copy bandwidth (read + write of a {grid.copy_bytes >> 20} MiB `copy_`): "
-        f"**{copy_bw / 1e9:.4g} GB/s**.",
+        "shuffled across the cache, both kernels on the same inputs. Bytes = K/V read + "
+        "queries + outputs + block tables. Copy bandwidth (the reference): "
+        f"**{copy_bw / 1e9:,.0f} GB/s** ({copy_how}).",
         "",
     ]
     goal_key = (GOAL["block_size"], GOAL["batch"], GOAL["context"])
     passed = True
+    goal_text = f"batch {GOAL['batch']}, context {GOAL['context']}, block size {GOAL['block_size']}"
     if goal_key in results and not dry_run:
-        achieved = results[goal_key][0] / copy_bw
+        cell = results[goal_key]
+        achieved = cell["triton"] / copy_bw
         passed = achieved >= GOAL["fraction"]
         lines.append(
-            f"**Goal** (batch {GOAL['batch']}, context {GOAL['context']}, block size "
-            f"{GOAL['block_size']}): {results[goal_key][0] / 1e9:.4g} GB/s = "
+            f"**Goal, Triton** ({goal_text}): {cell['triton'] / 1e9:,.0f} GB/s = "
             f"**{achieved:.0%}** of copy bandwidth (target {GOAL['fraction']:.0%}): "
             f"**{'met' if passed else 'NOT MET'}**.\n"
         )
-    hows = sorted({how for _, _, how in results.values()})
-    lines.append(f"Timed by: {', '.join(hows)}. Cells: GB/s (fraction of copy bandwidth).")
+        if cell["turbo"] is not None:
+            met = cell["turbo"] >= TURBO_GOAL_GBS * 1e9
+            lines.append(
+                f"**Goal, turbo** ({goal_text}): **{cell['turbo'] / 1e9:,.0f} GB/s** = "
+                f"{cell['turbo'] / copy_bw:.0%} of copy bandwidth (target "
+                f"{TURBO_GOAL_GBS:,.0f} GB/s): **{'met' if met else 'NOT MET'}**.\n"
+            )
+    compared = [c for c in results.values() if c["turbo"] is not None]
+    if compared:
+        slower = [
+            key for key, c in results.items()
+            if c["turbo"] is not None and c["turbo"] < (1 - NOISE) * c["triton"]
+        ]  # fmt: skip
+        worst = min(c["turbo"] / c["triton"] for c in compared)
+        lines.append(
+            f"**Goal, turbo no slower than Triton in any cell**: "
+            f"**{'met' if not slower else 'NOT MET'}** (lowest turbo/Triton "
+            f"{worst:.2f}; cells more than {NOISE:.0%} slower: "
+            f"{', '.join(f'block {b} batch {n} context {c}' for b, n, c in slower) or 'none'}"
+            ").\n"
+        )
+    hows = sorted({c["how"] for c in results.values()})
+    lines.append(
+        f"Timed by: {', '.join(hows)}. Cells: turbo GB/s / Triton GB/s (turbo / Triton; "
+        "turbo as a fraction of copy bandwidth). The turbo and Triton goals are reported; "
+        "only Triton's counts toward this part passing."
+    )
     if l2_bytes:
         lines.append(
             f"Cells marked * read less than twice the {l2_bytes >> 20} MiB L2 cache, which "
@@ -394,16 +506,24 @@ def summarize_bandwidth(grid, results, copy_bw, l2_bytes, skipped, dry_run) -> t
         for batch in grid.batches:
             cells = []
             for context in grid.contexts:
-                if (block_size, batch, context) not in results:
+                cell = results.get((block_size, batch, context))
+                if cell is None:
                     cells.append("skipped")
                     continue
-                bw, splits, _ = results[(block_size, batch, context)]
                 kv = 2 * batch * context * grid.num_kv_heads * grid.head_dim * 2
                 mark = "*" if kv < 2 * l2_bytes else ""
-                cells.append(f"{bw / 1e9:.4g} ({bw / copy_bw:.0%}){mark} s={splits}")
+                triton = f"{cell['triton'] / 1e9:,.0f}"
+                if cell["turbo"] is None:
+                    cells.append(f"- / {triton}{mark} s={cell['splits']}")
+                else:
+                    cells.append(
+                        f"{cell['turbo'] / 1e9:,.0f} / {triton}{mark} "
+                        f"({cell['turbo'] / cell['triton']:.2f}; "
+                        f"{cell['turbo'] / copy_bw:.0%}) s={cell['splits']}"
+                    )
             lines.append(f"| {batch} | " + " | ".join(cells) + " |")
         lines.append("")
-    lines.append("`s=` is the number of split-K splits per (sequence, KV head).\n")
+    lines.append("`s=` is the number of split-K splits of the Triton kernel.\n")
     lines.append(tuned_configs())
     if skipped:
         lines.append(f"\n{skipped} points skipped to stay inside the time limit.")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install llmctl, its two built-in backends, the example proxy plugin and the test tools
-# into ./.venv. Safe to run again: it only installs what is missing.
+# Install llmctl, its two built-in backends, the example plugins (openai-proxy,
+# transformers) and the test tools into ./.venv. Safe to run again: it only installs
+# what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,6 +14,9 @@ python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
 pip install -q -e ".[test]" -e backends/torch -e backends/turbo
 if [ -d plugins/llmctl-openai-proxy ]; then
     pip install -q -e plugins/llmctl-openai-proxy
+fi
+if [ -d plugins/llmctl-transformers ]; then
+    pip install -q -e plugins/llmctl-transformers
 fi
 # Build turbo's native ops ahead of time (cached; otherwise they build on first use).
 llmctl backends build turbo || echo "turbo could not be built; llmctl falls back to torch"

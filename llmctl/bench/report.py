@@ -73,6 +73,44 @@ def throughput_table(report: dict[str, Any]) -> Rows:
     return headers, rows
 
 
+# The step profile's phases (llmctl/engine/step_profile.py), as the table names them.
+STEP_PHASES = {
+    "schedule": "schedule",
+    "inputs": "build inputs",
+    "model": "model call",
+    "sample": "sample",
+    "wait": "wait for the device",
+    "outputs": "outputs (tokens, stops, detokenize)",
+    "deliver": "hand outputs over",
+}
+
+
+def step_profile_table(profile: dict[str, Any]) -> Rows:
+    """Where a step's time went: ms per step and share of the step, per phase; then the
+    host's share (everything but the model call and the wait for the device)."""
+    rows = [
+        [label, _num(profile["step_ms"][phase], 3), _num(profile["share"][phase] * 100)]
+        for phase, label in STEP_PHASES.items()
+    ]
+    host_ms = sum(profile["step_ms"][p] for p in STEP_PHASES if p not in ("model", "wait"))
+    rows.append(
+        [
+            "host work (all but model call and wait)",
+            _num(host_ms, 3),
+            _num(profile["host_share"] * 100),
+        ]
+    )
+    rows.append(
+        [
+            "steps / mean sequences per step",
+            f"{profile['steps']} / {profile['mean_batch_seqs']:.1f}",
+            "-",
+        ]
+    )
+    rows.append(["idle, no work (s)", _num(profile["idle"], 3), "-"])
+    return ["phase", "ms per step", "% of step"], rows
+
+
 def serve_table(report: dict[str, Any]) -> Rows:
     result = report["result"]
     rows = [
@@ -131,6 +169,39 @@ def sweep_table(report: dict[str, Any]) -> Rows:
                 _pct(result["itl_ms"], "p50"),
             ]
         rows.append(row)
+    return headers, rows
+
+
+def variant_label(options: dict[str, str], baseline: dict[str, str]) -> str:
+    """``quantization=int8, kv_cache_dtype=int8``: the options that differ from ``baseline``."""
+    changed = [f"{k}={v}" for k, v in options.items() if baseline.get(k) != v]
+    return ", ".join(changed) or "unquantized"
+
+
+def quality_table(report: dict[str, Any]) -> Rows:
+    """One column for the unquantized run and one per variant (value, then its ratio)."""
+    baseline, runs = report["baseline"], report["runs"]
+    headers = ["metric", "unquantized"]
+    headers += [variant_label(run["options"], baseline["options"]) for run in runs]
+    metrics = [
+        ("tokens/s (batch 1)", "tokens_per_s", _num),
+        ("weights (MiB)", "weight_bytes", _mib),
+        ("KV cache per token (KiB)", "kv_bytes_per_token", lambda v: _num(v / 1024, 2)),
+        ("perplexity of the text", "perplexity", lambda v: _num(v, 3)),
+    ]
+    rows = []
+    for label, key, show in metrics:
+        row = [label, show(baseline[key])]
+        for run in runs:
+            ratio = run["ratios"][key]
+            row.append(show(run[key]) + ("" if ratio is None else f" ({ratio:.2f}x)"))
+        rows.append(row)
+    agreement = [
+        ("greedy agreement (steps to first difference)", "greedy_agreement"),
+        ("teacher-forced top-1 agreement", "teacher_forced_agreement"),
+    ]
+    for label, key in agreement:
+        rows.append([label, "-"] + [f"{run[key]:.1%}" for run in runs])
     return headers, rows
 
 

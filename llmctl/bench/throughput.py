@@ -2,8 +2,9 @@
 optionally followed by the transformers baseline on the same prompts.
 
 Requests are greedy with ``ignore_eos``, so each produces exactly the tokens it asked
-for. While they run, a sampler records the peak of KV blocks in use; a ``MemoryPeak``
-records the process's peak memory.
+for. The peak of KV blocks in use is the block manager's own high-water mark (reset
+after the warm-up), so no short peak is missed; a ``MemoryPeak`` records the process's
+peak memory.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from llmctl.backend import Engine, GenerationRequest, ModelInfo, SamplingParams
+from llmctl.backend import (
+    Engine,
+    GenerationOutput,
+    GenerationRequest,
+    ModelInfo,
+    SamplingParams,
+)
 from llmctl.bench.metrics import (
     MemoryPeak,
     summarize,
@@ -45,9 +52,12 @@ async def run_engine_throughput(
     *,
     warmup: BenchRequest | None = None,
     on_progress: ProgressCallback | None = None,
-    stats_interval_s: float = 0.01,
+    step_profile: bool = False,
 ) -> dict[str, Any]:
-    """Run ``workload`` through ``engine``; return the measured figures (see docs)."""
+    """Run ``workload`` through ``engine``; return the measured figures (see docs).
+
+    ``step_profile`` adds where the engine's steps spent their time (an engine that
+    keeps a ``step_profile``: the local ones)."""
     if workload.longest_request > engine.max_model_len:
         raise LlmctlError(
             f"the workload's longest request needs {workload.longest_request} tokens but the "
@@ -55,36 +65,24 @@ async def run_engine_throughput(
             "or raise --session-len"
         )
     if warmup is not None:  # first steps pay one-off costs (allocation, kernel compilation)
-        await _generate(engine, "bench-warmup", warmup, time.perf_counter(), None)
+        await _generate(engine, [("bench-warmup", warmup)], time.perf_counter(), None)
+    reset_peak = getattr(engine, "reset_peak_kv_blocks", None)  # engines with a KV cache
+    if reset_peak is not None:
+        reset_peak()  # the warm-up's blocks are not the workload's
+    profiled = step_profile and hasattr(engine, "step_profile")
+    if profiled:
+        engine.step_profile(reset=True)
 
-    peak_blocks = 0
-    done = asyncio.Event()
-
-    async def sample_stats() -> None:
-        nonlocal peak_blocks
-        while not done.is_set():
-            peak_blocks = max(peak_blocks, engine.stats().kv_blocks_used)
-            await asyncio.sleep(stats_interval_s)
-
+    requests = [(f"bench-{i}", request) for i, request in enumerate(workload.requests)]
     with memory:
-        sampler = asyncio.create_task(sample_stats())
         start = time.perf_counter()
-        try:
-            results = await asyncio.gather(
-                *(
-                    _generate(engine, f"bench-{i}", request, start, on_progress)
-                    for i, request in enumerate(workload.requests)
-                )
-            )
-        finally:
-            done.set()
-            await sampler
+        results = await _generate(engine, requests, start, on_progress)
         duration = time.perf_counter() - start
 
     stats = engine.stats()
     prompt_tokens = sum(r["prompt_tokens"] for r in results)
     output_tokens = sum(r["output_tokens"] for r in results)
-    return {
+    result = {
         "duration_s": duration,
         "num_requests": len(results),
         "prompt_tokens": prompt_tokens,
@@ -93,43 +91,75 @@ async def run_engine_throughput(
         "output_tokens_per_s": output_tokens / duration,
         "total_tokens_per_s": (prompt_tokens + output_tokens) / duration,
         "ttft_ms": summarize([r["ttft_s"] * 1000.0 for r in results]),
-        "peak_kv_blocks_used": peak_blocks,
+        "peak_kv_blocks_used": stats.kv_blocks_peak,
         "kv_blocks_total": stats.kv_blocks_total,
         "block_size": stats.block_size,
         "peak_memory_bytes": memory.peak_bytes,
         "memory_measure": memory.measure,
     }
+    if step_profile:
+        result["step_profile"] = engine.step_profile().report() if profiled else None
+    return result
 
 
 async def _generate(
     engine: Engine,
-    request_id: str,
-    request: BenchRequest,
+    requests: list[tuple[str, BenchRequest]],
     start: float,
     on_progress: ProgressCallback | None,
-) -> dict[str, Any]:
-    sampling = SamplingParams(max_tokens=request.output_len, temperature=0.0, ignore_eos=True)
-    generation = GenerationRequest(
-        request_id, prompt_token_ids=request.prompt_token_ids, sampling=sampling
-    )
-    first_token_at = None
-    tokens = 0
-    async for output in engine.generate(generation):
-        if output.token_ids and first_token_at is None:
-            first_token_at = time.perf_counter()
-        tokens += len(output.token_ids)
-        if on_progress is not None:
-            on_progress(len(output.token_ids))
-    if tokens != request.output_len:
-        raise LlmctlError(
-            f"request {request_id} produced {tokens} tokens but asked for {request.output_len} "
-            "with ignore_eos: the engine stopped early, so its throughput cannot be compared"
+) -> list[dict[str, Any]]:
+    """Run ``requests`` at once; the figures of each. A local engine takes them all in one
+    ``generate_all`` call (as ``LLM.generate`` does), any other one request at a time."""
+    generations = [
+        GenerationRequest(
+            request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling=SamplingParams(
+                max_tokens=request.output_len, temperature=0.0, ignore_eos=True
+            ),
         )
-    return {
-        "prompt_tokens": len(request.prompt_token_ids),
-        "output_tokens": tokens,
-        "ttft_s": (first_token_at or time.perf_counter()) - start,
-    }
+        for request_id, request in requests
+    ]
+    first_token_at: dict[str, float] = {}
+    tokens: dict[str, int] = {}
+
+    def record(outputs: list[GenerationOutput]) -> None:
+        now = time.perf_counter()
+        new_tokens = 0
+        for output in outputs:
+            if output.token_ids:
+                first_token_at.setdefault(output.request_id, now)
+                new_tokens += len(output.token_ids)
+                tokens[output.request_id] = tokens.get(output.request_id, 0) + len(output.token_ids)
+        if on_progress is not None and new_tokens:
+            on_progress(new_tokens)
+
+    if hasattr(engine, "generate_all"):
+        await asyncio.to_thread(engine.generate_all, generations, record)
+    else:
+
+        async def one(generation: GenerationRequest) -> None:
+            async for output in engine.generate(generation):
+                record([output])
+
+        await asyncio.gather(*(one(generation) for generation in generations))
+    results = []
+    for request_id, request in requests:
+        produced = tokens.get(request_id, 0)
+        if produced != request.output_len:
+            raise LlmctlError(
+                f"request {request_id} produced {produced} tokens but asked for "
+                f"{request.output_len} with ignore_eos: the engine stopped early, so its "
+                "throughput cannot be compared"
+            )
+        results.append(
+            {
+                "prompt_tokens": len(request.prompt_token_ids),
+                "output_tokens": produced,
+                "ttft_s": first_token_at.get(request_id, time.perf_counter()) - start,
+            }
+        )
+    return results
 
 
 @dataclass(frozen=True)
@@ -160,9 +190,11 @@ def benchmark_throughput(
     profile: str | None = None,
     baseline_batch_size: int | None = None,
     progress: Progress | None = None,
+    step_profile: bool = False,
 ) -> dict[str, Any]:
     """Open an engine for ``model`` with ``flags``, run the workload, then (if
-    ``baseline_batch_size`` is given) transformers on the same prompts; the JSON report."""
+    ``baseline_batch_size`` is given) transformers on the same prompts; the JSON report.
+    ``step_profile`` adds where the engine's steps spent their time."""
     from llmctl.options import options_for
     from llmctl.selection import select
 
@@ -177,7 +209,7 @@ def benchmark_throughput(
     warmup = _warmup_request(info, spec.seed)
     engine = choice.create_engine()
     engine_result = asyncio.run(
-        _run_then_shutdown(engine, workload, MemoryPeak(cuda), warmup, progress)
+        _run_then_shutdown(engine, workload, MemoryPeak(cuda), warmup, progress, step_profile)
     )
     engine = None  # free its memory before the baseline (or the sweep's next engine)
     gc.collect()
@@ -185,9 +217,10 @@ def benchmark_throughput(
         import torch
 
         torch.cuda.empty_cache()
-    engine_result["peak_kv_cache_bytes"] = engine_result[
-        "peak_kv_blocks_used"
-    ] * model_config.kv_bytes_per_block(engine_result["block_size"], dtype)
+    bytes_per_block = model_config.kv_bytes_per_block(
+        engine_result["block_size"], dtype, values["kv_cache_dtype"]
+    )
+    engine_result["peak_kv_cache_bytes"] = engine_result["peak_kv_blocks_used"] * bytes_per_block
     report: dict[str, Any] = {
         "kind": "throughput",
         "model": info.name,
@@ -228,6 +261,7 @@ async def _run_then_shutdown(
     memory: MemoryPeak,
     warmup: BenchRequest,
     progress: Progress | None,
+    step_profile: bool,
 ) -> dict[str, Any]:
     task = _progress_task(progress, "engine", workload.output_tokens)
 
@@ -237,7 +271,12 @@ async def _run_then_shutdown(
 
     try:
         return await run_engine_throughput(
-            engine, workload, memory, warmup=warmup, on_progress=advance
+            engine,
+            workload,
+            memory,
+            warmup=warmup,
+            on_progress=advance,
+            step_profile=step_profile,
         )
     finally:
         await engine.shutdown()

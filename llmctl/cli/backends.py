@@ -101,13 +101,13 @@ def check(
         candidates,
         first_that_serves,
         installed_backends,
-        model_for,
+        model_from_options,
     )
 
     flags = {**flags, "model": model}
     profile_obj = selected_profile(profile)
     requested, _ = candidates(flags, profile=profile_obj)
-    info = model_for(model, requested)
+    info = model_from_options(flags, profile_obj)
     hardware = Hardware.probe()
     console.print(f"Model: {info.name} ({info.architecture}) at {info.path}")
     backends = installed_backends()

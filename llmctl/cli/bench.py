@@ -66,6 +66,7 @@ def register(app: typer.Typer) -> None:
     group.command("throughput")(throughput)
     group.command("serve")(serve)
     group.command("sweep")(sweep)
+    group.command("quality")(quality)
     app.add_typer(group, name="bench")
 
 
@@ -88,6 +89,13 @@ def throughput(
     baseline_batch_size: int = typer.Option(
         64, "--baseline-batch-size", min=1, help="Requests per transformers generate call."
     ),
+    step_profile: bool = typer.Option(
+        False,
+        "--step-profile",
+        help="Also show where the engine's steps spend their time: scheduling, building "
+        "inputs, the model call, sampling, outputs and handing them over.",
+        rich_help_panel=OUTPUT_PANEL,
+    ),
     output: Path | None = OUTPUT_OPT,
     markdown: bool = MARKDOWN_OPT,
 ) -> None:
@@ -101,11 +109,14 @@ def throughput(
       output_tokens_per_s, total_tokens_per_s, ttft_ms {mean, p50, p90, p99},
       peak_kv_blocks_used, kv_blocks_total, block_size, peak_kv_cache_bytes,
       peak_memory_bytes, memory_measure
+    - engine.step_profile (with --step-profile): steps, scheduled_seqs, mean_batch_seqs,
+      seconds per phase (schedule, inputs, model, sample, wait, outputs, deliver, idle),
+      step_ms and share per phase, host_share; null for an engine that keeps none
     - baseline: the same figures for transformers plus batch_size and
       generated_tokens (padding included); null without --baseline
     - ratio: engine output_tokens_per_s / baseline output_tokens_per_s
     """
-    from llmctl.bench.report import throughput_table
+    from llmctl.bench.report import step_profile_table, throughput_table
     from llmctl.bench.throughput import benchmark_throughput
 
     if baseline is not None and baseline != "transformers":
@@ -121,9 +132,16 @@ def throughput(
             profile=profile,
             baseline_batch_size=baseline_batch_size if baseline else None,
             progress=progress,
+            step_profile=step_profile,
         )
     title = f"Throughput: {report['model']} on {report['backend']} ({report['device']})"
     _show(throughput_table(report), title, markdown, output, report)
+    if step_profile:
+        profile = report["engine"]["step_profile"]
+        if profile is None:
+            console.print(f"The {report['backend']} engine keeps no step profile.")
+        else:
+            _show(step_profile_table(profile), "Where a step's time goes", markdown, None, report)
     if report["ratio"] is not None:
         console.print(
             f"llmctl ({report['backend']}) {report['engine']['output_tokens_per_s']:,.1f} vs "
@@ -277,6 +295,88 @@ def sweep(
     title = f"Block-size sweep: {report['model']} on {report['backend']} ({report['device']})"
     _show(sweep_table(report), title, markdown, output, report)
     console.print(f"Chart written to {chart}")
+
+
+@schema_options("bench", skip=("model",))
+def quality(
+    flags: dict[str, Any],
+    model: str = MODEL_ARG,
+    profile: str | None = PROFILE_OPT,
+    num_prompts: int = typer.Option(
+        16,
+        "--num-prompts",
+        "-n",
+        min=1,
+        max=16,
+        help="Fixed prompts to continue greedily (the first N of 16).",
+        rich_help_panel=WORKLOAD_PANEL,
+    ),
+    max_tokens: int = typer.Option(
+        64,
+        "--max-tokens",
+        min=1,
+        help="Tokens per greedy continuation.",
+        rich_help_panel=WORKLOAD_PANEL,
+    ),
+    text: Path | None = typer.Option(
+        None,
+        "--text",
+        help="A text file whose perplexity both models score. Default: text sampled from "
+        "the unquantized model (temperature 1, --seed).",
+        rich_help_panel=WORKLOAD_PANEL,
+    ),
+    text_tokens: int = typer.Option(
+        256,
+        "--text-tokens",
+        min=2,
+        help="Tokens of the sampled text.",
+        rich_help_panel=WORKLOAD_PANEL,
+    ),
+    seed: int = SEED_OPT,
+    output: Path | None = OUTPUT_OPT,
+    markdown: bool = MARKDOWN_OPT,
+) -> None:
+    """Quality beside speed: the model with --quantization / --kv-cache-dtype against the
+    same model unquantized, on the same backend (both loaded, timed turn by turn).
+
+    Greedy agreement (steps up to each prompt's first difference), teacher-forced
+    top-1 agreement, perplexity of a fixed text, batch-1 tokens/s, weight and KV bytes.
+
+    JSON fields (--output; details in docs/quantization.md):
+
+    - model, backend, device, dtype, workload
+    - baseline: options, tokens_per_s, weight_bytes, kv_bytes_per_token, perplexity,
+      greedy_token_ids
+    - runs: per variant options, the same figures, baseline_tokens_per_s (timed beside
+      it), greedy_agreement, first_differences, teacher_forced_agreement and ratios
+      (to the baseline)
+    """
+    from llmctl.bench.quality import QualitySpec, benchmark_quality
+    from llmctl.bench.report import quality_table
+
+    text_ids = None
+    if text is not None:
+        text_ids = _text_token_ids(model, text)
+    spec = QualitySpec(num_prompts, max_tokens, text_tokens, seed, text_ids)
+    with _progress() as progress:
+        report = benchmark_quality(model, flags, spec, profile=profile, progress=progress)
+    title = f"Quality: {report['model']} on {report['backend']} ({report['device']})"
+    _show(quality_table(report), title, markdown, output, report)
+
+
+def _text_token_ids(model: str, path: Path) -> tuple[int, ...]:
+    from llmctl.engine.tokenizer import Tokenizer
+    from llmctl.errors import OptionError
+    from llmctl.model_info import resolve_model
+
+    try:
+        content = path.read_text()
+    except OSError as exc:
+        raise OptionError(f"--text {path}: {exc.strerror}") from None
+    ids = Tokenizer.from_dir(resolve_model(model).path).encode(content, add_special_tokens=False)
+    if len(ids) < 2:
+        raise OptionError(f"--text {path}: the text must hold at least 2 tokens")
+    return tuple(ids)
 
 
 def _workload_spec(num_prompts: int, input_len: str, output_len: str, seed: int) -> Any:

@@ -32,19 +32,20 @@ def show(
     """
     from llmctl.errors import LlmctlError
     from llmctl.hardware import Hardware
-    from llmctl.options import all_options, option_named
+    from llmctl.options import all_options
     from llmctl.profiles import describe_source, resolve, selected_profile
-    from llmctl.selection import AUTO, candidates, choose, model_for
+    from llmctl.selection import AUTO, candidates, choose, model_from_options
 
     profile_obj = selected_profile(profile)
     requested, tried = candidates(flags, profile=profile_obj)
+    hardware = Hardware.probe()
     note = ""
+    backend = None
     if requested == AUTO:
         try:
-            model = resolve(flags, profile=profile_obj, options=[option_named("model")])
-            info = model_for(model["model"].value, AUTO)
-            choice = choose(info, flags, profile=profile_obj, hardware=Hardware.probe())
-            settings = choice.settings
+            info = model_from_options(flags, profile_obj)
+            choice = choose(info, flags, profile=profile_obj, hardware=hardware)
+            settings, backend = choice.settings, choice.backend
             note = f"backend: auto chooses {choice.backend.name} for {info.name}"
         except LlmctlError as exc:
             settings = resolve(flags, profile=profile_obj)
@@ -57,6 +58,13 @@ def show(
             backend=backend.name,
             backend_defaults=backend.option_defaults,
         )
+    # What a value does on this backend and machine when that is not what it seems
+    # (cuda_graphs on the CPU: ignored).
+    effects = (
+        backend.option_notes({name: s.value for name, s in settings.items()}, hardware)
+        if backend is not None and explain
+        else {}
+    )
     title = f"profile {profile_obj.name}" if profile_obj else "no profile"
     table = Table("option", "value", title=f"llmctl configuration ({title})")
     if explain:
@@ -66,7 +74,8 @@ def show(
         shown = _format(setting.value)
         row = [name, "****" if name in secret and setting.value else shown]
         if explain:
-            row.append(describe_source(setting))
+            effect = f"; {backend.name}: {effects[name]}" if name in effects else ""
+            row.append(describe_source(setting) + effect)
         table.add_row(*row)
     console.print(table)
     if note:

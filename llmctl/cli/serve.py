@@ -36,6 +36,9 @@ def serve(
     Also /health, /metrics (Prometheus) and /version, which need no API key.
 
     SIGINT/SIGTERM: new requests get 503, running ones finish (up to --shutdown-timeout).
+
+    With --nnodes N, run it on every machine: node 0 serves HTTP, the others (--node-rank
+    1..N-1) run their share of the tensor-parallel ranks (docs/multi-gpu.md).
     """
     from llmctl.selection import select
     from llmctl.server.app import create_app
@@ -43,6 +46,9 @@ def serve(
 
     choice = select(model, flags, profile=profile)
     options = choice.values
+    if options["node_rank"] > 0:  # a worker machine of a multi-node engine: no HTTP here
+        choice.backend.run_worker_node(choice.model, options, choice.hardware)
+        return
     # Take the port before loading the model, so a port in use fails in a second.
     sock = bind_socket(options["host"], options["port"])
     with err_console.status("Loading the model…"):
@@ -54,6 +60,7 @@ def serve(
         max_concurrent_requests=options["max_concurrent_requests"],
         max_queued_requests=options["max_queued_requests"],
         log_prompts=options["log_prompts"],
+        client_timeout=options["client_timeout"],
     )
     _print_banner(choice, engine, url_of(sock))
     run_server(app, sock, shutdown_timeout=options["shutdown_timeout"])

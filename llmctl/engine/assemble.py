@@ -57,6 +57,7 @@ def build_engine(
         block_size=options.block_size,
         max_num_seqs=options.max_num_seqs,
         max_model_len=max_model_len,
+        element=runner.kv_element(),
     )
     runner.allocate_kv_cache(plan.num_blocks)
     logger.info("KV cache: %s", plan.describe())

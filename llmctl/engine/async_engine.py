@@ -2,10 +2,22 @@
 
 One background thread owns the ``LLMEngine``: it takes new requests and aborts from a
 command queue, runs steps while there is work (torch releases the GIL while it
-computes, so the event loop stays responsive) and sleeps when there is none. Each
-request's outputs go to an ``asyncio.Queue`` on the event loop that called
-``generate``, through ``loop.call_soon_threadsafe``, so any loop may use the engine:
-the server's, or a fresh one per ``LLM.generate`` call.
+computes, so the event loop stays responsive) and sleeps when there is none.
+
+Outputs travel per step, not per request. ``generate`` streams one request to an
+asyncio consumer: after a step the engine thread makes one thread-safe call per event
+loop that has requests in it, carrying all of that loop's outputs, and there each
+request's consumer picks its own. ``generate_all`` (what ``LLM.generate`` and the
+throughput benchmark use) runs many requests for a caller that blocks until they end:
+the engine thread appends each step's outputs to the caller's lists and wakes it once,
+at the end, so no thread switch happens per step.
+
+Faults: a model call that raises fails the requests of its step with ``EngineError``
+and the engine goes on. Several failed steps in a row mean the model itself is broken
+(a lost GPU, say), and any other exception may have left the engine's own state
+inconsistent: then the engine stops, fails everything in flight and ``is_alive()``
+turns false, which the server reports as 503. ``EngineDead`` from the runner (a
+tensor-parallel rank lost) or ``fail`` stops it the same way at once.
 """
 
 from __future__ import annotations
@@ -13,21 +25,114 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from time import perf_counter
 
-from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest
-from llmctl.engine.llm_engine import LLMEngine
+import torch
+
+from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest, TokenLogprob
+from llmctl.engine.llm_engine import LLMEngine, StepFailed
 from llmctl.engine.sampling_params import SamplingParams
-from llmctl.errors import InvalidRequest
+from llmctl.engine.step_profile import StepProfile
+from llmctl.errors import EngineDead, EngineError, InvalidRequest
 
 logger = logging.getLogger("llmctl")
 
+MAX_FAILED_STEPS_IN_A_ROW = 3
 
-@dataclass
+Item = GenerationOutput | BaseException
+
+
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    """What one asyncio consumer receives: items appended on its event loop, and the
+    future it waits on while there are none."""
+
+    __slots__ = ("loop", "items", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: list[Item] = []
+        self.waiter: asyncio.Future | None = None
+
+    async def take(self) -> list[Item]:
+        """Everything received since the last call; waits if nothing is there."""
+        while not self.items:
+            self.waiter = self.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        items, self.items = self.items, []
+        return items
+
+
+def _dispatch(batch: list[tuple[_Stream, Item]]) -> None:
+    """On an event loop: give each stream its items, then wake each consumer once."""
+    for stream, item in batch:
+        stream.items.append(item)
+    for stream, _ in batch:
+        waiter = stream.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class _Collector:
+    """The requests of one blocking ``generate_all`` call. The engine thread joins each
+    request's outputs as they come (keeping a step's output objects would leave tens of
+    thousands of them for the garbage collector to walk, in pauses that land in the
+    middle of steps) and sets ``done`` when the last one finished (or one failed)."""
+
+    def __init__(
+        self, request_ids: list[str], on_outputs: Callable[[list[GenerationOutput]], None] | None
+    ) -> None:
+        self.unfinished = set(request_ids)
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self._on_outputs = on_outputs
+        self._texts: dict[str, list[str]] = {rid: [] for rid in request_ids}
+        self._token_ids: dict[str, list[int]] = {rid: [] for rid in request_ids}
+        self._logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid in request_ids}
+        self._prompt_ids: dict[str, list[int] | None] = dict.fromkeys(request_ids)
+        self._last: dict[str, GenerationOutput] = {}
+
+    def receive(self, batch: list[tuple[_Collector, Item]]) -> None:
+        """In the engine thread: one step's items for these requests."""
+        received = []
+        for _, item in batch:
+            if isinstance(item, BaseException):
+                self.error = self.error or item
+                continue
+            request_id = item.request_id
+            self._texts[request_id].append(item.text)
+            self._token_ids[request_id] += item.token_ids
+            if item.logprobs:
+                self._logprobs[request_id] += item.logprobs
+            if item.prompt_token_ids is not None:
+                self._prompt_ids[request_id] = item.prompt_token_ids
+            self._last[request_id] = item
+            received.append(item)
+            if item.finished:
+                self.unfinished.discard(request_id)
+        if self._on_outputs is not None and received:
+            self._on_outputs(received)
+        if self.error is not None or not self.unfinished:
+            self.done.set()
+
+    def result(self, request_id: str) -> GenerationOutput:
+        """Everything ``request_id`` produced, as one output."""
+        last = self._last[request_id]
+        return GenerationOutput(
+            request_id=request_id,
+            text="".join(self._texts[request_id]),
+            token_ids=self._token_ids[request_id],
+            prompt_tokens=last.prompt_tokens,
+            completion_tokens=last.completion_tokens,
+            finished=last.finished,
+            finish_reason=last.finish_reason,
+            logprobs=self._logprobs[request_id] or None,
+            prompt_token_ids=self._prompt_ids[request_id],
+        )
 
 
 @dataclass
@@ -42,16 +147,36 @@ class _Abort:
     request_id: str
 
 
+class _ResetPeak:
+    """Start a new high-water mark of KV blocks in use."""
+
+
+@dataclass
+class _Fail:
+    """Stop for good: the engine cannot run any more (see ``fail``)."""
+
+    reason: str
+
+
+Command = _Add | _Abort | _ResetPeak | _Fail
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self._lock = threading.Condition()  # guards the three fields below
-        self._commands: list[_Add | _Abort] = []
-        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Condition()  # guards the four fields below
+        self._commands: list[Command] = []
+        self._streams: dict[str, _Stream | _Collector] = {}  # where each request's outputs go
         self._stopping = False
+        self.failure: BaseException | None = None  # why the engine stopped by itself
+        self._undelivered: list[tuple[str, Item]] = []  # engine thread only
+        # torch's CPU thread count belongs to the thread that sets it (cpu_threads is set
+        # while the runner loads, in this one): the engine thread takes it over.
+        self._torch_threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._run, name="llmctl-engine", daemon=True)
         self._thread.start()
 
@@ -61,30 +186,66 @@ class AsyncEngine:
         Leaving the iteration early (a client disconnecting, a cancelled task) aborts the
         request, which frees its KV blocks.
         """
-        prompt_ids = self._prompt_token_ids(request)
-        self.engine.validate(prompt_ids, request.sampling)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        request_id = request.request_id
-        with self._lock:
-            if self._stopping:
-                raise RuntimeError("the engine has been shut down")
-            if request_id in self._streams:
-                raise InvalidRequest(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = stream
-            self._commands.append(_Add(request_id, prompt_ids, request.sampling))
-            self._lock.notify()
+        stream = _Stream(asyncio.get_running_loop())
+        self._register([request], stream)
         finished = False
         try:
             while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
+                for item in await stream.take():
+                    if isinstance(item, BaseException):
+                        finished = True
+                        raise item
+                    finished = item.finished
+                    yield item
         finally:
             if not finished:
-                self._submit(_Abort(request_id))
+                self._submit(_Abort(request.request_id))
+
+    def generate_all(
+        self,
+        requests: Sequence[GenerationRequest],
+        on_outputs: Callable[[list[GenerationOutput]], None] | None = None,
+    ) -> list[GenerationOutput]:
+        """Run ``requests`` together and block until all have finished; return, in
+        request order, everything each one produced as one output (its text and tokens
+        joined). ``on_outputs`` is called in the engine thread with each step's outputs
+        (to show progress; it must be quick). ``InvalidRequest`` before anything runs if
+        one is refused; an error, or an interrupt, aborts the requests still running."""
+        collector = _Collector([request.request_id for request in requests], on_outputs)
+        self._register(requests, collector)
+        try:
+            collector.done.wait()
+        finally:
+            unfinished = list(collector.unfinished)  # the engine thread may still change it
+            if unfinished:
+                self._submit(*(_Abort(request_id) for request_id in unfinished))
+        if collector.error is not None:
+            raise collector.error
+        return [collector.result(request.request_id) for request in requests]
+
+    def _register(
+        self, requests: Sequence[GenerationRequest], target: _Stream | _Collector
+    ) -> None:
+        """Check ``requests`` and queue them, their outputs going to ``target``."""
+        prompts = [self._prompt_token_ids(request) for request in requests]
+        for request, prompt_ids in zip(requests, prompts):
+            self.engine.validate(prompt_ids, request.sampling)
+        with self._lock:
+            if isinstance(self.failure, EngineDead):
+                raise EngineDead(str(self.failure))
+            if self.failure is not None:
+                raise EngineError(f"the engine has stopped after a failure: {self.failure}")
+            if self._stopping:
+                raise EngineError("the engine has been shut down")
+            seen = set()
+            for request in requests:
+                if request.request_id in self._streams or request.request_id in seen:
+                    raise InvalidRequest(f"request id {request.request_id!r} is already in use")
+                seen.add(request.request_id)
+            for request, prompt_ids in zip(requests, prompts):
+                self._streams[request.request_id] = target
+                self._commands.append(_Add(request.request_id, prompt_ids, request.sampling))
+            self._lock.notify()
 
     @property
     def has_chat_template(self) -> bool:
@@ -93,7 +254,7 @@ class AsyncEngine:
 
     def is_alive(self) -> bool:
         """The engine thread still runs (the server's /health answers 503 otherwise)."""
-        return self._thread.is_alive() and not self._stopping
+        return self._thread.is_alive() and not self._stopping and self.failure is None
 
     async def abort(self, request_id: str) -> None:
         self._submit(_Abort(request_id))
@@ -107,15 +268,42 @@ class AsyncEngine:
             waiting=len(scheduler.waiting) + pending,
             kv_blocks_total=blocks.num_blocks,
             kv_blocks_used=blocks.num_used_blocks,
+            kv_blocks_peak=blocks.peak_used_blocks,
             block_size=blocks.block_size,
+            tensor_parallel_size=getattr(self.engine.runner, "tensor_parallel_size", 1),
         )
 
+    def reset_peak_kv_blocks(self) -> None:
+        """Start ``stats().kv_blocks_peak`` afresh from here (the bench, after warming up)."""
+        self._submit(_ResetPeak())
+
+    def step_profile(self, reset: bool = False) -> StepProfile:
+        """Where the engine thread's time went since the last reset (see step_profile.py)."""
+        profile = self.engine.profile
+        if reset:
+            self.engine.profile = StepProfile()
+        return profile
+
+    def fail(self, reason: str) -> None:
+        """Stop for good, from any thread (a tensor-parallel rank was lost, say): requests
+        in flight end with ``EngineDead(reason)``. ``is_alive`` turns false at once, even
+        while the engine thread is still stuck in a step waiting for the lost rank."""
+        with self._lock:
+            if self.failure is None:
+                self.failure = EngineDead(reason)
+            self._commands.append(_Fail(reason))
+            self._lock.notify()
+
     async def shutdown(self) -> None:
-        """Stop the engine thread; requests still in flight end with ``abort``."""
+        """Stop the engine thread (requests still in flight end with ``abort``), then let
+        the runner release what it holds beyond memory (worker processes)."""
         with self._lock:
             self._stopping = True
             self._lock.notify()
         await asyncio.to_thread(self._thread.join)
+        close = getattr(self.engine.runner, "close", None)
+        if close is not None:
+            await asyncio.to_thread(close)
 
     def _prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         if request.prompt_token_ids is not None:
@@ -124,67 +312,136 @@ class AsyncEngine:
             return self.tokenizer.encode(request.prompt)
         return self.tokenizer.encode_chat(request.messages)
 
-    def _submit(self, command: _Add | _Abort) -> None:
+    def _submit(self, *commands: Command) -> None:
         with self._lock:
-            self._commands.append(command)
+            self._commands.extend(commands)
             self._lock.notify()
 
     def _run(self) -> None:
-        """The engine thread: apply commands, step while there is work, sleep otherwise."""
-        while True:
+        """The engine thread: run the loop; if it fails, stop and fail every request."""
+        torch.set_num_threads(self._torch_threads)
+        try:
+            self._loop()
+        except Exception as exc:
+            dead = isinstance(exc, EngineDead)
+            logger.error("the engine failed and has stopped: %s", exc, exc_info=not dead)
             with self._lock:
-                while not (self._commands or self._stopping or self.engine.has_unfinished()):
-                    self._lock.wait()
-                commands, self._commands = self._commands, []
-                stopping = self._stopping
-            for command in commands:
-                self._apply(command)
-            if stopping:
-                break
-            if self.engine.has_unfinished():
-                try:
-                    outputs = self.engine.step()
-                except Exception as exc:  # a model failure fails its batch, not the engine
-                    logger.exception("engine step failed")
-                    self._fail_all(exc)
-                    continue
-                for output in outputs:
-                    self._deliver(output.request_id, output)
+                self.failure = exc
+            error = (
+                EngineDead(str(exc))
+                if dead
+                else EngineError(f"the engine failed and has stopped: {exc}")
+            )
+            self._flush()
+            self._deliver([(request_id, error) for request_id in self._stream_ids()])
+            return
         for request_id in self._stream_ids():
             output = self.engine.abort(request_id)
             if output is not None:
-                self._deliver(request_id, output)
+                self._undelivered.append((request_id, output))
+        self._flush()
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _loop(self) -> None:
+        """Apply commands, step while there is work, sleep otherwise; until shutdown.
+
+        A step's outputs are handed over just before the next step's model call (or at
+        once when no step follows), so the event loops take them while the model runs."""
+        engine = self.engine
+        failed_in_a_row = 0
+        while True:
+            if not (self._commands or engine.has_unfinished()):
+                self._flush()
+            waited = perf_counter()
+            with self._lock:
+                while not (self._commands or self._stopping or engine.has_unfinished()):
+                    self._lock.wait()
+                commands, self._commands = self._commands, []
+                stopping = self._stopping
+            engine.profile.idle += perf_counter() - waited
+            for command in commands:
+                self._undelivered += self._apply(command)
+            if stopping:
+                return
+            if not engine.has_unfinished():
+                continue
+            try:
+                outputs = engine.step(before_model=self._flush)
+            except StepFailed as failed:
+                if isinstance(failed.__cause__, EngineDead):
+                    raise failed.__cause__ from None
+                failed_in_a_row += 1
+                self._undelivered += [(output.request_id, output) for output in failed.outputs]
+                if failed_in_a_row >= MAX_FAILED_STEPS_IN_A_ROW:
+                    raise RuntimeError(
+                        f"{failed_in_a_row} model calls failed in a row, the last with: "
+                        f"{failed.__cause__!r}"
+                    ) from failed.__cause__
+                self._fail_step(failed)
+                continue
+            failed_in_a_row = 0
+            self._undelivered += [(output.request_id, output) for output in outputs]
+
+    def _fail_step(self, failed: StepFailed) -> None:
+        """End the requests of a step whose model call raised; the rest go on."""
+        cause = failed.__cause__
+        logger.error(
+            "the model call failed; failing the %d request(s) of this step: %r",
+            len(failed.request_ids),
+            cause,
+            exc_info=cause,
+        )
+        error = EngineError(f"the engine failed while running this request: {cause!r}")
+        for request_id in failed.request_ids:
+            self.engine.abort(request_id)
+            self._undelivered.append((request_id, error))
+        self._flush()
+
+    def _flush(self) -> None:
+        """Deliver what the engine thread has collected."""
+        if self._undelivered:
+            started = perf_counter()
+            items, self._undelivered = self._undelivered, []
+            self._deliver(items)
+            self.engine.profile.deliver += perf_counter() - started
+
+    def _apply(self, command: Command) -> list[tuple[str, Item]]:
+        if isinstance(command, _ResetPeak):
+            self.engine.block_manager.reset_peak()
+            return []
+        if isinstance(command, _Fail):
+            raise EngineDead(command.reason)
         if isinstance(command, _Abort):
             output = self.engine.abort(command.request_id)
-            if output is not None:
-                self._deliver(command.request_id, output)
-            return
+            return [] if output is None else [(command.request_id, output)]
         try:
             self.engine.add_request(command.request_id, command.prompt_token_ids, command.sampling)
         except InvalidRequest as exc:
-            self._deliver(command.request_id, exc)
-
-    def _fail_all(self, exc: Exception) -> None:
-        for request_id in self._stream_ids():
-            self.engine.abort(request_id)
-            error = RuntimeError(f"the engine failed while running this request: {exc}")
-            self._deliver(request_id, error)
+            return [(command.request_id, exc)]
+        return []
 
     def _stream_ids(self) -> list[str]:
         with self._lock:
             return list(self._streams)
 
-    def _deliver(self, request_id: str, item: GenerationOutput | BaseException) -> None:
-        """Hand an output (or an error) to the request's event loop; the last one
-        unregisters the request."""
-        done = isinstance(item, BaseException) or item.finished
-        with self._lock:
-            stream = self._streams.pop(request_id) if done else self._streams.get(request_id)
-        if stream is None:
+    def _deliver(self, items: list[tuple[str, Item]]) -> None:
+        """Hand outputs (or errors) over: one call per event loop, one per blocking
+        caller. A request's last one unregisters it."""
+        if not items:
             return
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-        except RuntimeError:  # its event loop is closed: nobody is listening any more
-            pass
+        batches: dict[object, list[tuple[_Stream | _Collector, Item]]] = {}
+        with self._lock:
+            streams = self._streams
+            for request_id, item in items:
+                done = isinstance(item, BaseException) or item.finished
+                target = streams.pop(request_id, None) if done else streams.get(request_id)
+                if target is not None:
+                    key = target.loop if isinstance(target, _Stream) else target
+                    batches.setdefault(key, []).append((target, item))
+        for key, batch in batches.items():
+            if isinstance(key, _Collector):
+                key.receive(batch)
+                continue
+            try:
+                key.call_soon_threadsafe(_dispatch, batch)
+            except RuntimeError:  # its event loop is closed: nobody is listening any more
+                pass

@@ -41,6 +41,9 @@ class BlockManager:
         # Blocks nobody references, in eviction order: fresh allocations take the first.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, int] = {}  # key -> block holding that prefix
+        # The most blocks in use at once since the start (or reset_peak): a high-water
+        # mark kept on every allocation, so no short peak goes unseen.
+        self.peak_used_blocks = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -49,6 +52,10 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self._free)
+
+    def reset_peak(self) -> None:
+        """Start a new high-water mark from the blocks in use now."""
+        self.peak_used_blocks = self.num_used_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -76,6 +83,7 @@ class BlockManager:
         for _ in range(self.blocks_needed(seq.num_tokens) - len(hits)):
             seq.block_table.append(self._take_fresh_block())
         seq.num_computed_tokens = len(hits) * self.block_size
+        self._note_peak()
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self._missing_blocks(seq, num_new_tokens) <= len(self._free)
@@ -84,6 +92,7 @@ class BlockManager:
         """Grow seq's block table so its next ``num_new_tokens`` tokens have slots."""
         for _ in range(self._missing_blocks(seq, num_new_tokens)):
             seq.block_table.append(self._take_fresh_block())
+        self._note_peak()
 
     def free(self, seq: Sequence) -> None:
         """Release every block of ``seq``; keyed blocks stay reusable until evicted."""
@@ -135,6 +144,9 @@ class BlockManager:
             hits.append((key, block_id))
             parent = key
         return hits
+
+    def _note_peak(self) -> None:
+        self.peak_used_blocks = max(self.peak_used_blocks, self.num_used_blocks)
 
     def _missing_blocks(self, seq: Sequence, num_new_tokens: int) -> int:
         needed = self.blocks_needed(seq.num_computed_tokens + num_new_tokens)

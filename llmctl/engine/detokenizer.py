@@ -1,10 +1,13 @@
 """Incremental detokenization with stop strings, one instance per request.
 
-Text is produced the way vLLM does it: decode a short window of tokens before the new
-ones (``prefix_offset .. read_offset``) and the same window plus the new ones, and
-emit the difference. Decoding with context keeps the spaces and merges a tokenizer
-only gets right in context, and text ending in U+FFFD (an incomplete UTF-8 character
-split over tokens) is held back until the next token completes it.
+For most tokenizers a token adds fixed bytes to the text (``token_bytes``): the new
+text is the new token's bytes after any bytes still held back, and no tokenizer call
+is needed. Other tokenizers are decoded the way vLLM does it: decode a short window
+of tokens before the new ones (``prefix_offset .. read_offset``) and the same window
+plus the new ones, and emit the difference. Decoding with context keeps the spaces
+and merges a tokenizer only gets right in context. Either way, text ending in U+FFFD
+(an incomplete UTF-8 character split over tokens) is held back until the next token
+completes it.
 
 Stop strings are matched in the accumulated text, so a stop string spread over
 several tokens is found. While streaming, a tail that could still become a stop
@@ -15,6 +18,7 @@ after it, with ``include_stop_str_in_output``).
 from __future__ import annotations
 
 from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.token_bytes import strip_leading, token_pieces
 from llmctl.engine.tokenizer import Tokenizer
 
 # Prompt tokens decoded as context before the first generated token (vLLM uses 5).
@@ -22,24 +26,72 @@ _CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
+    """``use_pieces=False`` decodes windows even where the byte table would do (tests
+    compare the two)."""
+
     def __init__(
-        self, tokenizer: Tokenizer, prompt_token_ids: list[int], sampling: SamplingParams
+        self,
+        tokenizer: Tokenizer,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        use_pieces: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special = sampling.skip_special_tokens
         self._stops = list(sampling.stop)
         self._include_stop = sampling.include_stop_str_in_output
-        self._token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        self._prefix_offset = 0
-        self._read_offset = len(self._token_ids)
-        self.text = ""  # everything decoded so far (cut at a stop string)
-        self._emitted = 0  # how much of ``text`` has been handed out
+        # Without stop strings: the text not handed out yet. With them: everything
+        # decoded so far (cut at a stop string), of which ``_emitted`` chars went out.
+        self._text = ""
+        self._emitted = 0
         self.stopped = False  # a stop string was found
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._pieces = token_pieces(tokenizer) if use_pieces else None
+        if self._pieces is None:
+            self._token_ids = context
+            self._prefix_offset = 0
+            self._read_offset = len(context)
+            return
+        pieces = self._pieces
+        visible = [t for t in context if not (self._skip_special and t in pieces.special)]
+        self._first = not visible  # the next visible token starts the text
+        self._pending = b""  # bytes of a character not complete yet
+        # Leading characters the text still loses: what the context left of the strip.
+        _, self._strip_left = strip_leading(
+            pieces.joined_text(visible), pieces.strip_char, pieces.strip_start
+        )
 
     def add_token(self, token_id: int) -> None:
         """Decode one more generated token and look for stop strings."""
         if self.stopped:
             return
+        pieces = self._pieces
+        if pieces is None:
+            self._add_by_window(token_id)
+            return
+        if token_id >= len(pieces.pieces) or (self._skip_special and token_id in pieces.special):
+            return  # an embedding row past the vocabulary decodes to nothing, as in decode
+        text = None
+        if self._first:
+            piece = (pieces.first_pieces or pieces.pieces)[token_id]
+            self._first = False
+        else:
+            piece = pieces.pieces[token_id]
+            if not self._pending:
+                text = pieces.texts[token_id]
+        if text is None:
+            data = self._pending + piece
+            text = data.decode("utf-8", "replace")
+            if text.endswith("\ufffd"):
+                self._pending = data
+                return
+            self._pending = b""
+        if self._strip_left:
+            text, self._strip_left = strip_leading(text, pieces.strip_char, self._strip_left)
+        if text:
+            self._append(text)
+
+    def _add_by_window(self, token_id: int) -> None:
         self._token_ids.append(token_id)
         decode = self._tokenizer.decode
         prefix_text = decode(
@@ -48,18 +100,25 @@ class IncrementalDetokenizer:
         full_text = decode(self._token_ids[self._prefix_offset :], self._skip_special)
         if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
             return  # nothing new yet, or a character still incomplete
-        previous_len = len(self.text)
-        self.text += full_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._token_ids)
-        self._find_stop(previous_len)
+        self._append(full_text[len(prefix_text) :])
+
+    def _append(self, text: str) -> None:
+        previous_len = len(self._text)
+        self._text += text
+        if self._stops:
+            self._find_stop(previous_len)
 
     def take_new_text(self, final: bool = False) -> str:
         """Text not handed out yet; unless ``final``, minus a tail that may start a stop."""
-        end = len(self.text)
+        if not self._stops:
+            new_text, self._text = self._text, ""
+            return new_text
+        end = len(self._text)
         if not (final or self.stopped or self._include_stop):
             end = max(self._emitted, end - self._possible_stop_start())
-        new_text = self.text[self._emitted : end]
+        new_text = self._text[self._emitted : end]
         self._emitted = end
         return new_text
 
@@ -67,20 +126,20 @@ class IncrementalDetokenizer:
         best: tuple[int, str] | None = None
         for stop in self._stops:
             # A match must involve new text, so it starts at most len(stop)-1 chars back.
-            index = self.text.find(stop, max(0, previous_len - len(stop) + 1))
+            index = self._text.find(stop, max(0, previous_len - len(stop) + 1))
             if index != -1 and (best is None or index < best[0]):
                 best = (index, stop)
         if best is not None:
             index, stop = best
-            self.text = self.text[: index + len(stop) if self._include_stop else index]
+            self._text = self._text[: index + len(stop) if self._include_stop else index]
             self.stopped = True
 
     def _possible_stop_start(self) -> int:
         """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
         longest = 0
         for stop in self._stops:
-            for length in range(min(len(stop) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(stop[:length]):
+            for length in range(min(len(stop) - 1, len(self._text)), longest, -1):
+                if self._text.endswith(stop[:length]):
                     longest = length
                     break
         return longest

@@ -14,6 +14,7 @@ class KVPlan:
     block_size: int
     bytes_per_block: int
     note: str = ""  # why the budget was not used as given, if it was not
+    element: str = ""  # what the cache stores ("float32", "int8 + scales"), if known
 
     @property
     def num_tokens(self) -> int:
@@ -28,7 +29,8 @@ class KVPlan:
             f"{self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} tokens, "
             f"{self.num_bytes / 2**30:.2f} GiB"
         )
-        return f"{text} ({self.note})" if self.note else text
+        details = "; ".join(filter(None, (self.element, self.note)))
+        return f"{text} ({details})" if details else text
 
 
 def plan_kv_cache(
@@ -38,6 +40,7 @@ def plan_kv_cache(
     block_size: int,
     max_num_seqs: int,
     max_model_len: int,
+    element: str = "",
 ) -> KVPlan:
     """Blocks to allocate for ``budget``, given one block's size and the memory free now.
 
@@ -71,4 +74,4 @@ def plan_kv_cache(
             f"session_len={max_model_len} needs {blocks_per_seq} blocks: raise "
             "cache_max_entry_count or lower session_len"
         )
-    return KVPlan(num_blocks, block_size, bytes_per_block, note)
+    return KVPlan(num_blocks, block_size, bytes_per_block, note, element)

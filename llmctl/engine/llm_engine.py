@@ -3,23 +3,52 @@
 One ``step()`` schedules a batch, runs the model once over it, samples a token for
 every sequence whose input is fully computed, and checks stop conditions. It is not
 thread-safe; ``AsyncEngine`` drives it from one thread.
+
+On the GPU steps overlap, as vLLM's async scheduling does: ``step()`` prepares and
+launches step N+1 while the device still runs step N (the tokens N samples stay on the
+device and N+1 reads them there), and only then waits for step N's tokens and turns
+them into outputs. So a call returns the outputs of the step before the one it
+launched; a request that turns out finished has one extra token computed and dropped.
+A request with penalties needs its previous tokens on the host, so while one runs the
+steps do not overlap. On the CPU nothing runs behind the host's back, so each step
+completes before the next is prepared.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+from time import perf_counter
+
+import torch
 
 from llmctl.backend import GenerationOutput, TokenLogprob
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.config import EngineOptions
 from llmctl.engine.detokenizer import IncrementalDetokenizer
+from llmctl.engine.faults import FaultPlan
+from llmctl.engine.request_rules import finish_reason, validate_request
 from llmctl.engine.runner import ModelRunner
-from llmctl.engine.sampler import SampledToken, Sampler
+from llmctl.engine.sampler import SampledBatch, SampledToken, Sampler
 from llmctl.engine.sampling_params import SamplingParams
-from llmctl.engine.scheduler import Scheduler
-from llmctl.engine.sequence import Sequence
+from llmctl.engine.scheduler import ScheduledStep, Scheduler
+from llmctl.engine.sequence import Sequence, SequenceStatus
+from llmctl.engine.step_profile import StepProfile
 from llmctl.engine.tokenizer import Tokenizer
+from llmctl.engine.transfer import to_device
 from llmctl.errors import InvalidRequest
+
+
+class StepFailed(Exception):
+    """Running the model on one step's batch raised (the cause is ``__cause__``); the
+    requests of that step cannot go on, the engine's own state is intact. ``outputs``
+    are those the step had already collected from the step before (overlapped steps):
+    they must still be delivered."""
+
+    def __init__(self, request_ids: list[str], outputs: list[GenerationOutput]) -> None:
+        super().__init__(f"the model call failed for {len(request_ids)} request(s)")
+        self.request_ids = request_ids
+        self.outputs = outputs
 
 
 class LLMEngine:
@@ -36,6 +65,7 @@ class LLMEngine:
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
         vocab_size: int | None = None,
+        overlap: bool | None = None,
     ) -> None:
         if runner.block_size != options.block_size or runner.num_blocks < 1:
             raise ValueError(
@@ -52,45 +82,28 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.num_blocks, self.block_size, options.enable_prefix_caching
         )
-        self.scheduler = Scheduler(options, self.block_manager)
+        self.scheduler = Scheduler(
+            options, self.block_manager, self.block_manager.blocks_needed(max_model_len)
+        )
         self.sampler = Sampler(eos_token_ids, options.seed)
+        self.profile = StepProfile()
+        # ``overlap`` None: steps overlap where the device runs apart from the host.
+        self.overlap = runner.device.type == "cuda" if overlap is None else overlap
+        self._in_flight: tuple[ScheduledStep, SampledBatch] | None = None
         self._seqs: dict[str, Sequence] = {}
+        self._num_needing_host_tokens = 0  # requests with penalties in flight
+        self._faults = FaultPlan.from_env()  # only tests set LLMCTL_TEST_FAULT
 
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Raise ``InvalidRequest`` if this request can never run here."""
-        if not prompt_token_ids:
-            raise InvalidRequest("the prompt is empty: give at least one token")
-        vocab = self.vocab_size
-        if vocab is not None:
-            bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequest(
-                    f"prompt token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})"
-                )
-        prompt_len, limit = len(prompt_token_ids), self.max_model_len
-        if sampling.max_tokens is None and prompt_len >= limit:
-            raise InvalidRequest(
-                f"the prompt ({prompt_len} tokens) leaves no room to generate within "
-                f"session_len {limit}: shorten the prompt"
-            )
-        total = prompt_len + (
-            limit - prompt_len if sampling.max_tokens is None else sampling.max_tokens
+        validate_request(
+            prompt_token_ids,
+            sampling,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
         )
-        if total > limit:
-            allowed = f"at most {limit - prompt_len}" if prompt_len < limit else "none"
-            raise InvalidRequest(
-                f"the prompt ({prompt_len} tokens) plus max_tokens ({sampling.max_tokens}) "
-                f"is {total} tokens, more than session_len {limit}: shorten the prompt or "
-                f"lower max_tokens ({allowed} fit)"
-            )
-        needed = self.block_manager.blocks_needed(total)
-        if needed > self.num_blocks:
-            raise InvalidRequest(
-                f"the prompt ({prompt_len} tokens) plus max_tokens ({sampling.max_tokens}) "
-                f"needs {needed} KV blocks of {self.block_size} tokens, but the whole "
-                f"cache has {self.num_blocks}: lower max_tokens or give the engine "
-                "a larger cache_max_entry_count"
-            )
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
@@ -101,16 +114,17 @@ class LLMEngine:
         if sampling.max_tokens is None:  # "until the session is full"
             sampling = replace(sampling, max_tokens=self.max_model_len - len(prompt_token_ids))
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling)
-        seq = Sequence(request_id, prompt_token_ids, sampling, detokenizer)
+        seq = Sequence(request_id, prompt_token_ids, sampling, detokenizer, self.eos_token_ids)
         self._seqs[request_id] = seq
+        self._num_needing_host_tokens += seq.needs_host_tokens
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> GenerationOutput | None:
         """Stop a request and free its blocks; ``None`` if it is not in flight."""
-        seq = self._seqs.pop(request_id, None)
+        seq = self._seqs.get(request_id)
         if seq is None:
             return None
-        self.scheduler.finish(seq, "abort")
+        self._finish(seq, "abort")
         return GenerationOutput.aborted(
             request_id,
             seq.num_prompt_tokens,
@@ -119,55 +133,134 @@ class LLMEngine:
         )
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self._in_flight is not None or self.scheduler.has_unfinished()
 
-    def step(self) -> list[GenerationOutput]:
-        """Run one batch; return the progress of every request that got a token."""
+    def step(self, before_model: Callable[[], None] | None = None) -> list[GenerationOutput]:
+        """Run one batch; return the progress of every request that got a token (with
+        overlapping steps, the tokens of the step launched before).
+
+        ``before_model`` runs just before the model call: the async engine hands over the
+        previous step's outputs there, so their consumers run while the model computes
+        (torch releases the GIL) instead of between steps.
+
+        Raises ``StepFailed`` when the model call (or sampling from its logits) raises:
+        the step's requests are still in flight, for the caller to abort.
+        """
+        outputs = []
+        if self._in_flight is not None and self._num_needing_host_tokens:
+            outputs = self._collect()  # sampling needs the last tokens on the host
+        profile = self.profile
+        started = perf_counter()
         step = self.scheduler.schedule()
         if step is None:
+            if self._in_flight is not None:
+                return outputs + self._collect()
             if self.has_unfinished():  # validation guarantees every request fits alone
                 raise RuntimeError("the scheduler could not run any waiting request")
-            return []
-        logits = self.runner.execute(step.to_batch(self.block_size))
-        ready = self.scheduler.mark_computed(step)
-        if not ready:
-            return []
-        ready_ids = {id(seq) for seq in ready}
-        rows = [i for i, seq in enumerate(step.seqs) if id(seq) in ready_ids]
-        sampled = self.sampler(logits[rows], ready)
-        return [self._advance(seq, token) for seq, token in zip(ready, sampled)]
+            return outputs
+        scheduled = perf_counter()
+        batch = self.scheduler.batches.build(step)
+        built = perf_counter()
+        if before_model is not None:
+            before_model()
+        launched = perf_counter()
+        try:
+            self._faults.before_model_call()
+            logits = self.runner.execute(batch)
+            ran = perf_counter()
+            self.scheduler.mark_computed(step)
+            marked = perf_counter()
+            sampled = self._sample(step, logits)
+        except Exception as exc:
+            raise StepFailed([seq.request_id for seq in step.seqs], outputs) from exc
+        previous, self._in_flight = self._in_flight, (step, sampled)
+        profile.steps += 1
+        profile.scheduled_seqs += len(step.seqs)
+        profile.schedule += scheduled - started + marked - ran
+        profile.inputs += built - scheduled
+        profile.model += ran - launched
+        profile.sample += perf_counter() - marked
+        if not self.overlap:
+            return outputs + self._collect()
+        return outputs + (self._process(*previous) if previous is not None else [])
 
-    def _advance(self, seq: Sequence, sampled: SampledToken) -> GenerationOutput:
-        """Append the sampled token, decode it and decide whether ``seq`` is done."""
-        token_id = sampled.token_id
-        seq.append_token(token_id)
-        params = seq.sampling
-        reason = None
-        is_eos = not params.ignore_eos and token_id in self.eos_token_ids
-        if is_eos or token_id in params.stop_token_ids:
-            reason = "stop"
-        if reason is None or params.include_stop_str_in_output:
-            seq.detokenizer.add_token(token_id)
-        if reason is None and seq.detokenizer.stopped:
-            reason = "stop"
-        if reason is None and seq.num_output_tokens >= params.max_tokens:
-            reason = "length"
-        finished = reason is not None
-        output = GenerationOutput(
-            request_id=seq.request_id,
-            text=seq.detokenizer.take_new_text(final=finished),
-            token_ids=[token_id],
-            prompt_tokens=seq.num_prompt_tokens,
-            completion_tokens=seq.num_output_tokens,
-            finished=finished,
-            finish_reason=reason,
-            logprobs=[self._token_logprob(sampled)] if sampled.logprob is not None else None,
-            prompt_token_ids=seq.prompt_token_ids if seq.num_output_tokens == 1 else None,
-        )
-        if finished:
-            self.scheduler.finish(seq, reason)
-            del self._seqs[seq.request_id]
-        return output
+    def _sample(self, step: ScheduledStep, logits: torch.Tensor) -> SampledBatch | None:
+        """Sample the ready rows; their tokens are pending until ``_process``."""
+        ready, seqs = step.ready, step.seqs
+        if not ready:
+            return None
+        if len(ready) < len(seqs):
+            logits = logits[to_device(ready, torch.int64, logits.device)]
+            seqs = [seqs[i] for i in ready]
+        sampled = self.sampler.sample(logits, seqs)
+        for row, seq in enumerate(seqs):
+            seq.num_pending_tokens += 1
+            seq.pending = (sampled, row)
+        return sampled
+
+    def _collect(self) -> list[GenerationOutput]:
+        """Wait for the step in flight and turn its tokens into outputs."""
+        step, sampled = self._in_flight
+        self._in_flight = None
+        return self._process(step, sampled)
+
+    def _process(self, step: ScheduledStep, sampled: SampledBatch | None) -> list[GenerationOutput]:
+        """Append each ready sequence's new token, decode it, decide whether it is done."""
+        if sampled is None:
+            return []
+        profile = self.profile
+        started = perf_counter()
+        token_ids, logprobs = sampled.host()
+        received = perf_counter()
+        outputs = []
+        caching = self.block_manager.enable_prefix_caching
+        block_size = self.block_size
+        finished = SequenceStatus.FINISHED
+        seqs = step.seqs
+        for row, (index, token_id) in enumerate(zip(step.ready, token_ids)):
+            seq = seqs[index]
+            seq.num_pending_tokens -= 1
+            if not seq.num_pending_tokens:
+                seq.pending = None
+            if seq.status is finished:  # aborted, or done while this step ran
+                continue
+            all_token_ids = seq.token_ids
+            all_token_ids.append(token_id)
+            if caching and seq.num_computed_tokens // block_size > len(seq.block_hashes):
+                self.scheduler.cache_full_blocks(seq)
+            detokenizer = seq.detokenizer
+            num_prompt = len(seq.prompt_token_ids)
+            num_output = len(all_token_ids) - num_prompt
+            reason = finish_reason(
+                token_id, num_output, seq.sampling, seq.stop_token_ids, detokenizer
+            )
+            done = reason is not None
+            sampled_token = logprobs.get(row)
+            # Positional: keyword arguments make this dataclass' __init__ three times
+            # slower, and this runs once per sequence per step.
+            outputs.append(
+                GenerationOutput(
+                    seq.request_id,
+                    detokenizer.take_new_text(done),
+                    [token_id],
+                    num_prompt,
+                    num_output,
+                    done,
+                    reason,
+                    None if sampled_token is None else [self._token_logprob(sampled_token)],
+                    seq.prompt_token_ids if num_output == 1 else None,
+                )
+            )
+            if done:
+                self._finish(seq, reason)
+        profile.wait += received - started
+        profile.outputs += perf_counter() - received
+        return outputs
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        del self._seqs[seq.request_id]
+        self._num_needing_host_tokens -= seq.needs_host_tokens
 
     def _token_logprob(self, sampled: SampledToken) -> TokenLogprob:
         text = self.tokenizer.token_text

@@ -11,12 +11,13 @@ length is the window, and an explicit longer one is refused (``session_len``).
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from llmctl.errors import ModelError, OptionError
+from llmctl.model_info import describe, read_architecture, read_json_object
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -37,6 +38,12 @@ _DTYPE_ALIASES = {
     "half": "float16",
 }
 DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# A quantized KV cache (kv_cache_dtype int8 / fp8): one byte per element, plus one
+# float32 scale per token and KV head (llmctl.engine.quant).
+KV_QUANTIZED_ELEMENT_BYTES = {"int8": 1, "fp8": 1}
+KV_SCALE_BYTES = 4
+# The default of a ConfigReader key that must be present.
+REQUIRED: Any = object()
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,7 @@ class ModelConfig:
     rope_theta: float
     rope_scaling: RopeScaling | None
     qkv_bias: bool
+    o_proj_bias: bool
     qk_norm: bool  # Qwen3: RMSNorm over each head's q and k before RoPE
     mlp_bias: bool
     tie_word_embeddings: bool
@@ -83,78 +91,119 @@ class ModelConfig:
 
         path = Path(path)
         ensure_demo_materialized(path)
-        config = _read_json(path / "config.json", required=True)
-        generation = _read_json(path / "generation_config.json", required=False)
-        return cls.from_dict(config, generation)
+        config = read_json_object(path / "config.json", required=True)
+        generation = read_json_object(path / "generation_config.json", required=False)
+        return cls.from_dict(
+            config,
+            generation,
+            source=str(path / "config.json"),
+            generation_source=str(path / "generation_config.json"),
+        )
 
     @classmethod
     def from_dict(
-        cls, config: dict[str, Any], generation_config: dict[str, Any] | None = None
+        cls,
+        config: dict[str, Any],
+        generation_config: dict[str, Any] | None = None,
+        *,
+        source: str = "config.json",
+        generation_source: str = "generation_config.json",
     ) -> ModelConfig:
-        architecture = (config.get("architectures") or ["<none>"])[0]
+        """Parse a config.json object; a value of the wrong type or out of range is a
+        ModelError naming ``source`` and the key."""
+        read = ConfigReader(config, source)
+        architecture = read_architecture(config, source)
         if architecture not in SUPPORTED_ARCHITECTURES:
             raise ModelError(
                 f"architecture {architecture!r} is not supported; llmctl runs "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
-            if not isinstance(config.get(key), int) or config[key] <= 0:
-                raise ModelError(f"config.json: {key!r} must be a positive integer")
-        activation = config.get("hidden_act", "silu")
+        if "quantization_config" in config:
+            method = config["quantization_config"]
+            method = method.get("quant_method", "?") if isinstance(method, dict) else method
+            raise ModelError(
+                f"{source}: quantized checkpoints ({method}) are not supported; use the "
+                "model's unquantized (float16/bfloat16/float32) weights"
+            )
+        hidden_size = read.integer("hidden_size")
+        activation = read.string("hidden_act", "silu")
         if activation != "silu":
             raise ModelError(
-                f"config.json: hidden_act {activation!r} is not supported (Llama-family "
+                f"{source}: hidden_act {activation!r} is not supported (Llama-family "
                 "models use 'silu')"
             )
-
-        num_heads = config.get("num_attention_heads")
-        if not isinstance(num_heads, int) or num_heads <= 0:
-            raise ModelError("config.json: 'num_attention_heads' must be a positive integer")
-        num_kv_heads = config.get("num_key_value_heads") or num_heads
+        num_heads = read.integer("num_attention_heads")
+        num_kv_heads = read.integer("num_key_value_heads", num_heads)
         if num_heads % num_kv_heads:
             raise ModelError(
-                f"config.json: num_attention_heads ({num_heads}) must be a multiple of "
+                f"{source}: num_attention_heads ({num_heads}) must be a multiple of "
                 f"num_key_value_heads ({num_kv_heads})"
             )
-        head_dim = config.get("head_dim") or config["hidden_size"] // num_heads
-        if config.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ModelError("config.json: partial_rotary_factor other than 1.0 is not supported")
+        if config.get("head_dim") is None and hidden_size % num_heads:
+            raise ModelError(
+                f"{source}: hidden_size ({hidden_size}) is not divisible by "
+                f"num_attention_heads ({num_heads}), and there is no head_dim to say the "
+                "size of a head: fix one of them"
+            )
+        head_dim = read.integer("head_dim", hidden_size // num_heads)
+        if head_dim % 2:
+            raise ModelError(
+                f"{source}: the head size ({head_dim}) must be even: rotary embeddings "
+                "rotate pairs of values"
+            )
+        if read.number("partial_rotary_factor", 1.0) != 1.0:
+            raise ModelError(f"{source}: partial_rotary_factor other than 1.0 is not supported")
 
-        rope_theta, rope_scaling = _parse_rope(config)
-        # Qwen2 always has q/k/v biases; Llama and Mistral have them only if asked.
-        qkv_bias = architecture == "Qwen2ForCausalLM" or bool(config.get("attention_bias"))
+        rope_theta, rope_scaling = _parse_rope(read)
+        # Which biases each architecture has, as transformers builds it: Llama and Qwen3
+        # follow attention_bias (q/k/v and o), Qwen2 always has q/k/v biases, Mistral none;
+        # only Llama has mlp_bias.
+        attention_bias = read.boolean("attention_bias", False)
+        qkv_bias = architecture == "Qwen2ForCausalLM" or (
+            attention_bias and architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+        )
+        o_proj_bias = attention_bias and architecture in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+        mlp_bias = architecture == "LlamaForCausalLM" and read.boolean("mlp_bias", False)
 
-        sliding_window = config.get("sliding_window")
-        if config.get("use_sliding_window") is False:
+        sliding_window = read.integer("sliding_window", 0, minimum=0) or None
+        if not read.boolean("use_sliding_window", True):
             sliding_window = None
 
-        eos = _as_id_tuple(config.get("eos_token_id"))
+        vocab_size = read.integer("vocab_size")
+        eos = token_ids(config.get("eos_token_id"), source, "eos_token_id", vocab_size)
         if generation_config:
-            eos += tuple(
-                i for i in _as_id_tuple(generation_config.get("eos_token_id")) if i not in eos
+            more = token_ids(
+                generation_config.get("eos_token_id"), generation_source, "eos_token_id", vocab_size
+            )
+            eos += tuple(i for i in more if i not in eos)
+        bos = read.integer("bos_token_id", None, minimum=0)
+        if bos is not None and bos >= vocab_size:
+            raise ModelError(
+                f"{source}: bos_token_id {bos} is outside the vocabulary (vocab_size {vocab_size})"
             )
 
         return cls(
             architecture=architecture,
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            intermediate_size=config["intermediate_size"],
-            num_layers=config["num_hidden_layers"],
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=read.integer("intermediate_size"),
+            num_layers=read.integer("num_hidden_layers"),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=read.number("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             qkv_bias=qkv_bias,
+            o_proj_bias=o_proj_bias,
             qk_norm=architecture == "Qwen3ForCausalLM",
-            mlp_bias=bool(config.get("mlp_bias", False)),
+            mlp_bias=mlp_bias,
             # transformers' default for the Llama family is untied unless the config says so.
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-            sliding_window=int(sliding_window) if sliding_window else None,
-            torch_dtype=_config_dtype(config),
-            bos_token_id=config.get("bos_token_id"),
+            tie_word_embeddings=read.boolean("tie_word_embeddings", False),
+            max_position_embeddings=read.integer("max_position_embeddings", 2048),
+            sliding_window=sliding_window,
+            torch_dtype=_config_dtype(read),
+            bos_token_id=bos,
             eos_token_ids=eos,
         )
 
@@ -186,13 +235,23 @@ class ModelConfig:
             )
         return requested
 
-    def kv_bytes_per_block(self, block_size: int, dtype: Any) -> int:
+    def kv_bytes_per_block(self, block_size: int, dtype: Any, kv_cache_dtype: str = "auto") -> int:
         """Bytes one KV block takes across all layers: K and V, ``block_size`` tokens each.
 
-        ``dtype`` is a dtype name (``"bfloat16"``, ``"fp16"``...) or a ``torch.dtype``.
+        ``dtype`` is the model's dtype: a name (``"bfloat16"``, ``"fp16"``...) or a
+        ``torch.dtype``; the cache holds it when ``kv_cache_dtype`` is ``auto``. An
+        ``int8`` / ``fp8`` cache holds one byte per element and a scale per token and KV
+        head (head_dim + 4 bytes per row: 4 * head_dim / (head_dim + 4) times fewer
+        than fp32, 3.8x at head_dim 64).
         """
-        itemsize = DTYPE_SIZES[canonical_dtype(dtype)] if isinstance(dtype, str) else dtype.itemsize
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * block_size * itemsize
+        if kv_cache_dtype in KV_QUANTIZED_ELEMENT_BYTES:
+            row_bytes = self.head_dim * KV_QUANTIZED_ELEMENT_BYTES[kv_cache_dtype] + KV_SCALE_BYTES
+        else:
+            itemsize = (
+                DTYPE_SIZES[canonical_dtype(dtype)] if isinstance(dtype, str) else dtype.itemsize
+            )
+            row_bytes = self.head_dim * itemsize
+        return 2 * self.num_layers * self.num_kv_heads * block_size * row_bytes
 
     def resolve_dtype(self, requested: str) -> str:
         """``auto`` means the checkpoint's own dtype; anything else must be a known dtype."""
@@ -209,66 +268,134 @@ def canonical_dtype(name: str) -> str:
     return canonical
 
 
-def _parse_rope(config: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def _parse_rope(read: ConfigReader) -> tuple[float, RopeScaling | None]:
     """rope_theta and scaling from the old (``rope_scaling``) or transformers-5
     (``rope_parameters``) layout; transformers 5 writes both, with the same content."""
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    key = "rope_parameters" if read.config.get("rope_parameters") else "rope_scaling"
+    params = read.config.get(key) or {}
+    if not isinstance(params, dict):
+        raise ModelError(f"{read.source}: {key!r} must be an object, got {describe(params)}")
     if any(isinstance(value, dict) for value in params.values()):
-        raise ModelError("config.json: per-layer-type rope_parameters are not supported")
-    theta = float(params.get("rope_theta") or config.get("rope_theta") or 10000.0)
-    rope_type = params.get("rope_type", params.get("type", "default"))
+        raise ModelError(f"{read.source}: per-layer-type rope_parameters are not supported")
+    rope = ConfigReader(params, read.source, prefix=f"{key}.")
+    theta = read.number("rope_theta", 10000.0)
+    if params.get("rope_theta") is not None:
+        # transformers 5 writes theta twice; the engines use the nested one, so an edit of
+        # only the top-level one would be silently ignored
+        nested = rope.number("rope_theta")
+        if read.config.get("rope_theta") is not None and nested != theta:
+            raise ModelError(
+                f"{read.source}: rope_theta ({theta:g}) and {key}.rope_theta ({nested:g}) "
+                "disagree; make them equal"
+            )
+        theta = nested
+    rope_type = rope.string("rope_type", None) or rope.string("type", "default")
     if rope_type == "default":
         return theta, None
+    if rope_type not in ("linear", "llama3"):
+        raise ModelError(
+            f"{read.source}: rope scaling type {rope_type!r} is not supported; llmctl supports "
+            "no scaling, 'linear' and 'llama3'"
+        )
+    factor = _rope_number(rope, rope_type, "factor")
     if rope_type == "linear":
-        return theta, RopeScaling("linear", factor=float(_rope_field(params, "factor")))
-    if rope_type == "llama3":
-        original = params.get("original_max_position_embeddings") or config.get(
-            "max_position_embeddings"
-        )
-        return theta, RopeScaling(
-            "llama3",
-            factor=float(_rope_field(params, "factor")),
-            low_freq_factor=float(_rope_field(params, "low_freq_factor")),
-            high_freq_factor=float(_rope_field(params, "high_freq_factor")),
-            original_max_position_embeddings=int(original),
-        )
-    raise ModelError(
-        f"config.json: rope scaling type {rope_type!r} is not supported; llmctl supports "
-        "no scaling, 'linear' and 'llama3'"
+        return theta, RopeScaling("linear", factor=factor)
+    return theta, RopeScaling(
+        "llama3",
+        factor=factor,
+        low_freq_factor=_rope_number(rope, rope_type, "low_freq_factor"),
+        high_freq_factor=_rope_number(rope, rope_type, "high_freq_factor"),
+        original_max_position_embeddings=rope.integer(
+            "original_max_position_embeddings", read.integer("max_position_embeddings", 2048)
+        ),
     )
 
 
-def _rope_field(params: dict[str, Any], key: str) -> Any:
-    if params.get(key) is None:
-        raise ModelError(f"config.json: rope scaling {params.get('rope_type')!r} needs {key!r}")
-    return params[key]
+def _rope_number(rope: ConfigReader, rope_type: str, key: str) -> float:
+    if rope.config.get(key) is None:
+        raise ModelError(f"{rope.source}: rope scaling {rope_type!r} needs {key!r}")
+    return rope.number(key)
 
 
-def _config_dtype(config: dict[str, Any]) -> str:
-    name = config.get("torch_dtype") or config.get("dtype") or "float32"
+def _config_dtype(read: ConfigReader) -> str:
+    key = "torch_dtype" if read.config.get("torch_dtype") is not None else "dtype"
+    name = read.string(key, "float32")
     try:
         return canonical_dtype(name)
     except OptionError:
-        raise ModelError(f"config.json: dtype {name!r} is not supported") from None
+        raise ModelError(
+            f"{read.source}: {key} {name!r} is not supported (llmctl runs float32, "
+            "bfloat16 and float16 checkpoints)"
+        ) from None
 
 
-def _as_id_tuple(value: Any) -> tuple[int, ...]:
+class ConfigReader:
+    """Typed reads of one JSON object: a missing key gives the default (JSON null counts
+    as missing, as transformers writes it); a wrong type or a value out of range is a
+    ModelError naming the file and the key."""
+
+    def __init__(self, config: dict[str, Any], source: str, prefix: str = "") -> None:
+        self.config, self.source, self.prefix = config, source, prefix
+
+    def integer(self, key: str, default: Any = REQUIRED, *, minimum: int = 1) -> Any:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        value = self.config.get(key)
+        if value is None:
+            return self._default(key, default, kind)
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise self._error(key, kind, value)
+        return value
+
+    def number(self, key: str, default: Any = REQUIRED) -> Any:
+        value = self.config.get(key)
+        if value is None:
+            return self._default(key, default, "a positive number")
+        if (
+            not isinstance(value, (int, float))
+            or isinstance(value, bool)
+            or not 0 < value < math.inf
+        ):
+            raise self._error(key, "a positive number", value)
+        return float(value)
+
+    def boolean(self, key: str, default: bool) -> bool:
+        value = self.config.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self._error(key, "true or false", value)
+        return value
+
+    def string(self, key: str, default: Any) -> Any:
+        value = self.config.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, str):
+            raise self._error(key, "a string", value)
+        return value
+
+    def _default(self, key: str, default: Any, kind: str) -> Any:
+        if default is REQUIRED:
+            raise self._error(key, kind, None)
+        return default
+
+    def _error(self, key: str, kind: str, value: Any) -> ModelError:
+        return ModelError(
+            f"{self.source}: {self.prefix + key!r} must be {kind}, got {describe(value)}"
+        )
+
+
+def token_ids(value: Any, source: str, key: str, vocab_size: int | None = None) -> tuple[int, ...]:
+    """A token id or a list of them (eos_token_id), each checked against the vocabulary."""
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
-
-
-def _read_json(path: Path, *, required: bool) -> dict[str, Any]:
-    if not path.is_file():
-        if required:
-            raise ModelError(
-                f"{path.parent} has no {path.name}: give a Hugging Face model directory "
-                "(config.json + *.safetensors + tokenizer files)"
-            )
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelError(f"{path} is not valid JSON: {exc}") from None
+    ids = value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ModelError(
+            f"{source}: {key!r} must be a token id or a list of them, got {describe(value)}"
+        )
+    if vocab_size is not None and any(i >= vocab_size for i in ids):
+        raise ModelError(
+            f"{source}: {key} {value} is outside the vocabulary (vocab_size {vocab_size})"
+        )
+    return tuple(ids)

@@ -3,7 +3,8 @@
 A backend plugs its model into the shared engine by implementing ``ModelRunner``:
 the engine schedules, the runner runs one forward step over a flattened batch.
 ``PagedRunner`` is what both local runners share: dtype, device, KV-cache sizing and
-the checks around allocating it.
+the checks around allocating it. ``stage_step`` is how both turn a ``StepBatch`` into
+device tensors: every input packed into one int32 buffer, copied to the device once.
 """
 
 from __future__ import annotations
@@ -13,11 +14,27 @@ import mmap
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from llmctl.engine.model_config import ModelConfig
+from llmctl.engine.quant import kv_cache_torch_dtype
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# A step's integers: a list, or (as the engine builds them) a 1-D int32 numpy array.
+IntArray = list[int] | np.ndarray
+
+
+@dataclass
+class SampledTokenFill:
+    """Input tokens of a step that the step before sampled and the host has not seen yet
+    (steps overlap on the GPU): ``token_ids[i]`` goes to ``input_ids[token_indices[i]]``.
+    Both tensors are on the device."""
+
+    token_indices: torch.Tensor
+    token_ids: torch.Tensor
 
 
 @dataclass
@@ -29,19 +46,156 @@ class StepBatch:
     the new ones, so its new tokens sit at positions
     ``context_lens[i] - query_lens[i] .. context_lens[i] - 1``.
     ``slot_mapping[t]`` is the physical cache slot (``block * block_size + offset``)
-    where new token ``t`` writes its K/V.
+    where new token ``t`` writes its K/V. ``block_tables`` is one list per sequence, or
+    (as the engine builds it) a 2-D int32 array padded with 0; ``block_table_array()``
+    gives the padded form either way.
+
+    When ``sampled_tokens`` is set, some ``input_ids`` are placeholders: a runner calls
+    ``fill_sampled_tokens`` on its device copy of the input ids before the model runs.
     """
 
-    input_ids: list[int]
-    positions: list[int]
-    query_lens: list[int]
-    context_lens: list[int]
-    block_tables: list[list[int]]
-    slot_mapping: list[int]
+    input_ids: IntArray
+    positions: IntArray
+    query_lens: IntArray
+    context_lens: IntArray
+    block_tables: list[list[int]] | np.ndarray
+    slot_mapping: IntArray
+    sampled_tokens: SampledTokenFill | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence feeds exactly one new token."""
+        return len(self.input_ids) == len(self.query_lens)
+
+    def block_table_array(self) -> np.ndarray:
+        """``[num_seqs, longest table]`` int32, padded with 0 (never read)."""
+        if isinstance(self.block_tables, np.ndarray):
+            return self.block_tables
+        width = max(map(len, self.block_tables), default=0)
+        padded = np.zeros((len(self.block_tables), width), dtype=np.int32)
+        for row, table in enumerate(self.block_tables):
+            padded[row, : len(table)] = table
+        return padded
+
+    def fill_sampled_tokens(self, input_ids: torch.Tensor) -> None:
+        """Write the tokens still on the device into ``input_ids`` (the runner's copy)."""
+        fill = self.sampled_tokens
+        if fill is not None:
+            input_ids[fill.token_indices] = fill.token_ids.to(input_ids.dtype)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """A step's inputs as int32 tensors: views of one packed buffer (see ``StepLayout``)."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    slot_mapping: torch.Tensor  # [num_tokens]: -1 for padding, which writes nothing
+    context_lens: torch.Tensor  # [num_seqs]: 0 for padding, which attends to nothing
+    query_start_loc: torch.Tensor  # [num_seqs + 1]
+    block_tables: torch.Tensor  # [table_rows, table_width]; rows padded with block 0
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where each input sits in a step's packed int32 buffer, in this order:
+    ``input_ids``, ``positions``, ``slot_mapping`` (``num_tokens`` each), ``context_lens``
+    (``num_seqs``), ``query_start_loc`` (``num_seqs + 1``), then the block tables
+    (``table_rows`` x ``table_width``). The part before the tables depends only on
+    ``num_tokens`` and ``num_seqs``, so a padded decode batch of a given size always
+    finds it at the same offsets (what CUDA graphs need)."""
+
+    num_tokens: int
+    num_seqs: int
+    table_rows: int
+    table_width: int
+
+    @property
+    def head_size(self) -> int:
+        """Entries before the block tables."""
+        return 3 * self.num_tokens + 2 * self.num_seqs + 1
+
+    @property
+    def size(self) -> int:
+        return self.head_size + self.table_rows * self.table_width
+
+    def unpack(self, packed: torch.Tensor) -> StepInputs:
+        """Views of ``packed`` (at least ``size`` entries) as the step's inputs."""
+        tokens, seqs = self.num_tokens, self.num_seqs
+        table_size = self.table_rows * self.table_width
+        parts = packed[: self.size].split([tokens, tokens, tokens, seqs, seqs + 1, table_size])
+        return StepInputs(*parts[:5], parts[5].view(self.table_rows, self.table_width))
+
+
+def pack_step(batch: StepBatch, pad_to: int | None = None) -> tuple[np.ndarray, StepLayout]:
+    """The step's inputs as one flat int32 array, laid out as ``StepLayout`` says.
+
+    ``pad_to`` pads a decode batch (one token per sequence) to that many sequences: the
+    padding feeds token 0 at position 0, writes nowhere (slot -1) and attends to nothing
+    (context length 0). Block tables are sent for the real sequences only, each padded
+    with block 0 to the longest (entries past a sequence's context are never read).
+    """
+    num_seqs = batch.num_seqs
+    pad = 0 if pad_to is None else pad_to - num_seqs
+    if pad and not batch.is_decode:
+        raise ValueError("only a decode batch (one token per sequence) can be padded")
+    if pad < 0:
+        raise ValueError(f"cannot pad a batch of {num_seqs} sequences to {pad_to}")
+    tables = batch.block_table_array()
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(batch.query_lens, out=query_start_loc[1:])
+    zeros = np.zeros(pad, dtype=np.int64)
+    flat = np.concatenate(
+        [
+            batch.input_ids,
+            zeros,
+            batch.positions,
+            zeros,
+            batch.slot_mapping,
+            np.full(pad, -1),
+            batch.context_lens,
+            zeros,
+            query_start_loc,
+            query_start_loc[-1] + 1 + np.arange(pad),  # one (padding) token per padded sequence
+            tables.reshape(-1),
+        ]
+    ).astype(np.int32)
+    layout = StepLayout(len(batch.input_ids) + pad, num_seqs + pad, *tables.shape)
+    return flat, layout
+
+
+def stage_step(
+    batch: StepBatch,
+    device: torch.device,
+    *,
+    pad_to: int | None = None,
+    out: torch.Tensor | None = None,
+) -> StepInputs:
+    """The step's inputs on ``device`` with ONE host-to-device copy (see ``pack_step``).
+
+    On CUDA the packed buffer is pinned and copied without blocking the host. ``out``
+    (int32, on ``device``, at least ``StepLayout.size`` entries) is where the copy lands;
+    by default a new tensor. Per-step Python work matters at a few hundred microseconds a
+    step, so this makes one tensor, not one per input.
+    """
+    flat, layout = pack_step(batch, pad_to)
+    host = torch.from_numpy(flat)
+    if device.type == "cuda":
+        # Pinned (from torch's caching host allocator, which keeps the block until the
+        # copy is done), so the copy is asynchronous.
+        host = host.pin_memory()
+    if out is None:
+        packed = host.to(device, non_blocking=True)
+    else:
+        packed = out[: layout.size]
+        packed.copy_(host, non_blocking=True)
+    inputs = layout.unpack(packed)
+    batch.fill_sampled_tokens(inputs.input_ids)  # tokens the previous step left on the device
+    return inputs
 
 
 class ModelRunner(Protocol):
@@ -49,6 +203,7 @@ class ModelRunner(Protocol):
 
     block_size: int
     num_blocks: int
+    device: torch.device  # where execute's logits are (steps overlap on a GPU)
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Write the batch's K/V into the cache and return fp32 logits ``[num_seqs, vocab]``
@@ -59,13 +214,16 @@ class ModelRunner(Protocol):
 class PagedRunner:
     """Base of a runner over a paged KV cache of ``num_blocks`` blocks.
 
-    ``dtype`` is a name (``auto`` is the checkpoint's) or a ``torch.dtype``.
+    ``dtype`` is a name (``auto`` is the checkpoint's) or a ``torch.dtype``;
+    ``kv_cache_dtype`` (``auto``: ``dtype``, ``int8``, ``fp8``) is the KV cache's.
     ``cpu_threads`` is how many threads compute on the CPU (``None``: torch's current
     count); like torch's own setting it holds for the whole process. The engine
     sizes the cache from the memory free once the weights are loaded, then calls
     ``allocate_kv_cache``; tests may pass ``num_blocks`` to the subclass directly.
     Subclasses implement ``_allocate(num_blocks)`` and ``execute``.
     """
+
+    tensor_parallel_size = 1  # ranks the model is sharded over (see the torch backend)
 
     def __init__(
         self,
@@ -74,6 +232,7 @@ class PagedRunner:
         dtype: str | torch.dtype,
         device: str | torch.device,
         block_size: int,
+        kv_cache_dtype: str = "auto",
         cpu_threads: int | None = None,
     ) -> None:
         self.config = config
@@ -82,11 +241,23 @@ class PagedRunner:
             torch.set_num_threads(cpu_threads)
         self.cpu_threads = cpu_threads or torch.get_num_threads()
         self.dtype = TORCH_DTYPES[config.resolve_dtype(dtype)] if isinstance(dtype, str) else dtype
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, self.dtype)
         self.block_size = block_size
         self.num_blocks = 0
 
     def kv_bytes_per_block(self) -> int:
-        return self.config.kv_bytes_per_block(self.block_size, self.dtype)
+        return self.config.kv_bytes_per_block(self.block_size, self.dtype, self.kv_cache_dtype)
+
+    def weight_bytes(self) -> int | None:
+        """Bytes the loaded (possibly quantized) weights take, if the runner can tell."""
+        return None
+
+    def kv_element(self) -> str:
+        """What one cache element is, for the KV plan's line: ``float32``, ``int8 + scales``."""
+        if self.kv_cache_dtype == "auto":
+            return str(self.dtype).removeprefix("torch.")
+        return f"{self.kv_cache_dtype} + scales"
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         if num_blocks <= 0:
@@ -97,16 +268,20 @@ class PagedRunner:
     def _allocate(self, num_blocks: int) -> None:
         raise NotImplementedError
 
-    def new_cache(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A zeroed KV-cache tensor. On the CPU it takes memory only as its pages are
-        first written: fresh anonymous pages from the OS are zero already, so nothing is
-        written up front, and the resident size follows the blocks in use, not the
-        budget (``torch.zeros`` would touch every page at once)."""
+    def new_cache(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed KV-cache tensor (or its scales). On the CPU it takes memory only as
+        its pages are first written: fresh anonymous pages from the OS are zero already,
+        so nothing is written up front, and the resident size follows the blocks in use,
+        not the budget (``torch.zeros`` would touch every page at once)."""
         if self.device.type != "cpu":
-            return torch.zeros(shape, dtype=self.dtype, device=self.device)
-        num_bytes = math.prod(shape) * self.dtype.itemsize
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        num_bytes = math.prod(shape) * dtype.itemsize
         pages = mmap.mmap(-1, num_bytes)  # the tensor keeps the mapping alive
-        return torch.frombuffer(pages, dtype=torch.uint8).view(self.dtype).view(shape)
+        return torch.frombuffer(pages, dtype=torch.uint8).view(dtype).view(shape)
+
+    def close(self) -> None:
+        """Release what the runner holds beyond memory (a sharded runner's worker
+        processes). The engine calls it once, at shutdown."""
 
     def check_allocated(self) -> None:
         if self.num_blocks == 0:

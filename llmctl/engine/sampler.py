@@ -16,15 +16,21 @@ Order of processing, per row:
 Logprobs are the log-softmax of the logits after steps 1-3 (penalties, min_tokens and
 temperature; temperature 0 counts as 1), before truncation, so every token has a
 finite value whatever top-k/top-p cut.
+
+All of it runs on the logits' device and nothing waits for the device: a step whose
+rows are all plain greedy is one argmax, and the sampled ids (with the logprobs, when
+asked) come back to the host in one copy (``SampledBatch``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from llmctl.engine.sequence import Sequence
+from llmctl.engine.transfer import HostCopy, to_device
 
 
 @dataclass
@@ -32,6 +38,57 @@ class SampledToken:
     token_id: int
     logprob: float | None = None  # set only when the request asked for logprobs
     top: list[tuple[int, float]] = field(default_factory=list)
+
+
+class SampledBatch:
+    """One step's sampled tokens: ``token_ids`` stays on the model's device (the next step
+    can read it there), and one copy to the host is started at once; ``host()`` waits
+    for that copy. With logprobs asked, ids and logprobs travel in the same copy."""
+
+    def __init__(
+        self,
+        token_ids: torch.Tensor,
+        logprob_rows: list[int] | None = None,
+        top_ks: list[int] | None = None,
+        chosen: torch.Tensor | None = None,
+        top_values: torch.Tensor | None = None,
+        top_ids: torch.Tensor | None = None,
+    ) -> None:
+        self.token_ids = token_ids
+        self._logprob_rows = logprob_rows or []
+        self._top_ks = top_ks or []
+        self._top_width = 0 if top_ids is None else top_ids.shape[1]
+        if self._logprob_rows:
+            # Ids below 2**53 are exact in float64, so one tensor carries everything.
+            packed = torch.cat(
+                [
+                    token_ids.double(),
+                    chosen.double(),
+                    top_ids.double().flatten(),
+                    top_values.double().flatten(),
+                ]
+            )
+        else:
+            packed = token_ids
+        self._copy = HostCopy(packed)
+
+    def host(self) -> tuple[list[int], dict[int, SampledToken]]:
+        """The sampled ids (one per row) and, by row, the logprobs of rows that asked."""
+        values = self._copy.get().tolist()
+        num_rows = self.token_ids.shape[0]
+        if not self._logprob_rows:
+            return values, {}
+        token_ids = [int(v) for v in values[:num_rows]]
+        count, width = len(self._logprob_rows), self._top_width
+        chosen = values[num_rows : num_rows + count]
+        top_ids = values[num_rows + count : num_rows + count + count * width]
+        top_values = values[num_rows + count + count * width :]
+        logprobs = {}
+        for i, (row, k) in enumerate(zip(self._logprob_rows, self._top_ks)):
+            first = i * width
+            top = [(int(top_ids[first + j]), top_values[first + j]) for j in range(k)]
+            logprobs[row] = SampledToken(token_ids[row], chosen[i], top)
+        return token_ids, logprobs
 
 
 class Sampler:
@@ -42,44 +99,49 @@ class Sampler:
         self._seed = seed
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        """Sample and wait: one ``SampledToken`` per row."""
+        token_ids, logprobs = self.sample(logits, seqs).host()
+        return [logprobs.get(row) or SampledToken(t) for row, t in enumerate(token_ids)]
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledBatch:
+        """Sample one token per row on the logits' device; nothing here waits for it."""
+        if all(seq.plain_greedy for seq in seqs):  # the common case: no copy of the logits
+            return SampledBatch(argmax_rows(logits))
+        device = logits.device
         logits = logits.float().clone()
         apply_penalties(logits, seqs)
         mask_stops_before_min_tokens(logits, seqs, self.eos_token_ids)
 
-        temperatures = torch.tensor(
+        temperatures = to_device(
             [1.0 if s.sampling.greedy else s.sampling.temperature for s in seqs],
-            device=logits.device,
+            torch.float32,
+            device,
         )
         logits.div_(temperatures.unsqueeze(1))
-        token_ids = logits.argmax(dim=-1)
+        token_ids = argmax_rows(logits)
         sampling_rows = [i for i, s in enumerate(seqs) if not s.sampling.greedy]
         if sampling_rows:
             rows = [seqs[i] for i in sampling_rows]
-            token_ids[sampling_rows] = self._sample(
-                apply_truncation(logits[sampling_rows], rows), rows
-            )
+            index = to_device(sampling_rows, torch.int64, device)
+            token_ids[index] = self._sample(apply_truncation(logits[index], rows), rows)
 
-        results = [SampledToken(int(t)) for t in token_ids.tolist()]
         want = [i for i, s in enumerate(seqs) if s.sampling.logprobs or s.sampling.top_logprobs]
-        if want:
-            logprobs = torch.log_softmax(logits[want], dim=-1)
-            for row, i in enumerate(want):
-                result = results[i]
-                result.logprob = float(logprobs[row, result.token_id])
-                k = seqs[i].sampling.top_logprobs
-                if k:
-                    values, ids = logprobs[row].topk(min(k, logprobs.shape[1]))
-                    result.top = list(zip(ids.tolist(), values.tolist()))
-        return results
+        if not want:
+            return SampledBatch(token_ids)
+        top_ks = [seqs[i].sampling.top_logprobs for i in want]
+        index = to_device(want, torch.int64, device)
+        logprobs = torch.log_softmax(logits[index], dim=-1)
+        chosen = logprobs.gather(1, token_ids[index].unsqueeze(1)).squeeze(1)
+        top_values, top_ids = logprobs.topk(min(max(top_ks), logprobs.shape[1]), dim=-1)
+        return SampledBatch(token_ids, want, top_ks, chosen, top_values, top_ids)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         probs = logits.softmax(dim=-1)
         noise = torch.empty_like(probs)
         unseeded = [i for i, s in enumerate(seqs) if s.sampling.seed is None]
         if unseeded:
-            noise[unseeded] = noise[unseeded].exponential_(
-                generator=self._shared_generator(probs.device)
-            )
+            index = to_device(unseeded, torch.int64, probs.device)
+            noise[index] = noise[index].exponential_(generator=self._shared_generator(probs.device))
         for i, seq in enumerate(seqs):
             if seq.sampling.seed is not None:
                 if seq.generator is None:
@@ -97,13 +159,21 @@ class Sampler:
         return self._generator
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest index. On the CPU numpy's argmax is an order of magnitude
+    faster than torch's for a batch of vocabulary-wide rows, and picks the same index."""
+    if logits.device.type == "cpu":
+        return torch.from_numpy(np.argmax(logits.numpy(), axis=-1))
+    return logits.argmax(dim=-1)
+
+
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
     """Repetition, frequency and presence penalties, in place."""
     vocab = logits.shape[1]
     for row, seq in enumerate(seqs):
         params = seq.sampling
         if params.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.token_ids)), device=logits.device)
+            seen = to_device(sorted(set(seq.token_ids)), torch.int64, logits.device)
             seen = seen[seen < vocab]
             values = logits[row, seen]
             logits[row, seen] = torch.where(
@@ -112,7 +182,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
                 values * params.repetition_penalty,
             )
         if (params.frequency_penalty or params.presence_penalty) and seq.num_output_tokens:
-            output = torch.tensor(seq.output_token_ids, device=logits.device)
+            output = to_device(seq.output_token_ids, torch.int64, logits.device)
             counts = torch.bincount(output[output < vocab], minlength=vocab).float()
             logits[row] -= params.frequency_penalty * counts
             logits[row] -= params.presence_penalty * (counts > 0).float()
@@ -124,7 +194,8 @@ def mask_stops_before_min_tokens(
     """Forbid EOS and stop tokens while a sequence has fewer than min_tokens, in place."""
     vocab = logits.shape[1]
     for row, seq in enumerate(seqs):
-        if seq.num_output_tokens < seq.sampling.min_tokens:
+        # Tokens sampled but not yet seen on the host (overlapped steps) count too.
+        if seq.num_output_tokens + seq.num_pending_tokens < seq.sampling.min_tokens:
             stops = set(seq.sampling.stop_token_ids)
             if not seq.sampling.ignore_eos:
                 stops.update(eos_token_ids)
@@ -136,25 +207,25 @@ def mask_stops_before_min_tokens(
 def apply_truncation(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Mask (``-inf``) the tokens top-k, top-p and min-p exclude."""
     vocab = logits.shape[1]
-    top_k = [s.sampling.top_k if s.sampling.top_k > 0 else vocab for s in seqs]
+    top_k = [min(s.sampling.top_k, vocab) if s.sampling.top_k > 0 else vocab for s in seqs]
     top_p = [s.sampling.top_p for s in seqs]
     min_p = [s.sampling.min_p for s in seqs]
     device = logits.device
     if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=device).unsqueeze(0)
-        k = torch.tensor(top_k, device=device).clamp(max=vocab).unsqueeze(1)
+        k = to_device(top_k, torch.int64, device).unsqueeze(1)
         sorted_logits.masked_fill_(rank >= k, float("-inf"))
         probs = sorted_logits.softmax(dim=-1)
         # Keep a token while the probability of the more likely ones is below top_p;
         # the most likely token is always kept.
         mass_before = probs.cumsum(dim=-1) - probs
-        p = torch.tensor(top_p, device=device).unsqueeze(1)
+        p = to_device(top_p, torch.float32, device).unsqueeze(1)
         sorted_logits.masked_fill_((mass_before >= p) & (rank > 0), float("-inf"))
         logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
     if any(m > 0 for m in min_p):
         probs = logits.softmax(dim=-1)
-        threshold = torch.tensor(min_p, device=device).unsqueeze(1) * probs.amax(
+        threshold = to_device(min_p, torch.float32, device).unsqueeze(1) * probs.amax(
             dim=-1, keepdim=True
         )
         logits.masked_fill_(probs < threshold, float("-inf"))

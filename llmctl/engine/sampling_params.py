@@ -5,16 +5,45 @@ Kept free of torch so the server and the CLI can build them without heavy import
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
+
+from annotated_types import Interval
+
+from llmctl.errors import InvalidRequest
+
+# The range of every numeric parameter, declared once: SamplingParams checks values
+# against it and the server publishes it in its OpenAPI schema (pydantic reads
+# ``annotated_types`` constraints). An int bound reads "at least N" in messages.
+BOUNDS: dict[str, Interval] = {
+    "max_tokens": Interval(ge=1),
+    "temperature": Interval(ge=0.0),
+    "top_p": Interval(gt=0.0, le=1.0),
+    "top_k": Interval(ge=-1),
+    "min_p": Interval(ge=0.0, le=1.0),
+    "repetition_penalty": Interval(gt=0.0),
+    "presence_penalty": Interval(ge=-2.0, le=2.0),
+    "frequency_penalty": Interval(ge=-2.0, le=2.0),
+    # Within torch's seed range, and JSON-safe: JavaScript clients round beyond 2**53.
+    "seed": Interval(ge=-(2**53 - 1), le=2**53 - 1),
+    "min_tokens": Interval(ge=0),
+    "top_logprobs": Interval(ge=0, le=20),
+}
+
+# Below this a temperature is greedy: dividing logits by a tinier number overflows
+# float32 and turns the distribution into NaN (vLLM draws the line at the same place).
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
 class SamplingParams:
     """How one request picks its tokens and when it stops.
 
-    ``temperature == 0`` means greedy. ``top_k <= 0`` disables top-k. ``max_tokens=None``
-    means "until the session is full" (OpenAI's chat default); the engine fills it in.
-    Every value is checked in ``__post_init__`` so a bad one fails naming the field.
+    ``temperature`` under 1e-5 (0 included) means greedy. ``top_k <= 0`` disables
+    top-k. ``max_tokens=None`` means "until the session is full" (OpenAI's chat
+    default); the engine fills it in. Every value is checked in ``__post_init__``; a bad
+    one raises ``InvalidRequest`` naming the field in ``param``.
     """
 
     max_tokens: int | None = 16
@@ -38,42 +67,53 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        checks = [
-            (
-                self.max_tokens is None or self.max_tokens >= 1,
-                f"max_tokens must be at least 1, got {self.max_tokens}",
-            ),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
-            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= -1, f"top_k must be -1, 0 (disabled) or positive, got {self.top_k}"),
-            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (
-                self.repetition_penalty > 0,
-                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
-            ),
-            (
-                -2 <= self.presence_penalty <= 2,
-                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
-            ),
-            (
-                -2 <= self.frequency_penalty <= 2,
-                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
-            ),
-            (self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}"),
-            (
-                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+        for name, bounds in BOUNDS.items():
+            value = getattr(self, name)
+            if value is not None and not _within(value, bounds):
+                raise InvalidRequest(
+                    f"{name} must be {describe(bounds)}, got {value}",
+                    param=name,
+                    code="invalid_value",
+                )
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequest(
                 f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
-            ),
-            (
-                0 <= self.top_logprobs <= 20,
-                f"top_logprobs must be in [0, 20], got {self.top_logprobs}",
-            ),
-            (all(s for s in self.stop), "stop strings must not be empty"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
+                param="min_tokens",
+                code="invalid_combination",
+            )
+        if not all(self.stop):
+            raise InvalidRequest("stop strings must not be empty", param="stop")
+        if any(token_id < 0 for token_id in self.stop_token_ids):
+            raise InvalidRequest("stop_token_ids must not be negative", param="stop_token_ids")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+def _within(value: Any, bounds: Interval) -> bool:
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    return (
+        (bounds.gt is None or value > bounds.gt)
+        and (bounds.ge is None or value >= bounds.ge)
+        and (bounds.lt is None or value < bounds.lt)
+        and (bounds.le is None or value <= bounds.le)
+    )
+
+
+def describe(bounds: Interval) -> str:
+    """``in (0, 1]``, ``>= 0``, ``> 0`` or, for an integer lower bound, ``at least 1``."""
+    low = bounds.gt if bounds.gt is not None else bounds.ge
+    high = bounds.lt if bounds.lt is not None else bounds.le
+    if high is not None:
+        opening = "(" if bounds.gt is not None else "["
+        closing = ")" if bounds.lt is not None else "]"
+        return f"in {opening}{_number(low)}, {_number(high)}{closing}"
+    if bounds.gt is not None:
+        return f"> {_number(low)}"
+    return f"at least {low}" if isinstance(low, int) else f">= {_number(low)}"
+
+
+def _number(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"

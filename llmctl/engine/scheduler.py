@@ -10,121 +10,294 @@ When the KV cache runs out of blocks, the most recently admitted running sequenc
 preempted by recompute: its blocks are freed and it goes back to the front of the
 waiting queue with every token it has generated, so when readmitted it prefills
 prompt + output again and carries on exactly where it was.
+
+Most steps repeat the one before: the same sequences, one decode token each. While
+nothing changes (no request added, finished or preempted) such a step is derived from
+the previous one, and only the sequences that need a new block are looked at one by
+one, so scheduling costs grow with what changed rather than with the batch. The step's
+``StepBatch`` is built the same way (``StepBatchBuilder``).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
 
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.config import EngineOptions
-from llmctl.engine.runner import StepBatch
+from llmctl.engine.runner import SampledTokenFill, StepBatch
 from llmctl.engine.sequence import Sequence, SequenceStatus
+from llmctl.engine.transfer import to_device
 
 
 @dataclass
 class ScheduledStep:
-    """The sequences of one step and how many new tokens each feeds the model."""
+    """The sequences of one step and what each feeds the model.
 
-    seqs: list[Sequence]
-    num_new_tokens: list[int]
+    ``starts[i]`` is where ``seqs[i]``'s new tokens begin (its computed tokens when
+    scheduled) and ``num_new_tokens[i]`` how many there are; ``input_ids`` is all of them
+    flattened, with -1 where a token is still on the device (``pending``: its index in
+    ``input_ids`` and the sequence). ``ready`` lists the rows that sample a token (a
+    decode, or the last chunk of a prefill).
+    """
 
-    def to_batch(self, block_size: int) -> StepBatch:
-        """Flatten into the runner's ``StepBatch``."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        context_lens: list[int] = []
-        for seq, count in zip(self.seqs, self.num_new_tokens):
-            start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start : start + count])
-            for position in range(start, start + count):
-                positions.append(position)
-                block = seq.block_table[position // block_size]
-                slot_mapping.append(block * block_size + position % block_size)
-            context_lens.append(start + count)
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    input_ids: list[int] = field(default_factory=list)
+    pending: list[tuple[int, Sequence]] = field(default_factory=list)
+    ready: list[int] = field(default_factory=list)
+
+    def add(self, seq: Sequence, count: int) -> None:
+        start = seq.num_computed_tokens
+        self.seqs.append(seq)
+        self.num_new_tokens.append(count)
+        self.starts.append(start)
+        self.rows.append(seq.row)
+        if seq.num_pending_tokens:  # a decode of the token the step in flight samples
+            self.pending.append((len(self.input_ids), seq))
+            self.input_ids.append(-1)
+        elif count == 1:
+            self.input_ids.append(seq.token_ids[start])
+        else:
+            self.input_ids += seq.token_ids[start : start + count]
+        if start + count == len(seq.token_ids) + seq.num_pending_tokens:
+            self.ready.append(len(self.seqs) - 1)
+
+
+class StepBatchBuilder:
+    """The runner's ``StepBatch``, built from rows that running sequences keep between
+    steps: each running sequence owns a row of one block-table array, its table copied
+    there when it is admitted and afterwards only the blocks it gains written; a step's
+    arrays (positions, slots, context lengths, its rows of block tables) then come from
+    numpy over the step's rows, with no Python work per token."""
+
+    def __init__(self, block_size: int, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+        self.block_size = block_size
+        self.block_tables = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int32)
+        self._table_lens = [0] * max_num_seqs  # entries of each row already written
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+
+    def admit(self, seq: Sequence) -> None:
+        """Give a sequence that starts running a row, with its block table."""
+        seq.row = self._free_rows.pop()
+        self._table_lens[seq.row] = 0
+        self.sync_table(seq)
+
+    def release(self, seq: Sequence) -> None:
+        self._free_rows.append(seq.row)
+        seq.row = None
+
+    def sync_table(self, seq: Sequence) -> None:
+        """Write the blocks ``seq`` gained since its row was last written."""
+        row, table = seq.row, seq.block_table
+        known = self._table_lens[row]
+        if len(table) > known:
+            self.block_tables[row, known : len(table)] = table[known:]
+            self._table_lens[row] = len(table)
+
+    def build(self, step: ScheduledStep) -> StepBatch:
+        rows = np.array(step.rows, dtype=np.intp)
+        starts = np.array(step.starts, dtype=np.int32)
+        counts = np.array(step.num_new_tokens, dtype=np.int32)
+        num_tokens = len(step.input_ids)
+        if num_tokens == len(rows):  # one token each (decodes): no expansion needed
+            positions, token_rows = starts, rows
+        else:
+            first_token = np.cumsum(counts) - counts
+            positions = (
+                np.arange(num_tokens, dtype=np.int32) - np.repeat(first_token - starts, counts)
+            ).astype(np.int32)
+            token_rows = np.repeat(rows, counts)
+        size = self.block_size
+        slots = self.block_tables[token_rows, positions // size] * size + positions % size
+        context_lens = starts + counts
+        width = int(context_lens.max() + size - 1) // size
         return StepBatch(
-            input_ids=input_ids,
+            input_ids=np.array(step.input_ids, dtype=np.int32),
             positions=positions,
-            query_lens=list(self.num_new_tokens),
+            query_lens=counts,
             context_lens=context_lens,
-            block_tables=[seq.block_table for seq in self.seqs],
-            slot_mapping=slot_mapping,
+            block_tables=self.block_tables[rows, :width],
+            slot_mapping=slots.astype(np.int32),
+            sampled_tokens=_sampled_token_fill(step.pending),
         )
 
 
+def _sampled_token_fill(pending: list[tuple[int, Sequence]]) -> SampledTokenFill | None:
+    """Where the input tokens still on the device come from: all of them were sampled by
+    the one step in flight, so they are rows of its ``token_ids``."""
+    if not pending:
+        return None
+    source = pending[0][1].pending[0].token_ids
+    indices = to_device([index for index, _ in pending], torch.int64, source.device)
+    rows = to_device([seq.pending[1] for _, seq in pending], torch.int64, source.device)
+    return SampledTokenFill(token_indices=indices, token_ids=source[rows])
+
+
 class Scheduler:
-    def __init__(self, options: EngineOptions, block_manager: BlockManager) -> None:
+    def __init__(
+        self, options: EngineOptions, block_manager: BlockManager, max_blocks_per_seq: int
+    ) -> None:
         self.options = options
         self.block_manager = block_manager
+        self.batches = StepBatchBuilder(
+            block_manager.block_size, options.max_num_seqs, max_blocks_per_seq
+        )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: preempt from the end
         self.num_preemptions = 0
+        # The last step, when it was one decode token for every running sequence, and
+        # how many more steps may repeat it before a request nears its max_tokens.
+        self._repeatable: ScheduledStep | None = None
+        self._repeats_left = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self._repeatable = None
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledStep | None:
-        """Pick this step's work; ``None`` when there is nothing to run."""
-        step = ScheduledStep([], [])
+        """Pick this step's work; ``None`` when there is nothing to run.
+
+        A running sequence's next token may still be on the device (steps overlap):
+        it counts as known, and the step reads it there. One that will have all its
+        tokens once that token arrives waits for it instead of running."""
+        step = self._repeat() if self._repeatable is not None else None
+        if step is None:
+            step = self._schedule_each()
+            self._remember_if_repeatable(step)
+        return step
+
+    def _schedule_each(self) -> ScheduledStep | None:
+        step = ScheduledStep()
         budget = self.options.max_num_batched_tokens
+        block_manager, batches = self.block_manager, self.batches
+        block_size = block_manager.block_size
         preempted = False
 
         index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
-            count = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not self.block_manager.can_append(seq, count):
-                victim = self.running.pop()  # the most recently admitted
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            else:
-                self.block_manager.append_slots(seq, count)
-                step.seqs.append(seq)
-                step.num_new_tokens.append(count)
-                budget -= count
-                index += 1
+        running = self.running
+        while index < len(running) and budget > 0:
+            seq = running[index]
+            start = seq.num_computed_tokens
+            count = min(len(seq.token_ids) + seq.num_pending_tokens - start, budget)
+            if seq.num_pending_tokens and seq.num_output_tokens + 1 >= seq.sampling.max_tokens:
+                index += 1  # its last token is on the way
+                continue
+            if start + count > len(seq.block_table) * block_size:  # needs another block
+                while not block_manager.can_append(seq, count):
+                    victim = running.pop()  # the most recently admitted
+                    self._preempt(victim)
+                    preempted = True
+                    if victim is seq:
+                        break
+                else:
+                    block_manager.append_slots(seq, count)
+                    batches.sync_table(seq)
+                if seq.row is None:  # it was the victim
+                    continue
+            step.add(seq, count)
+            budget -= count
+            index += 1
 
         # Admitting new work right after preempting would only thrash the cache.
         while (
             not preempted
             and self.waiting
             and budget > 0
-            and len(self.running) < self.options.max_num_seqs
-            and self.block_manager.can_allocate(self.waiting[0])
+            and len(running) < self.options.max_num_seqs
+            and block_manager.can_allocate(self.waiting[0])
         ):
             seq = self.waiting.popleft()
-            self.block_manager.allocate(seq)
+            block_manager.allocate(seq)
             seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
+            running.append(seq)
+            batches.admit(seq)
             count = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            step.seqs.append(seq)
-            step.num_new_tokens.append(count)
+            step.add(seq, count)
             budget -= count
 
         return step if step.seqs else None
 
-    def mark_computed(self, step: ScheduledStep) -> list[Sequence]:
-        """Record the step's K/V as computed; return the sequences that now sample a token
-        (a decode, or a prefill whose last chunk just ran)."""
-        ready = []
-        for seq, count in zip(step.seqs, step.num_new_tokens):
-            seq.num_computed_tokens += count
+    def _remember_if_repeatable(self, step: ScheduledStep | None) -> None:
+        self._repeatable = None
+        if (
+            step is None
+            or len(step.seqs) != len(self.running)
+            or len(step.input_ids) != len(step.seqs)
+            or len(step.ready) != len(step.seqs)
+            or (self.waiting and len(self.running) < self.options.max_num_seqs)
+        ):
+            return
+        self._repeatable = step
+        # Overlapped steps hold a sequence back when its last token is on the way.
+        self._repeats_left = (
+            min(
+                seq.sampling.max_tokens - seq.num_output_tokens - seq.num_pending_tokens
+                for seq in step.seqs
+            )
+            - 1
+        )
+
+    def _repeat(self) -> ScheduledStep | None:
+        """The last step again, one position on; ``None`` if it cannot be (a sequence
+        needs a block that is not free, or one is near its max_tokens)."""
+        previous = self._repeatable
+        if self._repeats_left <= 0:
+            return None
+        seqs = previous.seqs
+        starts = [start + 1 for start in previous.starts]
+        block_size = self.block_manager.block_size
+        for index in np.flatnonzero(np.array(starts) % block_size == 0).tolist():
+            seq = seqs[index]  # its next token opens a block
+            if not self.block_manager.can_append(seq, 1):
+                return None  # preemption: the full path decides
+            self.block_manager.append_slots(seq, 1)
+            self.batches.sync_table(seq)
+        self._repeats_left -= 1
+        step = ScheduledStep(
+            seqs=seqs,
+            num_new_tokens=previous.num_new_tokens,
+            starts=starts,
+            rows=previous.rows,
+            ready=previous.ready,
+        )
+        if seqs[0].num_pending_tokens:  # all are: the step in flight samples them
+            step.input_ids = [-1] * len(seqs)
+            step.pending = list(enumerate(seqs))
+        else:
+            step.input_ids = [seq.token_ids[-1] for seq in seqs]
+        self._repeatable = step
+        return step
+
+    def mark_computed(self, step: ScheduledStep) -> None:
+        """Record the step's K/V as computed (the device computes it in order, before any
+        later step reads it) and key the blocks that became full."""
+        caching = self.block_manager.enable_prefix_caching
+        size = self.block_manager.block_size
+        for seq, start, count in zip(step.seqs, step.starts, step.num_new_tokens):
+            seq.num_computed_tokens = start + count
+            if caching and (start + count) // size > len(seq.block_hashes):
+                self.cache_full_blocks(seq)
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Key seq's full, computed blocks, once their tokens are all on the host."""
+        if seq.num_computed_tokens <= len(seq.token_ids):
             self.block_manager.cache_computed_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:
-                ready.append(seq)
-        return ready
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire ``seq`` (finished or aborted) and free its blocks."""
+        self._repeatable = None
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self.batches.release(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
@@ -132,7 +305,9 @@ class Scheduler:
         seq.finish_reason = reason
 
     def _preempt(self, seq: Sequence) -> None:
+        self._repeatable = None
         self.block_manager.free(seq)
+        self.batches.release(seq)
         seq.status = SequenceStatus.WAITING
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

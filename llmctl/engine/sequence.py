@@ -5,12 +5,14 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING
 
+from llmctl.engine.request_rules import stop_token_ids
 from llmctl.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     import torch
 
     from llmctl.engine.detokenizer import IncrementalDetokenizer
+    from llmctl.engine.sampler import SampledBatch
 
 
 class SequenceStatus(enum.Enum):
@@ -27,7 +29,32 @@ class Sequence:
     chunk, or the one token sampled last). ``block_table[i]`` is the physical block
     holding tokens ``i * block_size .. (i + 1) * block_size - 1``. ``block_hashes`` are
     the prefix-cache keys of the leading full, computed blocks.
+
+    When steps overlap (GPU), a token can be sampled but not yet on the host:
+    ``num_pending_tokens`` counts it and ``pending`` says where it is on the device
+    (the step's sampled batch and the row); the next step reads it from there.
+    ``stop_token_ids`` are the ids that end the request (its own, and EOS unless
+    ``ignore_eos``).
     """
+
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "token_ids",
+        "sampling",
+        "status",
+        "num_computed_tokens",
+        "block_table",
+        "block_hashes",
+        "finish_reason",
+        "detokenizer",
+        "generator",
+        "stop_token_ids",
+        "plain_greedy",
+        "row",
+        "num_pending_tokens",
+        "pending",
+    )
 
     def __init__(
         self,
@@ -35,6 +62,7 @@ class Sequence:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         detokenizer: IncrementalDetokenizer | None = None,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -48,6 +76,19 @@ class Sequence:
         self.detokenizer = detokenizer
         # A seeded request's own random stream, created by the sampler on first use.
         self.generator: torch.Generator | None = None
+        self.stop_token_ids = stop_token_ids(sampling, eos_token_ids)
+        # Greedy with nothing that needs the logits on the host's terms: one argmax.
+        self.plain_greedy = sampling.greedy and not (
+            sampling.repetition_penalty != 1.0
+            or sampling.frequency_penalty
+            or sampling.presence_penalty
+            or sampling.min_tokens
+            or sampling.logprobs
+            or sampling.top_logprobs
+        )
+        self.row: int | None = None  # its row in the step inputs while it runs
+        self.num_pending_tokens = 0
+        self.pending: tuple[SampledBatch, int] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -64,6 +105,15 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Whether sampling reads its previous tokens (penalties): no step may then be
+        prepared before the last one's tokens reached the host."""
+        params = self.sampling
+        return bool(
+            params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
+        )
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -19,7 +19,9 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
+from llmctl.engine.model_config import token_ids
 from llmctl.errors import InvalidRequest, ModelError, OptionError
+from llmctl.model_info import describe, read_json_object
 
 
 class Tokenizer:
@@ -32,6 +34,7 @@ class Tokenizer:
         add_bos_token: bool | None = None,
         eos_token_ids: tuple[int, ...] = (),
         chat_template: str | None = None,
+        chat_template_file: Path | None = None,
         special_tokens: dict[str, str] | None = None,
     ) -> None:
         self._tokenizer = tokenizer
@@ -51,7 +54,10 @@ class Tokenizer:
         self.eos_token_ids = tuple(eos_ids)
         self.chat_template = chat_template
         self._special_tokens = special_tokens or {}
-        self._template = _compile_template(chat_template) if chat_template else None
+        self.chat_template_file = chat_template_file  # None: from the chat_template option
+        self._template = (
+            _compile_template(chat_template, chat_template_file) if chat_template else None
+        )
 
     @classmethod
     def from_dir(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
@@ -68,35 +74,50 @@ class Tokenizer:
                 "only; convert a sentencepiece-only tokenizer with transformers "
                 "(AutoTokenizer.from_pretrained(...).save_pretrained(...))"
             )
-        config = _read_json(path / "tokenizer_config.json")
+        config_file = path / "tokenizer_config.json"
+        config = read_json_object(config_file, required=False)
         special = {
-            name: _token_text(config.get(name))
+            name: _token_text(config.get(name), config_file, name)
             for name in ("bos_token", "eos_token", "unk_token", "pad_token")
-            if _token_text(config.get(name)) is not None
+            if config.get(name) is not None
         }
+        add_bos_token = config.get("add_bos_token")
+        if add_bos_token is not None and not isinstance(add_bos_token, bool):
+            raise ModelError(f"{config_file}: 'add_bos_token' must be true or false")
         eos_ids: list[int] = []
         for source in (path / "generation_config.json", path / "config.json"):
-            for token_id in _as_ids(_read_json(source).get("eos_token_id")):
+            content = read_json_object(source, required=False)
+            for token_id in token_ids(content.get("eos_token_id"), str(source), "eos_token_id"):
                 if token_id not in eos_ids:
                     eos_ids.append(token_id)
-        template = (
-            load_chat_template(chat_template)
-            if chat_template
-            else _model_chat_template(path, config)
-        )
+        if chat_template:
+            template, origin = load_chat_template(chat_template), None
+        else:
+            template, origin = _model_chat_template(path, config)
         return cls(
-            HFTokenizer.from_file(str(tokenizer_file)),
+            _read_tokenizer_json(tokenizer_file),
             bos_token=special.get("bos_token"),
             eos_token=special.get("eos_token"),
-            add_bos_token=config.get("add_bos_token"),
+            add_bos_token=add_bos_token,
             eos_token_ids=tuple(eos_ids),
             chat_template=template,
+            chat_template_file=origin,
             special_tokens=special,
         )
 
     @property
+    def hf_tokenizer(self) -> HFTokenizer:
+        """The ``tokenizers`` object itself (incremental detokenization reads its decoder)."""
+        return self._tokenizer
+
+    @property
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def highest_token_id(self) -> int:
+        """The largest id the tokenizer can produce: it must fit the model's embeddings."""
+        return max(self._tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; with ``add_special_tokens``, BOS first if the model wants
@@ -160,14 +181,47 @@ def load_chat_template(value: str) -> str:
     )
 
 
-def _model_chat_template(path: Path, config: dict[str, Any]) -> str | None:
+def _model_chat_template(path: Path, config: dict[str, Any]) -> tuple[str | None, Path | None]:
+    """The model's own chat template and the file it comes from (none: ``(None, None)``)."""
+    config_file = path / "tokenizer_config.json"
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-        named = {t.get("name"): t.get("template") for t in template}
-        template = named.get("default")
-    if template is None and (path / "chat_template.jinja").is_file():
-        template = (path / "chat_template.jinja").read_text()
-    return template
+        if not all(isinstance(t, dict) for t in template):
+            raise ModelError(
+                f"{config_file}: 'chat_template' must be a string or a list of "
+                '{"name": ..., "template": ...} objects'
+            )
+        template = {t.get("name"): t.get("template") for t in template}.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ModelError(f"{config_file}: 'chat_template' must be a string (a Jinja template)")
+    if template is not None:
+        return template, config_file
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        try:
+            return jinja_file.read_text(), jinja_file
+        except UnicodeDecodeError:
+            raise ModelError(f"{jinja_file} is not UTF-8 text") from None
+    return None, None
+
+
+def _read_tokenizer_json(path: Path) -> HFTokenizer:
+    """The tokenizers library's errors (``key must be a string``) name no file: check the
+    JSON first, then let the library read it, and name the file either way."""
+    try:
+        text = path.read_text()
+        json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelError(
+            f"{path} is not valid JSON ({exc}); restore it from the model's original files"
+        ) from None
+    try:
+        return HFTokenizer.from_str(text)
+    except Exception as exc:  # the library raises plain Exception
+        raise ModelError(
+            f"{path} is not a tokenizer the tokenizers library can read ({exc}); restore it "
+            "from the model's original files"
+        ) from None
 
 
 def _text_message(message: dict[str, Any]) -> dict[str, Any]:
@@ -186,8 +240,22 @@ def _text_message(message: dict[str, Any]) -> dict[str, Any]:
     return {**message, "content": "".join(parts)}
 
 
-def _compile_template(source: str) -> jinja2.Template:
-    """Compile a chat template in the environment transformers renders them in."""
+class _GenerationBlock(jinja2.ext.Extension):
+    """transformers' ``{% generation %}...{% endgeneration %}`` block, which marks the
+    assistant's text for training masks: rendering it is rendering its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> list[jinja2.nodes.Node]:
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def _compile_template(source: str, origin: Path | None) -> jinja2.Template:
+    """Compile a chat template in the environment transformers renders them in.
+
+    A template that does not compile is the model's fault if it came from one of its
+    files (``origin``), else the chat_template option's."""
 
     def raise_exception(message: str) -> None:
         raise jinja2.TemplateError(message)
@@ -202,7 +270,7 @@ def _compile_template(source: str) -> jinja2.Template:
         )
 
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
@@ -210,26 +278,21 @@ def _compile_template(source: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as exc:
-        raise OptionError(f"the chat template does not compile: {exc}") from None
+        if origin is not None:
+            raise ModelError(
+                f"{origin}: the chat template does not compile (line {exc.lineno}: {exc}); "
+                "fix it there (without one, chat messages are joined into a plain prompt)"
+            ) from None
+        raise OptionError(
+            f"the chat template given by chat_template (--chat-template) does not compile "
+            f"(line {exc.lineno}: {exc})"
+        ) from None
 
 
-def _token_text(value: Any) -> str | None:
+def _token_text(value: Any, source: Path, key: str) -> str:
     """A special token from tokenizer_config: a string or a serialized AddedToken."""
     if isinstance(value, dict):
-        return value.get("content")
+        value = value.get("content")
+    if not isinstance(value, str):
+        raise ModelError(f"{source}: {key!r} must be a token (a string), got {describe(value)}")
     return value
-
-
-def _as_ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, int) else [int(v) for v in value]
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ModelError(f"{path} is not valid JSON: {exc}") from None

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from llmctl.errors import InvalidRequest, LlmctlError, UpstreamError
+from llmctl.errors import EngineDead, EngineError, InvalidRequest, LlmctlError, UpstreamError
 
 
 class APIError(Exception):
@@ -52,14 +52,18 @@ class APIError(Exception):
 
 
 def api_error_for(exc: Exception) -> APIError:
-    """The answer for an exception from the engine: the client's fault (400), the
-    upstream's (502, proxy engines) or ours (500)."""
+    """The answer for an exception from the engine: the client's fault (400, naming the
+    field), the upstream's (502, proxy engines), a dead engine (503) or ours (500)."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, InvalidRequest):
-        return APIError(400, str(exc), code="invalid_request")
+        return APIError(400, str(exc), param=exc.param, code=exc.code or "invalid_request")
     if isinstance(exc, UpstreamError):
         return APIError(502, str(exc), type="upstream_error", code="upstream_error")
+    if isinstance(exc, EngineDead):
+        return APIError(503, str(exc), type="server_error", code="engine_dead")
+    if isinstance(exc, EngineError):
+        return APIError(500, str(exc), type="server_error", code="engine_error")
     return APIError(500, f"internal server error: {type(exc).__name__}: {exc}", type="server_error")
 
 
@@ -84,8 +88,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Routing errors; a 405 keeps Starlette's ``Allow`` header, as HTTP requires.
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return APIError(exc.status_code, str(exc.detail), code=code).response()
+        return APIError(exc.status_code, str(exc.detail), code=code, headers=exc.headers).response()
 
 
 # Readable descriptions of the fields whose type is a union, where pydantic would list
@@ -111,23 +116,37 @@ def describe_validation_errors(errors: list[Mapping[str, Any]]) -> tuple[str, st
             "`Content-Type: application/json`",
             None,
         )
-    # Drop pydantic's union tags ("str", "list[int]", ...) from the path.
-    path = [str(p) for p in loc if isinstance(p, int) or not _is_type_tag(p)]
-    field = ".".join(path)
-    param = str(path[0])
-    if first["type"] == "extra_forbidden":
+    path = _readable(first["loc"])
+    field, param = ".".join(path), path[0]
+    if first["type"] == "extra_forbidden":  # the last part is the unknown key, whatever it is
+        field = ".".join([*_readable(first["loc"][:-1]), str(first["loc"][-1])])
         return f"unknown field '{field}': this server does not support it", param
     if first["type"] == "missing":
         return f"'{field}' is required", param
-    same_field = [e for e in errors if e["loc"][: len(first["loc"]) - 1] == first["loc"][:-1]]
+    # A union (prompt, stop, content) gets one error per alternative; one that is not a
+    # type mismatch says what is wrong inside the alternative the client meant.
+    alternatives = [e for e in errors if _readable(e["loc"])[: len(path)] == path]
+    meant = next((e for e in alternatives if not e["type"].endswith("_type")), None)
+    if meant is not None:
+        where = ".".join(_readable(meant["loc"]))
+        return f"'{where}': {meant['msg']} (got {_short(meant.get('input'))})", param
     leaf = next((p for p in reversed(path) if not p.isdigit()), param)
-    if len(same_field) > 1 and leaf in _EXPECTED:
+    if len(alternatives) > 1 and leaf in _EXPECTED:
         return f"'{field}' must be {_EXPECTED[leaf]}, got {_short(first.get('input'))}", param
     return f"'{field}': {first['msg']} (got {_short(first.get('input'))})", param
 
 
+def _readable(loc: tuple[Any, ...]) -> list[str]:
+    """The path of a field, without "body" and pydantic's union tags ("list[int]", ...).
+    The first part is always a field of the body."""
+    parts = [p for p in loc if p != "body"]
+    return [
+        str(p) for i, p in enumerate(parts) if not i or isinstance(p, int) or not _is_type_tag(p)
+    ]
+
+
 def _is_type_tag(part: str) -> bool:
-    return any(ch in part for ch in "[]") or part in {"str", "int", "float", "bool", "list"}
+    return not part.isidentifier() or part in {"str", "int", "float", "bool", "list"}
 
 
 def _short(value: Any, limit: int = 60) -> str:

@@ -2,21 +2,18 @@
 
 In order: count the answer's status for /metrics; refuse new work while shutting down
 (503) or when the engine has died (503); check the API key (401); read the body up to
-the size limit (413) before anything parses it. /health, /version and /metrics are
-outside the gate: always open, never counted.
+the size limit (413) and within the client timeout (408) before anything parses it.
+/health, /version and /metrics are outside the gate: always open, never counted.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+import anyio
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmctl.server.errors import APIError
-
-if TYPE_CHECKING:
-    from llmctl.server.app import ServerState
+from llmctl.server.state import ServerState
 
 GUARDED_PREFIX = "/v1/"
 # Metrics label paths by name only for the real routes, so random URLs cannot create
@@ -74,31 +71,45 @@ class Guard:
                 401,
                 "a valid API key is required: send the header `Authorization: Bearer KEY`",
                 code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
             )
         return None
 
     async def _read_body(self, scope: Scope, receive: Receive) -> tuple[Receive, APIError | None]:
-        """Buffer the body up to the limit; hand the app a receive that replays it."""
-        limit = self.state.max_body_bytes
+        """Buffer the body up to the limit; hand the app a receive that replays it.
+
+        Both refusals close the connection: the rest of the body is not worth reading.
+        """
+        limit, timeout = self.state.max_body_bytes, self.state.client_timeout
         too_large = APIError(
             413,
             f"the request body is larger than the limit of {limit} bytes",
             code="request_too_large",
+            headers={"Connection": "close"},
         )
         declared = Headers(scope=scope).get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             return receive, too_large
         chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return receive, None  # the route will see the disconnect and stop
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > limit:
-                return receive, too_large
-            chunks.append(chunk)
-            more = message.get("more_body", False)
+        with anyio.move_on_after(timeout) as deadline:
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return receive, None  # the route will see the disconnect and stop
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    return receive, too_large
+                chunks.append(chunk)
+                more = message.get("more_body", False)
+        if deadline.cancelled_caught:
+            return receive, APIError(
+                408,
+                f"the request body did not arrive within {timeout:g} s (the server's "
+                "client_timeout); send it faster or in one piece",
+                code="request_timeout",
+                headers={"Connection": "close"},
+            )
         body = b"".join(chunks)
         replayed = False
 

@@ -3,15 +3,22 @@ timings, never prompts or keys; put the server behind a proxy to restrict it).
 
 Counters and histograms are updated as requests run; the engine's gauges (running and
 waiting sequences, KV blocks) are read from ``Engine.stats()`` at scrape time, so they
-are never stale. Each app has its own registry, so several servers can live in one
-process (tests) without clashing.
+are never stale. The process's own figures (``process_resident_memory_bytes``, open
+files, CPU time) come from prometheus-client's process collector. Each app has its own
+registry, so several servers can live in one process (tests) without clashing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -37,9 +44,19 @@ class _LiveGauges(Collector):
             ("llmctl_num_requests_running", "Sequences the engine is generating.", stats.running),
             ("llmctl_num_requests_waiting", "Sequences waiting in the engine.", stats.waiting),
             ("llmctl_kv_blocks_used", "KV-cache blocks in use.", stats.kv_blocks_used),
+            (
+                "llmctl_kv_blocks_peak",
+                "Most KV-cache blocks in use at once since the start.",
+                stats.kv_blocks_peak,
+            ),
             ("llmctl_kv_blocks_free", "KV-cache blocks free.", stats.kv_blocks_free),
             ("llmctl_kv_blocks_total", "KV-cache blocks in the cache.", stats.kv_blocks_total),
             ("llmctl_kv_block_size_tokens", "Tokens per KV-cache block.", stats.block_size),
+            (
+                "llmctl_tensor_parallel_size",
+                "Ranks the model is sharded over.",
+                stats.tensor_parallel_size,
+            ),
             (
                 "llmctl_http_requests_generating",
                 "HTTP requests holding a generation slot.",
@@ -90,6 +107,7 @@ class ServerMetrics:
             registry=registry,
         )
         registry.register(_LiveGauges(engine, admission))
+        ProcessCollector(registry=registry)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -6,6 +6,7 @@ A formatter is made per HTTP request and keeps what the stream needs across chun
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -18,7 +19,11 @@ _MIN_LOGPROB = -9999.0
 
 
 def _logprob(value: float) -> float:
-    return max(value, _MIN_LOGPROB)
+    """A JSON-safe logprob in [-9999, 0]. Degenerate sampling values (a repetition
+    penalty of 1e-300, say) can make the distribution NaN: that reads as the floor."""
+    if math.isnan(value):
+        return _MIN_LOGPROB
+    return min(max(value, _MIN_LOGPROB), 0.0)
 
 
 class _Formatter:

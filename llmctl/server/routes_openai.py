@@ -2,7 +2,9 @@
 
 Each generation request goes the same way: check the body, turn it into one engine
 request per choice, wait for a generation slot (or get 429), start the engine requests
-(a refusal is a 400), then stream Server-Sent Events or answer the whole result.
+(a refusal is a 400), then stream Server-Sent Events or answer the whole result. Values
+that do not go together raise ``InvalidRequest`` naming the field, which the error
+handlers answer with a 400 whose ``param`` is that field.
 """
 
 from __future__ import annotations
@@ -11,19 +13,30 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from llmctl.backend import GenerationRequest, SamplingParams
-from llmctl.errors import LlmctlError
-from llmctl.server.app import ServerState
+from llmctl.errors import InvalidRequest, LlmctlError
 from llmctl.server.errors import APIError, api_error_for
 from llmctl.server.generation import GenerationStream
 from llmctl.server.openai_format import ChatFormatter, CompletionFormatter
+from llmctl.server.openapi import (
+    GATE_ERRORS,
+    GENERATION_ERRORS,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    CompletionChunk,
+    ModelList,
+    error_responses,
+    streamed_or_whole,
+)
 from llmctl.server.protocol import ChatCompletionRequest, CompletionRequest
+from llmctl.server.state import ServerState
 from llmctl.server.streaming import ClientGone, EventStreamResponse, sse_event, unless_disconnected
 
 log = logging.getLogger("llmctl.server")
@@ -32,7 +45,6 @@ router = APIRouter(prefix="/v1")
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client left first"
 
-T = TypeVar("T")
 Formatter = CompletionFormatter | ChatFormatter
 
 
@@ -40,7 +52,7 @@ def _state(request: Request) -> ServerState:
     return request.app.state.llmctl
 
 
-@router.get("/models")
+@router.get("/models", response_model=ModelList, responses=error_responses(*GATE_ERRORS))
 async def list_models(request: Request) -> dict[str, Any]:
     state = _state(request)
     model = {
@@ -53,40 +65,54 @@ async def list_models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [model]}
 
 
-@router.post("/completions")
+@router.post(
+    "/completions",
+    responses=streamed_or_whole(Completion, CompletionChunk) | error_responses(*GENERATION_ERRORS),
+)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = _state(request)
     state.check_model(body.model)
-    prompts = _checked(body.checked_prompts, "prompt")
+    _check_session_bounds(state, body)
+    prompts = body.prompts()
     response_id = f"cmpl-{uuid.uuid4().hex}"
-    requests = _engine_requests(response_id, prompts, _checked(body.sampling_params), body.n)
+    requests = _engine_requests(response_id, prompts, body.sampling_params(), body.n)
     formatter = CompletionFormatter(
         response_id, state.engine.model_name, body.include_usage, len(requests)
     )
     return await _respond(request, state, requests, formatter, stream=body.stream, n=body.n)
 
 
-@router.post("/chat/completions")
+@router.post(
+    "/chat/completions",
+    responses=streamed_or_whole(ChatCompletion, ChatCompletionChunk)
+    | error_responses(*GENERATION_ERRORS),
+)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = _state(request)
     state.check_model(body.model)
+    _check_session_bounds(state, body)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     prompts = [{"messages": body.engine_messages()}]
-    requests = _engine_requests(response_id, prompts, _checked(body.sampling_params), body.n)
+    requests = _engine_requests(response_id, prompts, body.sampling_params(), body.n)
     formatter = ChatFormatter(
         response_id, state.engine.model_name, body.include_usage, len(requests)
     )
     return await _respond(request, state, requests, formatter, stream=body.stream, n=body.n)
 
 
-def _checked(make: Callable[[], T], param: str | None = None) -> T:
-    """Values out of range (SamplingParams' checks) become a 400 naming the field."""
-    try:
-        return make()
-    except ValueError as exc:
-        message = str(exc)
-        field = param or message.split(" ", 1)[0].rstrip(":")
-        raise APIError(400, message, param=field, code="invalid_value") from None
+def _check_session_bounds(state: ServerState, body: CompletionRequest | ChatCompletionRequest):
+    """No token count may exceed the session length: the bound /openapi.json publishes,
+    kept even for a field another one overrides (max_tokens beside max_completion_tokens)."""
+    limit = state.engine.max_model_len  # 0: not known here (a proxy checks upstream)
+    for field in ("max_tokens", "max_completion_tokens", "min_tokens"):
+        value = getattr(body, field, None)
+        if limit and value is not None and value > limit:
+            raise InvalidRequest(
+                f"{field} ({value}) is more than session_len {limit}, which the prompt "
+                f"shares: lower {field}",
+                param=field,
+                code="invalid_value",
+            )
 
 
 def _engine_requests(
@@ -129,7 +155,9 @@ async def _respond(
         _log_end(state, formatter.id, generation, n)
 
     if stream:
-        return EventStreamResponse(_events(generation, formatter, n), on_close=finish)
+        return EventStreamResponse(
+            _events(generation, formatter, n), on_close=finish, send_timeout=state.client_timeout
+        )
     try:
         result = await unless_disconnected(request, _collect(generation, formatter, n))
     except ClientGone:

@@ -2,24 +2,27 @@
 
 A disconnected client must not keep generating: its engine requests are aborted so
 their KV blocks return to the pool. Streamed responses watch for ``http.disconnect``
-while they write; whole responses race their work against it.
+while they write; whole responses race their work against it. A client that stops
+reading a stream counts as gone once one write has waited ``send_timeout`` seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterable, Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from llmctl.server.errors import APIError
 
 T = TypeVar("T")
+log = logging.getLogger("llmctl.server")
 
 
 class ClientGone(Exception):
@@ -33,19 +36,26 @@ def sse_event(payload: Any) -> str:
 
 
 class EventStreamResponse(StreamingResponse):
-    """An SSE response that stops when the client disconnects and always runs ``on_close``.
+    """An SSE response that stops when the client disconnects or stops reading for
+    ``send_timeout`` seconds, and always runs ``on_close``.
 
     ``on_close`` runs however the response ends, even if it never started streaming,
     so a generation slot or an engine request is never leaked.
     """
 
-    def __init__(self, events: AsyncIterable[str], on_close: Callable[[], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        events: AsyncIterable[str],
+        on_close: Callable[[], Awaitable[None]],
+        send_timeout: float,
+    ) -> None:
         super().__init__(
             events,
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
         self.on_close = on_close
+        self.send_timeout = send_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -57,7 +67,12 @@ class EventStreamResponse(StreamingResponse):
 
                 group.start_soon(watch)
                 try:
-                    await self.stream_response(send)
+                    await self.stream_response(self._timed(send))
+                except TimeoutError:
+                    log.warning(
+                        "a client took no data for %gs (client_timeout): stream dropped",
+                        self.send_timeout,
+                    )
                 except OSError:  # the client went away while we wrote to it
                     pass
                 group.cancel_scope.cancel()
@@ -69,6 +84,13 @@ class EventStreamResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.on_close()
+
+    def _timed(self, send: Send) -> Send:
+        async def send_in_time(message: Message) -> None:
+            with anyio.fail_after(self.send_timeout):
+                await send(message)
+
+        return send_in_time
 
 
 async def _send_farewell(send: Send) -> None:

@@ -116,3 +116,26 @@ def test_a_block_size_the_backend_refuses_is_an_error(stories_dir: Path) -> None
     )
     assert isinstance(result.exception, LlmctlError)
     assert "cache_block_seq_len" in str(result.exception)
+
+
+def test_step_profile_shows_where_the_steps_spent_their_time(
+    stories_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "profiled.json"
+    result = invoke(
+        f"bench throughput {q(stories_dir)} --backend torch --cache-block-seq-len 16 -n 5 "
+        f"--input-len 8 --output-len 6 --step-profile --output {q(out)} --markdown"
+    )
+    profile = read_json(out)["engine"]["step_profile"]
+    phases = ["schedule", "inputs", "model", "sample", "wait", "outputs", "deliver"]
+    # Five requests admitted in one step, then one decode step per further token.
+    assert profile["steps"] == 6 and profile["scheduled_seqs"] == 30
+    assert profile["mean_batch_seqs"] == pytest.approx(5.0)
+    assert all(profile[phase] >= 0 for phase in phases) and profile["model"] > 0
+    assert sum(profile["share"].values()) == pytest.approx(1.0)
+    busy = sum(profile[phase] for phase in phases)
+    host = busy - profile["model"] - profile["wait"]
+    assert profile["host_share"] == pytest.approx(host / busy)
+    assert profile["step_ms"]["model"] == pytest.approx(profile["model"] * 1000 / 6)
+    assert "**Where a step's time goes**" in result.output
+    assert "| host work (all but model call and wait) |" in result.output

@@ -40,6 +40,7 @@ class PagedToyModel:
     def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 64, seed: int = 0):
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.device = torch.device("cpu")
         generator = torch.Generator().manual_seed(seed)
         self.embed = torch.randn(vocab_size, 32, generator=generator)
         self.position_mix = torch.randn(4096, 32, generator=generator)
@@ -47,16 +48,22 @@ class PagedToyModel:
         self.token_cache = torch.full((num_blocks * block_size,), -1, dtype=torch.long)
         self.position_cache = torch.full((num_blocks * block_size,), -1, dtype=torch.long)
         self.steps = 0
+        self.tokens_read_on_device = 0  # input tokens an overlapped step left to the runner
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         self.steps += 1
-        slots = torch.tensor(batch.slot_mapping)
-        self.token_cache[slots] = torch.tensor(batch.input_ids)
-        self.position_cache[slots] = torch.tensor(batch.positions)
+        slots = torch.tensor(batch.slot_mapping, dtype=torch.long)
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.long)
+        batch.fill_sampled_tokens(input_ids)
+        if batch.sampled_tokens is not None:
+            self.tokens_read_on_device += len(batch.sampled_tokens.token_indices)
+        assert (input_ids >= 0).all(), "an input token was left a placeholder"
+        self.token_cache[slots] = input_ids
+        self.position_cache[slots] = torch.tensor(batch.positions, dtype=torch.long)
         rows = []
         for table, length in zip(batch.block_tables, batch.context_lens):
             positions = torch.arange(length)
-            blocks = torch.tensor(table)[positions // self.block_size]
+            blocks = torch.tensor(table, dtype=torch.long)[positions // self.block_size]
             context_slots = blocks * self.block_size + positions % self.block_size
             assert torch.equal(self.position_cache[context_slots], positions), "stale KV slot"
             tokens = self.token_cache[context_slots]

@@ -11,6 +11,7 @@ import pytest
 from llmctl.backend import Engine, GenerationRequest
 from llmctl.engine.async_engine import AsyncEngine
 from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.step_profile import StepProfile
 from llmctl.errors import InvalidRequest
 from tests.engine.test_scheduler import make_engine, run, workload
 
@@ -197,3 +198,69 @@ def test_shutdown_aborts_requests_in_flight(stories_tokenizer) -> None:
     assert outputs[-1].finish_reason == "abort"
     with pytest.raises(RuntimeError, match="shut down"):
         asyncio.run(collect(engine, GenerationRequest("x", prompt_token_ids=[3])))
+
+
+def test_outputs_reach_an_event_loop_once_per_step(engine, stories_tokenizer) -> None:
+    """Ten requests streaming in one event loop: the engine thread calls into the loop
+    once per step that has outputs, not once per output."""
+    calls = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        real = loop.call_soon_threadsafe
+        loop.call_soon_threadsafe = lambda *args: calls.append(args) or real(*args)
+        return await asyncio.gather(*(collect(engine, r) for r in requests_of(workload())))
+
+    engine.engine.profile = StepProfile()
+    results = asyncio.run(main())
+    outputs = sum(len(outs) for _, outs in results)
+    steps = engine.engine.profile.steps
+    assert outputs > 3 * steps  # several requests got a token in most steps
+    assert len(calls) <= steps
+    expected = run(make_engine(stories_tokenizer), workload())
+    assert {r: (t, o[-1].finish_reason) for (r, _, _), (t, o) in zip(workload(), results)} == (
+        expected
+    )
+
+
+def test_generate_all_returns_each_requests_outputs(engine, stories_tokenizer) -> None:
+    expected = run(make_engine(stories_tokenizer), workload())
+    seen = []
+    results = engine.generate_all(requests_of(workload()), on_outputs=seen.append)
+    for (request_id, prompt, _), result in zip(workload(), results):
+        assert result.request_id == request_id and result.prompt_token_ids == prompt
+        assert (result.token_ids, result.finish_reason) == expected[request_id]
+        assert result.finished and result.completion_tokens == len(result.token_ids)
+        steps = [o for batch in seen for o in batch if o.request_id == request_id]
+        assert len(steps) == len(result.token_ids)  # one output per token, per step
+        assert result.text == "".join(o.text for o in steps)
+    assert len(seen) <= engine.engine.profile.steps
+    wait_until_idle(engine)
+
+
+def test_generate_all_refuses_before_anything_runs(engine) -> None:
+    good = GenerationRequest("ok", prompt_token_ids=[5] * 4, sampling=SamplingParams(4))
+    too_long = GenerationRequest("long", prompt_token_ids=[3] * 100, sampling=SamplingParams(50))
+    with pytest.raises(InvalidRequest, match="session_len 128"):
+        engine.generate_all([good, too_long])
+    with pytest.raises(InvalidRequest, match="already in use"):
+        engine.generate_all([good, good])
+    assert engine.stats().waiting == 0 and engine.stats().running == 0
+    assert len(engine.generate_all([good])[0].token_ids) == 4
+
+
+def test_generate_all_fails_on_a_failing_step_and_frees_blocks(engine, monkeypatch) -> None:
+    runner = engine.engine.runner
+    real_execute = runner.execute
+    calls = iter(range(1000))
+
+    def flaky(batch):
+        if next(calls) == 3:
+            raise RuntimeError("device lost")
+        return real_execute(batch)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.generate_all(requests_of(workload()))
+    wait_until_idle(engine)
+    assert len(engine.generate_all(requests_of(workload()[:2]))) == 2

@@ -11,6 +11,7 @@ from llmctl.engine.sampler import (
     Sampler,
     apply_penalties,
     apply_truncation,
+    argmax_rows,
     mask_stops_before_min_tokens,
 )
 from llmctl.engine.sampling_params import SamplingParams
@@ -151,3 +152,55 @@ def test_logprobs_reflect_temperature() -> None:
     out = Sampler()(logits, [seq(temperature=0.5, seed=0, logprobs=True)])[0]
     expected = torch.log_softmax(logits / 0.5, dim=-1)[0, out.token_id]
     assert out.logprob == pytest.approx(float(expected), abs=1e-6)
+
+
+def test_seeded_tokens_are_those_sampled_before_the_sampler_moved_to_the_device() -> None:
+    """Pinned: what the sampler drew before issue 14 (per-row loops, torch's argmax) for
+    these logits and seeds, eight steps of six rows mixing greedy, seeded and unseeded
+    rows with top-k, top-p, min-p and penalties. Same seed, same tokens."""
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(7)) * 2
+    params = [
+        dict(temperature=0.8, seed=11),
+        dict(temperature=1.0, top_k=5, seed=12),
+        dict(temperature=0.0),
+        dict(temperature=1.3, top_p=0.9),
+        dict(temperature=0.7, min_p=0.05, seed=13, repetition_penalty=1.2),
+        dict(temperature=1.0, frequency_penalty=0.5, presence_penalty=0.3),
+    ]
+    seqs = [seq(prompt=(1, 2, 3, i + 4), output=(5, 5), **p) for i, p in enumerate(params)]
+    sampler = Sampler(seed=3)
+    steps = [[t.token_id for t in sampler(logits, seqs)] for _ in range(8)]
+    assert [list(row) for row in zip(*steps)] == [
+        [15, 18, 18, 21, 35, 15, 21, 35],
+        [33, 1, 33, 33, 2, 1, 1, 16],
+        [25, 25, 25, 25, 25, 25, 25, 25],
+        [16, 5, 28, 6, 5, 28, 1, 7],
+        [36, 25, 36, 4, 26, 35, 36, 4],
+        [22, 26, 19, 18, 19, 34, 22, 3],
+    ]
+
+
+def test_greedy_rows_take_the_first_largest_logit() -> None:
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 300, generator=generator)
+    logits[5, [7, 100, 200]] = 50.0  # a tie: the first index wins, as torch.argmax picks
+    logits[9, :] = 1.0
+    expected = logits.argmax(dim=-1).tolist()
+    assert expected[5] == 7 and expected[9] == 0
+    assert argmax_rows(logits).tolist() == expected
+    sampled = Sampler().sample(logits, [seq(temperature=0) for _ in range(64)])
+    assert sampled.host() == (expected, {})
+
+
+def test_logprob_rows_come_back_with_the_ids_in_one_copy() -> None:
+    logits = torch.tensor([PROBS, PROBS[::-1], PROBS]).log()
+    seqs = [
+        seq(temperature=0, logprobs=True),
+        seq(temperature=0),
+        seq(temperature=0, top_logprobs=2),
+    ]
+    token_ids, logprobs = Sampler().sample(logits, seqs).host()
+    assert token_ids == [0, 4, 0]
+    assert set(logprobs) == {0, 2}
+    assert logprobs[0].logprob == pytest.approx(math.log(0.5), abs=1e-6) and logprobs[0].top == []
+    assert [t for t, _ in logprobs[2].top] == [0, 1]

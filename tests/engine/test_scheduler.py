@@ -38,6 +38,7 @@ def make_engine(
     max_model_len=128,
     vocab_size=VOCAB,
     eos_token_ids=(),
+    overlap=False,
     **options,
 ):
     model = RecordingModel(num_blocks, block_size, vocab_size)
@@ -48,6 +49,7 @@ def make_engine(
         max_model_len=max_model_len,
         eos_token_ids=eos_token_ids,
         vocab_size=vocab_size,
+        overlap=overlap,
     )
 
 
@@ -201,3 +203,39 @@ def test_max_tokens_none_runs_until_the_session_is_full(stories_tokenizer):
     assert (len(tokens), reason) == (40 - len(prompt), "length")
     with pytest.raises(InvalidRequest, match="leaves no room"):
         engine.add_request("full", list(range(3, 43)), params)
+
+
+def test_steady_decode_steps_look_only_at_sequences_that_change(
+    stories_tokenizer, monkeypatch
+) -> None:
+    """Once every running sequence decodes, a step is the previous one moved on: no
+    sequence is scheduled one by one, and only those opening a block get one."""
+    from llmctl.engine.scheduler import ScheduledStep
+
+    added = []
+    real_add = ScheduledStep.add
+    monkeypatch.setattr(
+        ScheduledStep,
+        "add",
+        lambda step, seq, count: added.append(seq) or real_add(step, seq, count),
+    )
+    engine = make_engine(stories_tokenizer, block_size=4)
+    grown = []
+    real_append = engine.block_manager.append_slots
+    monkeypatch.setattr(
+        engine.block_manager,
+        "append_slots",
+        lambda seq, count: grown.append(seq) or real_append(seq, count),
+    )
+    for i in range(8):
+        engine.add_request(f"r{i}", list(range(3, 9)), SamplingParams(12, temperature=0))
+    per_step = []
+    while engine.has_unfinished():
+        added.clear(), grown.clear()
+        engine.step()
+        per_step.append((len(added), len(grown)))
+    # Admission (6 prompt tokens each), the first decode step, then steps derived from it;
+    # every 4th position opens a block for all eight.
+    assert per_step[0] == (8, 0) and per_step[1] == (8, 0)
+    assert [adds for adds, _ in per_step[2:]] == [0] * 10
+    assert sorted({blocks for _, blocks in per_step[2:]}) == [0, 8]

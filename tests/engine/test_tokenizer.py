@@ -26,6 +26,13 @@ CHATML_TEMPLATE = (
     "message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# SmolLM3-style: the assistant's text sits in a {% generation %} block (for training masks).
+GENERATION_BLOCK_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}"
+    "{{ '<|assistant|>' }}{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
+    "{% else %}{{ '<|user|>' + message['content'] }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
 CONVERSATION = [
     {"role": "user", "content": "Hi there"},
     {"role": "assistant", "content": "Hello!"},
@@ -76,7 +83,7 @@ def test_eos_ids_from_generation_config_and_config(model_dir) -> None:
     assert Tokenizer.from_dir(model_dir).eos_token_ids == (2, 7, 9)
 
 
-@pytest.mark.parametrize("template", [LLAMA2_TEMPLATE, CHATML_TEMPLATE])
+@pytest.mark.parametrize("template", [LLAMA2_TEMPLATE, CHATML_TEMPLATE, GENERATION_BLOCK_TEMPLATE])
 def test_chat_template_renders_like_transformers(model_dir, template) -> None:
     transformers = pytest.importorskip("transformers")
     set_config(model_dir, chat_template=template)

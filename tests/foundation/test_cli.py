@@ -124,3 +124,12 @@ def test_config_show_masks_secrets(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "sk-hidden" not in result.stdout
     assert any("api_keys" in line and "****" in line for line in result.stdout.splitlines())
+
+
+def test_explain_says_cuda_graphs_are_ignored_on_the_cpu():
+    result = run_llmctl("config", "show", "--backend", "torch", "--device", "cpu", "--explain")
+    assert result.returncode == 0, result.stderr
+    rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if "│" in line}
+    assert "torch: ignored on the CPU" in rows["cuda_graphs"]
+    off = run_llmctl("config", "show", "--backend", "torch", "--no-cuda-graphs", "--explain")
+    assert "ignored" not in off.stdout and "flag (--cuda-graphs)" in off.stdout

@@ -147,3 +147,31 @@ def test_select_logs_why_backends_were_skipped(caplog, monkeypatch):
         choice = select("demo", {}, hardware=CPU_NO_COMPILER, env={})
     assert choice.backend.name == "torch"
     assert "turbo skipped" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("hardware", "device", "value", "ignored"),
+    [
+        (CPU_NO_COMPILER, "auto", True, True),
+        (AMPERE, "cpu", True, True),
+        (AMPERE, "auto", True, False),
+        (CPU_NO_COMPILER, "auto", False, False),  # off is off everywhere: nothing to say
+    ],
+)
+def test_cuda_graphs_are_ignored_on_the_cpu_and_said_so(builtins, hardware, device, value, ignored):
+    for backend in builtins.values():
+        options = {"cuda_graphs": value, "device": device}
+        assert "cuda_graphs" not in backend.option_errors(options, hardware)  # never refused
+        note = backend.option_notes(options, hardware).get("cuda_graphs")
+        assert (note is not None) == ignored
+        assert note is None or "ignored on the CPU" in note
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_cuda_graphs_translate_to_each_backends_own_name(builtins, value):
+    choice = choose(
+        llama(), {"cuda_graphs": value}, hardware=CPU_NO_COMPILER, backends=builtins, env={}
+    )
+    options = choice.values | {"cuda_graphs": value}
+    assert builtins["torch"].translate(options).enforce_eager is (not value)  # vLLM's name
+    assert builtins["turbo"].translate(options).enable_cuda_graph is value

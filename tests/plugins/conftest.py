@@ -20,14 +20,19 @@ DISTRIBUTION = "llmctl-openai-proxy"
 UPSTREAM_KEY = "upstream-key-7c2e"  # the proxy must send it: exercises proxy_api_key
 
 
-def require_plugin_installed() -> None:
+def require_installed(distribution: str, plugin_dir: Path) -> None:
+    """Skip the test unless ``distribution`` is pip-installed here."""
     try:
-        importlib.metadata.distribution(DISTRIBUTION)
+        importlib.metadata.distribution(distribution)
     except importlib.metadata.PackageNotFoundError:
         pytest.skip(
-            f"{DISTRIBUTION} is not installed in this environment: "
-            f"`pip install -e {PLUGIN_DIR.relative_to(REPO)}` (as .ci/run does)"
+            f"{distribution} is not installed in this environment: "
+            f"`pip install -e {plugin_dir.relative_to(REPO)}` (as scripts/setup.sh does)"
         )
+
+
+def require_plugin_installed() -> None:
+    require_installed(DISTRIBUTION, PLUGIN_DIR)
 
 
 def require_stories() -> None:
@@ -76,3 +81,91 @@ def proxy(upstream: ServerProcess) -> Iterator[ServerProcess]:
         yield server
     finally:
         server.stop()
+
+
+# --- the transformers backend plugin (plugins/llmctl-transformers) --------------------
+
+TRANSFORMERS_DISTRIBUTION = "llmctl-transformers"
+TRANSFORMERS_PLUGIN_DIR = REPO / "plugins" / "llmctl-transformers"
+# Non-Llama checkpoints for the transformers backend: (config class, model class, sizes).
+# Both use stories260K's tokenizer (vocabulary 512, BOS 1, EOS 2).
+TINY_NON_LLAMA = {
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(n_positions=256, n_embd=64, n_layer=2, n_head=4),
+    ),
+    # Phi: rotary embedding over part of each head, parallel attention and MLP.
+    "phi": (
+        "PhiConfig",
+        "PhiForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            partial_rotary_factor=0.5,
+        ),
+    ),
+    # GPT-NeoX: its transformers code cannot run continuous batching in transformers 5.24.
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=256,
+            rotary_pct=0.5,
+        ),
+    ),
+}
+
+
+def require_transformers_plugin() -> None:
+    require_installed(TRANSFORMERS_DISTRIBUTION, TRANSFORMERS_PLUGIN_DIR)
+
+
+def make_tiny_non_llama(directory: Path, kind: str, seed: int = 0) -> Path:
+    """Save a random ``kind`` model (see ``TINY_NON_LLAMA``) with transformers, plus
+    stories260K's tokenizer. Weights are drawn wider than transformers' init so that
+    logits span several units and greedy choices are not near-ties."""
+    import shutil
+
+    import torch
+    import transformers
+
+    require_stories()
+    config_class, model_class, sizes = TINY_NON_LLAMA[kind]
+    config = getattr(transformers, config_class)(
+        vocab_size=512, bos_token_id=1, eos_token_id=2, **sizes
+    )
+    config.architectures = [model_class]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "ln" in name or "norm" in name:  # layer norms: near 1 (weights), near 0 (biases)
+                base = 1.0 if name.endswith("weight") else 0.0
+                param.copy_(base + 0.1 * torch.randn_like(param))
+            else:
+                param.copy_(0.15 * torch.randn_like(param))
+    model.save_pretrained(directory)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(STORIES / name, directory / name)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_non_llama(tmp_path_factory: pytest.TempPathFactory):
+    """``tiny_non_llama(kind)`` -> a directory with that tiny model, made once per session."""
+    made: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            made[kind] = make_tiny_non_llama(tmp_path_factory.mktemp(kind), kind)
+        return made[kind]
+
+    return get

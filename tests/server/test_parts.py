@@ -8,6 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from llmctl.backend import GenerationOutput, TokenLogprob
+from llmctl.errors import InvalidRequest
 from llmctl.server.auth import ApiKeys
 from llmctl.server.errors import APIError, describe_validation_errors
 from llmctl.server.limits import Admission
@@ -47,17 +48,21 @@ def test_admission_bounds_running_and_waiting() -> None:
 
 
 def test_completion_prompts_in_every_form() -> None:
-    def prompts(value):
-        return CompletionRequest(prompt=value).prompts()
+    def prompts(value, n=1):
+        return CompletionRequest(prompt=value, n=n).prompts()
 
     assert prompts("hi") == [{"prompt": "hi"}]
     assert prompts(["a", "b"]) == [{"prompt": "a"}, {"prompt": "b"}]
     assert prompts([1, 2]) == [{"prompt_token_ids": [1, 2]}]
     assert prompts([[1], [2, 3]]) == [{"prompt_token_ids": [1]}, {"prompt_token_ids": [2, 3]}]
-    with pytest.raises(ValueError, match="empty"):
-        prompts([])
-    with pytest.raises(ValueError, match="300 generations; at most 256"):
-        CompletionRequest(prompt=["x"] * 20, n=15).checked_prompts()
+    for empty, where in (([], "'prompt'"), ([[1], []], "'prompt.1'")):
+        with pytest.raises(ValidationError) as error:
+            prompts(empty)
+        message = describe_validation_errors(error.value.errors())[0]
+        assert message.startswith(f"{where}: List should have at least 1 item"), message
+    with pytest.raises(InvalidRequest, match="300 generations; at most 256") as error:
+        prompts(["x"] * 20, n=15)
+    assert (error.value.param, error.value.code) == ("prompt", "invalid_combination")
 
 
 def test_sampling_fields_map_to_sampling_params() -> None:
@@ -107,6 +112,13 @@ def test_strict_types_and_unknown_fields_are_refused() -> None:
         ({"prompt": "x", "max_tokens": "5"}, "'max_tokens'", "max_tokens"),
         ({"prompt": 5}, "'prompt' must be a string, a list of strings", "prompt"),
         ({"prompt": "x", "best_of": 2}, "unknown field 'best_of'", "best_of"),
+        ({"prompt": "x", "x-odd-key": 2}, "unknown field 'x-odd-key'", "x-odd-key"),
+        (
+            {"prompt": "x", "stream_options": {"a-b": 1}},
+            "unknown field 'stream_options.a-b'",
+            "stream_options",
+        ),
+        ({"prompt": "x", "stop": ["s"] * 17}, "'stop': List should have at most 16 items", "stop"),
         ({}, "'prompt' is required", "prompt"),
     ],
 )

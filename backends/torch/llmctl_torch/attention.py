@@ -17,14 +17,20 @@ Three functions make the interface; ``triton_attention.py`` implements the same 
   context (their K/V already written); query ``i`` sits at position
   ``context_lens[b] - q_len + i`` and attends causally to positions ``0..that``.
 
+An int8 or fp8 cache (``kv_cache_dtype``) comes with ``kv_scales = (k_scale, v_scale)``,
+float32 ``[num_blocks, block_size, num_kv_heads]``: one scale per token and KV head
+(``llmctl.engine.quant``). Every function takes them as the keyword ``kv_scales``
+(``None`` for a float cache): ``write_kv`` quantizes, the attention functions
+dequantize what they read, to ``q``'s dtype.
+
 Cache slots nobody has written yet must hold finite values (the runner allocates the
 cache zeroed): the decode path reads whole blocks and gives the slots past a
 sequence's end zero weight, and 0 * NaN would still be NaN.
 
 Dispatch: ``LLMCTL_TORCH_ATTENTION=triton|native|torch`` forces one; by default Triton
 on CUDA, and on the CPU turbo's native ops (``native_attention.py``) when llmctl-turbo
-is installed and its ops build here, else plain torch. The others' modules are imported
-only when chosen.
+is installed, its ops build here and the cache is a float one (they read no int8 / fp8
+cache), else plain torch. The others' modules are imported only when chosen.
 """
 
 from __future__ import annotations
@@ -33,15 +39,25 @@ import importlib
 import logging
 import os
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from llmctl.engine.quant import dequantize_kv, quantize_kv
 from llmctl.errors import BackendError, OptionError
 
 ENV_VAR = "LLMCTL_TORCH_ATTENTION"
 CHOICES = ("torch", "triton", "native")
 logger = logging.getLogger("llmctl")
+
+
+class LayerCache(NamedTuple):
+    """One layer's paged KV cache, as the model passes it to the functions here."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None  # an int8 / fp8 cache's
 
 
 def write_kv(
@@ -50,12 +66,23 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Store ``k, v: [T, Hkv, D]`` at ``slot_mapping: [T]`` in the caches."""
+    """Store ``k, v: [T, Hkv, D]`` at ``slot_mapping: [T]`` in the caches (quantized, with
+    their scales, for an int8 / fp8 cache)."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     flat_shape = (num_blocks * block_size, num_kv_heads, head_dim)
-    k_cache.view(flat_shape).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(flat_shape).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    scales = kv_scales or (None, None)
+    for x, cache, scale in ((k, k_cache, scales[0]), (v, v_cache, scales[1])):
+        if scale is None:
+            cache.view(flat_shape).index_copy_(0, slot_mapping, x.to(cache.dtype))
+        else:
+            quantized, row_scales = quantize_kv(x, cache.dtype)
+            # As bytes: torch has no index_copy_ for float8 on the CPU.
+            raw = cache.view(torch.uint8).view(flat_shape)
+            raw.index_copy_(0, slot_mapping, quantized.view(torch.uint8))
+            scale.view(flat_shape[:2]).index_copy_(0, slot_mapping, row_scales)
 
 
 def paged_decode_attention(
@@ -65,10 +92,14 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``q: [B, Hq, D]`` → ``[B, Hq, D]``: each query attends to its sequence's context."""
-    keys = _gather(k_cache, block_tables)  # [B, Hkv, max_blocks * block_size, D]
-    values = _gather(v_cache, block_tables)
+    k_blocks, v_blocks = _read_blocks(k_cache, v_cache, kv_scales, block_tables, q.dtype)
+    # [B, Hkv, max_blocks * block_size, D]: each sequence's blocks laid end to end
+    keys = k_blocks.flatten(1, 2).transpose(1, 2)
+    values = v_blocks.flatten(1, 2).transpose(1, 2)
     visible = torch.arange(keys.shape[2], device=q.device) < context_lens[:, None]
     out = F.scaled_dot_product_attention(
         q.unsqueeze(2),
@@ -89,6 +120,8 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``q: [T, Hq, D]`` (sequences concatenated) → ``[T, Hq, D]``, causal within each."""
     out = torch.empty_like(q)
@@ -101,7 +134,13 @@ def paged_prefill_attention(
         rows = query_start_loc[single].long()
         index = torch.tensor(single, device=q.device)
         out[rows] = paged_decode_attention(
-            q[rows], k_cache, v_cache, block_tables[index], context_lens[index], scale
+            q[rows],
+            k_cache,
+            v_cache,
+            block_tables[index],
+            context_lens[index],
+            scale,
+            kv_scales=kv_scales,
         )
     block_size = k_cache.shape[1]
     for b, ctx_len in enumerate(context_lens.tolist()):
@@ -109,8 +148,9 @@ def paged_prefill_attention(
         if q_len <= 1:
             continue
         blocks = block_tables[b, : -(-ctx_len // block_size)]
-        keys = k_cache[blocks].flatten(0, 1)[:ctx_len].transpose(0, 1)  # [Hkv, L, D]
-        values = v_cache[blocks].flatten(0, 1)[:ctx_len].transpose(0, 1)
+        k_blocks, v_blocks = _read_blocks(k_cache, v_cache, kv_scales, blocks, q.dtype)
+        keys = k_blocks.flatten(0, 1)[:ctx_len].transpose(0, 1)  # [Hkv, L, D]
+        values = v_blocks.flatten(0, 1)[:ctx_len].transpose(0, 1)
         rows = slice(starts[b], starts[b + 1])
         out[rows] = _causal_attention(q[rows].transpose(0, 1), keys, values, scale).transpose(0, 1)
     return out
@@ -133,14 +173,28 @@ def _causal_attention(
     )
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """``[B, Hkv, max_blocks * block_size, D]``: each sequence's blocks laid end to end."""
-    return cache[block_tables].flatten(1, 2).transpose(1, 2)
+def _read_blocks(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+    blocks: torch.Tensor,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache blocks ``blocks`` (any index shape) of K and V, dequantized to ``dtype``
+    when the cache is int8 / fp8: the one place this path dequantizes."""
+    if kv_scales is None:
+        return k_cache[blocks], v_cache[blocks]
+    k_scale, v_scale = kv_scales
+    return (
+        dequantize_kv(k_cache[blocks], k_scale[blocks], dtype),
+        dequantize_kv(v_cache[blocks], v_scale[blocks], dtype),
+    )
 
 
-def attention_ops(device: torch.device | str) -> SimpleNamespace:
+def attention_ops(device: torch.device | str, quantized_kv: bool = False) -> SimpleNamespace:
     """The three kernels to use on ``device``: Triton on CUDA; on the CPU turbo's native
-    ops where they build, else plain torch; unless ``LLMCTL_TORCH_ATTENTION`` names one."""
+    ops where they build and ``quantized_kv`` is false, else plain torch; unless
+    ``LLMCTL_TORCH_ATTENTION`` names one."""
     choice = os.environ.get(ENV_VAR, "").strip().lower()
     if choice and choice not in CHOICES:
         raise OptionError(f"{ENV_VAR}={choice!r}: use {', '.join(CHOICES)} (or leave it unset)")
@@ -148,8 +202,8 @@ def attention_ops(device: torch.device | str) -> SimpleNamespace:
         if torch.device(device).type == "cuda":
             choice = "triton"
         else:
-            choice = "native" if native_problem() is None else "torch"
-    elif choice == "native" and (problem := native_problem()):
+            choice = "native" if not quantized_kv and native_problem() is None else "torch"
+    elif choice == "native" and (problem := native_problem(quantized_kv)):
         raise OptionError(f"{ENV_VAR}=native: {problem}")
     module = importlib.import_module(
         __name__ if choice == "torch" else f"llmctl_torch.{choice}_attention"
@@ -162,8 +216,10 @@ def attention_ops(device: torch.device | str) -> SimpleNamespace:
     )
 
 
-def native_problem() -> str | None:
+def native_problem(quantized_kv: bool = False) -> str | None:
     """Why turbo's native ops cannot serve here (``None``: they can; built if needed)."""
+    if quantized_kv:
+        return "turbo's attention ops read a float cache only: unset kv_cache_dtype"
     try:
         from llmctl_turbo.build import load_ops
     except ImportError:

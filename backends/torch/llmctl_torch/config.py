@@ -11,8 +11,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmctl.backend import DEVICE_RULE, OptionRule
+from llmctl.backend import CUDA_GRAPHS_RULE, DEVICE_RULE, OptionRule, fp8_problem
+from llmctl.errors import ModelError
 from llmctl.kv_budget import KVBudget, parse_kv_budget
+from llmctl.model_info import resolve_model
 
 
 @dataclass(frozen=True)
@@ -26,10 +28,18 @@ class TorchConfig:
     dtype: str
     device: str
     cpu_threads: int | None
+    quantization: str
+    kv_cache_dtype: str
     lora_adapters: tuple[str, ...]
     seed: int
     chat_template: str | None
     served_model_name: str | None
+    enforce_eager: bool  # no CUDA graphs (vLLM's name): the unified cuda_graphs, negated
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> TorchConfig:
@@ -44,10 +54,18 @@ class TorchConfig:
             dtype=options["dtype"],
             device=options["device"],
             cpu_threads=options["cpu_threads"],
+            quantization=options["quantization"],
+            kv_cache_dtype=options["kv_cache_dtype"],
             lora_adapters=tuple(options["adapters"] or ()),
             seed=options["seed"],
             chat_template=options["chat_template"],
             served_model_name=options["model_name"],
+            enforce_eager=not options["cuda_graphs"],
+            tensor_parallel_size=options["tensor_parallel_size"],
+            nnodes=options["nnodes"],
+            node_rank=options["node_rank"],
+            master_addr=options["master_addr"],
+            master_port=options["master_port"],
         )
 
 
@@ -62,6 +80,76 @@ def block_size_problem(block_size: int) -> str | None:
     return None
 
 
+def tensor_parallel_problem(
+    tp: int, num_heads: int, num_kv_heads: int, intermediate_size: int
+) -> str | None:
+    """Why a model with these sizes cannot be sharded over ``tp`` ranks (``None``: it can).
+
+    Each rank takes ``num_heads / tp`` query heads and ``intermediate_size / tp`` MLP
+    columns. KV heads are split the same way when there are at least ``tp`` of them;
+    with fewer (one KV head, say) each is replicated on ``tp / num_kv_heads`` ranks, as
+    vLLM does, so ``tp`` must then be a multiple of ``num_kv_heads``. Also checked by the
+    runner when it shards the weights.
+    """
+    if tp == 1:
+        return None
+
+    def fits(n: int) -> bool:
+        kv_ok = num_kv_heads % n == 0 if num_kv_heads >= n else n % num_kv_heads == 0
+        return num_heads % n == 0 and intermediate_size % n == 0 and kv_ok
+
+    if fits(tp):
+        return None
+    if num_heads % tp:
+        why = f"it must divide the model's {num_heads} attention heads"
+    elif intermediate_size % tp:
+        why = f"it must divide the model's MLP size ({intermediate_size})"
+    elif num_kv_heads >= tp:
+        why = f"it must divide the model's {num_kv_heads} KV heads"
+    else:
+        why = (
+            f"with fewer KV heads ({num_kv_heads}) than ranks, each KV head is replicated, "
+            f"so it must be a multiple of {num_kv_heads}"
+        )
+    valid = [str(n) for n in range(1, num_heads + 1) if fits(n)]
+    return f"tensor_parallel_size {tp} cannot shard this model: {why} (use {', '.join(valid)})"
+
+
+def _model_tp_problem(tp: int, options: Mapping[str, Any]) -> str | None:
+    if tp == 1:
+        return None
+    if options.get("adapters"):
+        return (
+            "LoRA adapters are merged into unsharded weights: use them with tensor_parallel_size 1"
+        )
+    try:
+        config = resolve_model(options.get("model") or "demo").config
+    except ModelError:
+        return None  # the model's own error is reported where it is loaded
+    num_heads = config.get("num_attention_heads") or 1
+    return tensor_parallel_problem(
+        tp,
+        num_heads,
+        config.get("num_key_value_heads") or num_heads,
+        config.get("intermediate_size") or 1,
+    )
+
+
+def _nodes_problem(nnodes: int, options: Mapping[str, Any]) -> str | None:
+    tp = options.get("tensor_parallel_size", 1)
+    if tp % nnodes:
+        return (
+            f"nnodes {nnodes} must divide tensor_parallel_size ({tp}): each machine runs "
+            "tensor_parallel_size / nnodes ranks"
+        )
+    if nnodes > 1 and options.get("master_port") is None:
+        return (
+            f"nnodes {nnodes} needs master_port: the same free port of the head node, "
+            "given on every machine"
+        )
+    return None
+
+
 RULES = (
     OptionRule(
         "cache_block_seq_len",
@@ -69,5 +157,45 @@ RULES = (
         lambda value, options, hardware: block_size_problem(value),
     ),
     OptionRule("cpu_threads", "torch.set_num_threads", lambda value, options, hardware: None),
+    OptionRule(
+        "quantization",
+        "`int8` on CPU (torch's int8 kernel) and CUDA (a Triton GEMM)",
+        lambda value, options, hardware: None,
+    ),
+    OptionRule(
+        "kv_cache_dtype",
+        "`int8` everywhere; `fp8` on CUDA with compute capability >= 8.9",
+        lambda value, options, hardware: fp8_problem(options, hardware) if value == "fp8" else None,
+    ),
     DEVICE_RULE,
+    CUDA_GRAPHS_RULE,
+    OptionRule(
+        "tensor_parallel_size",
+        "must divide the attention heads and MLP size; KV heads divisible by it, or it a "
+        "multiple of them (they are then replicated); no LoRA adapters",
+        lambda value, options, hardware: _model_tp_problem(value, options),
+        note=lambda value, options, hardware: (
+            "decode runs eagerly with more than one rank: CUDA graphs are not captured over "
+            "the ranks' collectives yet"
+            if value > 1
+            and options.get("cuda_graphs")
+            and hardware.device_for(options.get("device", "auto")) == "cuda"
+            else None
+        ),
+    ),
+    OptionRule(
+        "nnodes",
+        "must divide tensor_parallel_size; more than 1 needs master_port",
+        lambda value, options, hardware: _nodes_problem(value, options),
+    ),
+    OptionRule(
+        "node_rank",
+        "below nnodes",
+        lambda value, options, hardware: (
+            f"node_rank {value} must be below nnodes ({options.get('nnodes', 1)}): the "
+            "machines are numbered 0 (the head node) to nnodes - 1"
+            if value >= options.get("nnodes", 1)
+            else None
+        ),
+    ),
 )

@@ -9,6 +9,7 @@ HF checkpoints load directly: ``to_model_state`` merges their separate projectio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -19,6 +20,8 @@ from torch import nn
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.rope import rope_inv_freq
 from llmctl.errors import ModelError
+from llmctl_torch.attention import LayerCache
+from llmctl_torch.linear import Linear
 
 # Merged parameter of each layer → the HF parameters concatenated (output dim) to form it.
 MERGED_PROJECTIONS = {
@@ -85,10 +88,10 @@ class Attention(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
-        self.qkv_proj = nn.Linear(
+        self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -99,7 +102,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LayerCache,
         meta: AttentionMetadata,
         ops: SimpleNamespace,
     ) -> torch.Tensor:
@@ -113,11 +116,17 @@ class Attention(nn.Module):
         qk = apply_rotary(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv_cache
-        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        k_cache, v_cache, kv_scales = kv_cache
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales=kv_scales)
         if meta.is_decode:
             out = ops.paged_decode_attention(
-                q, k_cache, v_cache, meta.block_tables, meta.context_lens, self.scale
+                q,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.context_lens,
+                self.scale,
+                kv_scales=kv_scales,
             )
         else:
             out = ops.paged_prefill_attention(
@@ -128,6 +137,7 @@ class Attention(nn.Module):
                 meta.query_start_loc,
                 meta.context_lens,
                 self.scale,
+                kv_scales=kv_scales,
             )
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -136,12 +146,10 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(
+        self.gate_up_proj = Linear(
             config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
         )
-        self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
-        )
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -190,7 +198,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[LayerCache],
         logits_indices: torch.Tensor,
         ops: SimpleNamespace,
     ) -> torch.Tensor:
@@ -199,7 +207,10 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary(positions, x.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, meta, ops)
-        x = self.model.norm(x[logits_indices])
+        return self.compute_logits(self.model.norm(x[logits_indices]))
+
+    def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of the final hidden states ``x``."""
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, head).float()
 
@@ -232,13 +243,17 @@ def to_model_state(
 
 
 def build_model(
-    weights: dict[str, torch.Tensor], config: ModelConfig, device: torch.device | str
+    weights: dict[str, torch.Tensor],
+    config: ModelConfig,
+    device: torch.device | str,
+    new_model: Callable[[ModelConfig], LlamaForCausalLM] = LlamaForCausalLM,
 ) -> LlamaForCausalLM:
     """The model with ``weights`` (HF names, already in the target dtype) as its parameters,
-    without allocating or initialising any other copy of them."""
+    without allocating or initialising any other copy of them. ``new_model`` makes the
+    module (a tensor-parallel rank passes its sharded variant)."""
     state = to_model_state(weights, config)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = new_model(config)
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))

@@ -14,8 +14,7 @@ import torch
 from llmctl_turbo import ops as turbo_ops
 from llmctl_turbo.build import load_ops
 
-paged_decode_attention = turbo_ops.paged_decode_attention
-paged_prefill_attention = turbo_ops.paged_prefill_attention
+KVScales = tuple[torch.Tensor, torch.Tensor] | None
 
 
 def write_kv(
@@ -24,6 +23,25 @@ def write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    *,
+    kv_scales: KVScales = None,
 ) -> None:
     """Store ``k, v: [T, Hkv, D]`` at ``slot_mapping: [T]`` (the native op takes int32)."""
+    _float_cache_only(kv_scales)
     load_ops().write_kv_cache(k, v, k_cache, v_cache, slot_mapping.to(torch.int32))
+
+
+def paged_decode_attention(*args, kv_scales: KVScales = None) -> torch.Tensor:
+    _float_cache_only(kv_scales)
+    return turbo_ops.paged_decode_attention(*args)
+
+
+def paged_prefill_attention(*args, kv_scales: KVScales = None) -> torch.Tensor:
+    _float_cache_only(kv_scales)
+    return turbo_ops.paged_prefill_attention(*args)
+
+
+def _float_cache_only(kv_scales: KVScales) -> None:
+    # attention_ops never picks these ops for an int8 / fp8 cache; this guards the rest.
+    if kv_scales is not None:
+        raise ValueError("turbo's native attention ops read a float KV cache only")

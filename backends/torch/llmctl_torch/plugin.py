@@ -8,6 +8,7 @@ from typing import Any
 
 from llmctl.backend import Backend, Engine, Hardware, ModelInfo
 from llmctl.engine.model_config import SUPPORTED_ARCHITECTURES
+from llmctl.errors import BackendError
 from llmctl.plugins import hookimpl
 from llmctl_torch.config import RULES, TorchConfig
 
@@ -34,19 +35,64 @@ class TorchBackend(Backend):
         from llmctl_torch.runner import TorchModelRunner
 
         config = self.translate(options)
+        if config.node_rank > 0:
+            raise BackendError(
+                f"node_rank {config.node_rank} is a worker machine of a multi-node engine: "
+                "run `llmctl serve` there; chat, bench and the Python API run on the head "
+                "node (node_rank 0)"
+            )
+        sharded = []  # the tensor-parallel runner, once loaded
 
         def load_runner(model_config, dtype, device, max_model_len) -> TorchModelRunner:
-            return TorchModelRunner(
+            if config.tensor_parallel_size == 1:
+                return TorchModelRunner(
+                    model.path,
+                    model_config,
+                    dtype=dtype,
+                    device=device,
+                    block_size=config.block_size,
+                    adapters=config.lora_adapters,
+                    max_num_seqs=config.max_num_seqs,
+                    max_model_len=max_model_len,
+                    enforce_eager=config.enforce_eager,
+                    quantization=config.quantization,
+                    kv_cache_dtype=config.kv_cache_dtype,
+                    cpu_threads=config.cpu_threads,
+                )
+            from llmctl_torch.tp_runner import TensorParallelRunner, topology_for
+
+            runner = TensorParallelRunner(
                 model.path,
                 model_config,
+                topology_for(config, device),
                 dtype=dtype,
                 device=device,
-                cpu_threads=config.cpu_threads,
                 block_size=config.block_size,
-                adapters=config.lora_adapters,
+                quantization=config.quantization,
+                kv_cache_dtype=config.kv_cache_dtype,
             )
+            sharded.append(runner)
+            return runner
 
-        return build_engine(model, config, hardware, load_runner)
+        try:
+            engine = build_engine(model, config, hardware, load_runner)
+        except BaseException:
+            for runner in sharded:
+                runner.close()
+            raise
+        for runner in sharded:  # a rank lost while idle stops the engine at once
+            runner.on_failure(engine.fail)
+        return engine
+
+    def run_worker_node(
+        self, model: ModelInfo, options: Mapping[str, Any], hardware: Hardware
+    ) -> None:
+        import torch
+
+        from llmctl_torch.tp_runner import serve_worker_node
+
+        config = self.translate(options)
+        serve_worker_node(model.path, config, torch.device(hardware.device_for(config.device)))
 
 
 @hookimpl

@@ -1,24 +1,29 @@
 """TorchModelRunner: the torch backend's ``ModelRunner`` for the shared engine.
 
 It loads the model, owns the paged KV cache, and runs one scheduler step: the step's
-lists become tensors once, the model writes the new tokens' K/V and returns the logits
-of each sequence's last new token.
+lists become one tensor, copied to the device once (``stage_step``); the model writes
+the new tokens' K/V and returns the logits of each sequence's last new token.
+
+On a GPU, decode steps replay CUDA graphs captured when the cache is allocated (see
+``llmctl.engine.cuda_graphs``); prefill and mixed prefill/decode steps run eagerly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import accumulate
 from pathlib import Path
 
 import torch
 
+from llmctl.engine.cuda_graphs import DecodeGraphs, decode_graphs
 from llmctl.engine.model_config import ModelConfig
-from llmctl.engine.runner import PagedRunner, StepBatch
+from llmctl.engine.quant import SCALE_DTYPE, is_quantized_kv
+from llmctl.engine.runner import PagedRunner, StepBatch, StepInputs, stage_step
 from llmctl.engine.weights import load_weights
-from llmctl_torch.attention import attention_ops
+from llmctl_torch.attention import LayerCache, attention_ops
+from llmctl_torch.linear import quantize_linears
 from llmctl_torch.lora import apply_lora_adapters
-from llmctl_torch.model import AttentionMetadata, build_model
+from llmctl_torch.model import AttentionMetadata, LlamaForCausalLM, build_model
 
 
 class TorchModelRunner(PagedRunner):
@@ -26,6 +31,10 @@ class TorchModelRunner(PagedRunner):
 
     ``num_blocks`` may be left out and given later through ``allocate_kv_cache`` (the
     engine sizes the cache from the memory free once the weights are loaded).
+    ``max_num_seqs`` and ``max_model_len`` (default: the model's context) bound the
+    decode steps the CUDA graphs are captured for; ``enforce_eager`` turns them off.
+    ``quantization`` (``none`` or ``int8``) converts the linear layers' weights once
+    loaded; ``kv_cache_dtype`` (``auto``, ``int8``, ``fp8``) is the cache's element type.
     """
 
     def __init__(
@@ -38,58 +47,111 @@ class TorchModelRunner(PagedRunner):
         block_size: int = 64,
         num_blocks: int | None = None,
         adapters: Sequence[str | Path] = (),
+        max_num_seqs: int = 128,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
+        quantization: str = "none",
+        kv_cache_dtype: str = "auto",
         cpu_threads: int | None = None,
     ) -> None:
         super().__init__(
-            config, dtype=dtype, device=device, block_size=block_size, cpu_threads=cpu_threads
+            config,
+            dtype=dtype,
+            device=device,
+            block_size=block_size,
+            kv_cache_dtype=kv_cache_dtype,
+            cpu_threads=cpu_threads,
         )
-        self.ops = attention_ops(self.device)
-        weights = load_weights(model_dir, self.dtype, self.device)
-        apply_lora_adapters(weights, adapters)
-        self.model = build_model(weights, config, self.device)
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.ops = attention_ops(self.device, quantized_kv=is_quantized_kv(self.kv_dtype))
+        self.model = self._load_model(model_dir, adapters)
+        quantize_linears(self.model, quantization)
+        self.kv_caches: list[LayerCache] = []
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len or config.session_len()
+        self.enforce_eager = enforce_eager
+        self.decode_graphs: DecodeGraphs | None = None
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
 
+    def _load_model(
+        self, model_dir: str | Path, adapters: Sequence[str | Path]
+    ) -> LlamaForCausalLM:
+        """The model with its weights on ``self.device`` (a tensor-parallel rank overrides
+        this to load its shard)."""
+        weights = load_weights(model_dir, self.dtype, self.device)
+        apply_lora_adapters(weights, adapters)
+        return build_model(weights, self.config, self.device)
+
     def _allocate(self, num_blocks: int) -> None:
         """One ``[2, layers, num_blocks, block_size, kv_heads, head_dim]`` tensor, viewed
-        as a (K, V) pair per layer. Zeroed, not empty: attention masks unwritten slots
-        with a zero weight, and 0 * NaN from uninitialised memory would still be NaN.
-        On the CPU its memory is taken as blocks are first used (``new_cache``)."""
+        as a (K, V) pair per layer; an int8 / fp8 cache has a float32 scale per token and
+        KV head beside it, ``[2, layers, num_blocks, block_size, kv_heads]``. Zeroed, not
+        empty: attention masks unwritten slots with a zero weight, and 0 * NaN from
+        uninitialised memory would still be NaN. On the CPU its memory is taken as blocks
+        are first used (``new_cache``)."""
         c = self.config
-        cache = self.new_cache(
-            (2, c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        shape = (2, c.num_layers, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        cache = self.new_cache(shape, self.kv_dtype)
+        scales = None
+        if is_quantized_kv(self.kv_dtype):
+            scales = self.new_cache(shape[:-1], SCALE_DTYPE)
+        self.kv_caches = [
+            LayerCache(
+                cache[0, layer],
+                cache[1, layer],
+                None if scales is None else (scales[0, layer], scales[1, layer]),
+            )
+            for layer in range(c.num_layers)
+        ]
+
+    def weight_bytes(self) -> int:
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the cache, then capture the decode graphs over it (GPU only)."""
+        super().allocate_kv_cache(num_blocks)
+        self.decode_graphs = decode_graphs(
+            self.decode_step,
+            # The plain-torch kernels (LLMCTL_TORCH_ATTENTION=torch, for debugging) cannot
+            # skip the padding rows a graph bucket adds: they decode eagerly.
+            enabled=not self.enforce_eager and self.ops.name == "triton",
+            device=self.device,
+            max_batch_size=self.max_num_seqs,
+            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+            block_size=self.block_size,
+            num_blocks=num_blocks,
         )
-        self.kv_caches = [(cache[0, layer], cache[1, layer]) for layer in range(c.num_layers)]
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Write the batch's K/V and return fp32 logits ``[num_seqs, vocab]`` of the last new
-        token of each sequence."""
+        token of each sequence (on a GPU a decode step's logits stay valid until the next
+        ``execute``)."""
         self.check_allocated()
-        query_start_loc = list(accumulate(batch.query_lens, initial=0))
-        max_blocks = max(len(table) for table in batch.block_tables)
-        block_tables = [table + [0] * (max_blocks - len(table)) for table in batch.block_tables]
-        to_device = self._to_device
+        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
+            return self.decode_graphs.run(batch)
+        return self._forward(stage_step(batch, self.device), batch.is_decode)
+
+    def decode_step(self, inputs: StepInputs) -> torch.Tensor:
+        """The model over staged decode inputs (one token per sequence, padding rows
+        allowed): what the CUDA graphs capture."""
+        return self._forward(inputs, is_decode=True)
+
+    def _forward(self, inputs: StepInputs, is_decode: bool) -> torch.Tensor:
         meta = AttentionMetadata(
-            slot_mapping=to_device(batch.slot_mapping, torch.int64),
-            block_tables=to_device(block_tables, torch.int32),
-            context_lens=to_device(batch.context_lens, torch.int32),
-            query_start_loc=to_device(query_start_loc, torch.int32),
-            is_decode=max(batch.query_lens) == 1,
+            slot_mapping=inputs.slot_mapping.long(),  # index_copy_ (plain torch) wants int64
+            block_tables=inputs.block_tables,
+            context_lens=inputs.context_lens,
+            query_start_loc=inputs.query_start_loc,
+            is_decode=is_decode,
         )
-        logits_indices = to_device([end - 1 for end in query_start_loc[1:]], torch.int64)
+        last_token_of_each_seq = inputs.query_start_loc[1:] - 1
         return self.model(
-            to_device(batch.input_ids, torch.int64),
-            to_device(batch.positions, torch.int64),
+            inputs.input_ids,
+            inputs.positions,
             meta,
             self.kv_caches,
-            logits_indices,
+            last_token_of_each_seq,
             self.ops,
         )
-
-    def _to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        tensor = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cuda":
-            return tensor.pin_memory().to(self.device, non_blocking=True)
-        return tensor.to(self.device)

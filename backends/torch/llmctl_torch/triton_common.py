@@ -1,4 +1,6 @@
-"""What the Triton attention kernels share: the interpreter switch, tile sizes, input checks.
+"""What the Triton attention kernels share: the interpreter switch, tile sizes, input checks,
+and the one online-softmax step (``attend_kv_tile``), whose K/V loads dequantize an int8
+or fp8 cache (``load_kv_rows``).
 
 Import ``triton`` and ``tl`` from here, never directly: on a machine without CUDA,
 Triton can only run kernels through its interpreter, and it decides between compiling
@@ -16,6 +18,7 @@ import sys
 
 import torch
 
+from llmctl.engine.quant import SCALE_DTYPE, is_quantized_kv
 from llmctl_torch.config import block_size_problem
 
 _ASKED = os.environ.get("TRITON_INTERPRET")  # "1" or "0" decides; unset: by the hardware
@@ -43,6 +46,8 @@ __all__ = [
     "attend_kv_tile",
     "index_tensor",
     "check_paged_cache",
+    "load_kv_rows",
+    "scale_args",
     "check_query",
     "dot_tile",
     "tl",
@@ -51,6 +56,9 @@ __all__ = [
 ]
 
 MAX_HEAD_DIM = 256
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# (k_scale, v_scale) of an int8 / fp8 cache: float32 [num_blocks, block_size, num_kv_heads]
+KVScales = tuple[torch.Tensor, torch.Tensor] | None
 # The kernels' softmax works in base 2 (exp2 is what the hardware has): scores are
 # scaled by log2(e) once, folded into the attention scale.
 LOG2_E = 1.4426950408889634
@@ -75,8 +83,11 @@ def tuning_configs(
     return [triton.Config(kw, num_warps=w, num_stages=s) for kw, w, s in gpu]
 
 
-def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
-    """Validate a layer's paged cache pair and return ``(block_size, num_kv_heads, head_dim)``."""
+def check_paged_cache(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, kv_scales: KVScales = None
+) -> tuple[int, int, int]:
+    """Validate a layer's paged cache pair (and the scales of an int8 / fp8 cache) and
+    return ``(block_size, num_kv_heads, head_dim)``."""
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
         raise ValueError(
             "k_cache and v_cache must have the same shape [num_blocks, block_size, "
@@ -87,10 +98,15 @@ def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int
             f"k_cache ({k_cache.dtype}, {k_cache.device}) and v_cache "
             f"({v_cache.dtype}, {v_cache.device}) must share a dtype and a device"
         )
-    if k_cache.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if is_quantized_kv(k_cache.dtype):
+        _check_scales(k_cache, kv_scales)
+    elif k_cache.dtype not in FLOAT_DTYPES:
         raise ValueError(
-            f"the KV cache dtype must be float16, bfloat16 or float32, not {k_cache.dtype}"
+            "the KV cache dtype must be float16, bfloat16 or float32 (or int8 / "
+            f"float8_e4m3fn with scales), not {k_cache.dtype}"
         )
+    elif kv_scales is not None:
+        raise ValueError(f"kv_scales belong to an int8 or fp8 cache, not a {k_cache.dtype} one")
     if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
         # The kernels compute one set of offsets for both, and load whole head_dim rows.
         raise ValueError(
@@ -105,6 +121,33 @@ def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int
     return block_size, num_kv_heads, head_dim
 
 
+def _check_scales(k_cache: torch.Tensor, kv_scales: KVScales) -> None:
+    expected = tuple(k_cache.shape[:3])
+    if kv_scales is None:
+        raise ValueError(
+            f"a {k_cache.dtype} KV cache needs its scales: kv_scales=(k_scale, v_scale), "
+            f"float32 {list(expected)}"
+        )
+    k_scale, v_scale = kv_scales
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale.shape != expected or scale.dtype != SCALE_DTYPE or scale.device != k_cache.device:
+            raise ValueError(
+                f"{name} must be float32 {list(expected)} on {k_cache.device} (one scale per "
+                f"token and KV head), got {scale.dtype} {list(scale.shape)} on {scale.device}"
+            )
+    if k_scale.stride() != v_scale.stride():
+        raise ValueError("k_scale and v_scale must have the same strides")
+
+
+def scale_args(k_cache: torch.Tensor, kv_scales: KVScales) -> tuple:
+    """The kernels' scale arguments: ``(k_scale, v_scale, stride_block, stride_token,
+    stride_head)``; for a float cache, the cache itself as an unused pointer and zeros."""
+    if kv_scales is None:
+        return (k_cache, k_cache, 0, 0, 0)
+    k_scale, v_scale = kv_scales
+    return (k_scale, v_scale, *k_scale.stride())
+
+
 def check_query(q: torch.Tensor, k_cache: torch.Tensor, num_kv_heads: int, head_dim: int) -> int:
     """Validate ``q: [tokens, num_heads, head_dim]`` against the cache; return the group size."""
     if q.dim() != 3 or q.shape[2] != head_dim:
@@ -112,10 +155,13 @@ def check_query(q: torch.Tensor, k_cache: torch.Tensor, num_kv_heads: int, head_
             f"q must be [tokens, num_heads, {head_dim}] to match the cache's head_dim, "
             f"got {tuple(q.shape)}"
         )
-    if q.dtype != k_cache.dtype or q.device != k_cache.device:
+    if q.device != k_cache.device or not (
+        q.dtype == k_cache.dtype or (is_quantized_kv(k_cache.dtype) and q.dtype in FLOAT_DTYPES)
+    ):
         raise ValueError(
             f"q ({q.dtype}, {q.device}) must have the KV cache's dtype and device "
-            f"({k_cache.dtype}, {k_cache.device})"
+            f"({k_cache.dtype}, {k_cache.device}); an int8 / fp8 cache takes a float16, "
+            "bfloat16 or float32 q"
         )
     if q.stride(-1) != 1:
         raise ValueError("q's last (head_dim) dimension must be contiguous")
@@ -142,6 +188,29 @@ def index_tensor(
 
 
 @triton.jit
+def load_kv_rows(
+    cache_ptr,
+    scale_ptr,
+    offsets,
+    scale_offsets,
+    mask,
+    valid,
+    UPCAST: tl.constexpr,
+    QUANTIZED: tl.constexpr,
+):
+    """K or V rows at ``offsets`` as floats: an int8 / fp8 cache's rows times their scale
+    (one per token and head, at ``scale_offsets``), computed in fp32. The one place the
+    kernels dequantize; ``llmctl.engine.quant.dequantize_kv`` is its reference."""
+    rows = tl.load(cache_ptr + offsets, mask=mask, other=0.0)
+    if QUANTIZED:
+        scale = tl.load(scale_ptr + scale_offsets, mask=valid, other=0.0)
+        rows = rows.to(tl.float32) * scale[:, None]
+    elif UPCAST:
+        rows = rows.to(tl.float32)
+    return rows
+
+
+@triton.jit
 def attend_kv_tile(
     q,
     m,
@@ -149,8 +218,11 @@ def attend_kv_tile(
     acc,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_table,
     head_offset,
+    scale_head_offset,
     dim_mask,
     pos,
     valid,
@@ -158,22 +230,30 @@ def attend_kv_tile(
     qk_scale,
     stride_cache_block,
     stride_cache_token,
+    stride_scale_block,
+    stride_scale_token,
     BLOCK_SIZE: tl.constexpr,
     UPCAST: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     """One step of the online softmax both kernels run (in base 2: ``qk_scale`` holds
     log2(e)): load the K/V rows of positions ``pos`` (the ``valid`` ones) through the
-    block table, score them against the rows of ``q``, keep the ``visible`` scores and
-    fold them into the running max ``m``, sum ``l`` and output ``acc``."""
+    block table (dequantized to ``q``'s dtype for an int8 / fp8 cache), score them
+    against the rows of ``q``, keep the ``visible`` scores and fold them into the
+    running max ``m``, sum ``l`` and output ``acc``."""
     block = tl.load(block_table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    kv_rows = block * stride_cache_block + (pos % BLOCK_SIZE).to(tl.int64) * stride_cache_token
-    offsets = kv_rows[:, None] + head_offset
+    slot = (pos % BLOCK_SIZE).to(tl.int64)
+    offsets = (block * stride_cache_block + slot * stride_cache_token)[:, None] + head_offset
+    scale_offsets = block * stride_scale_block + slot * stride_scale_token + scale_head_offset
     kv_mask = valid[:, None] & dim_mask[None, :]
-    k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k = load_kv_rows(
+        k_cache_ptr, k_scale_ptr, offsets, scale_offsets, kv_mask, valid, UPCAST, QUANTIZED
+    )
+    v = load_kv_rows(
+        v_cache_ptr, v_scale_ptr, offsets, scale_offsets, kv_mask, valid, UPCAST, QUANTIZED
+    )
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
 
     scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
     scores = tl.where(visible, scores, float("-inf"))

@@ -21,11 +21,13 @@ import torch
 from llmctl_torch.triton_common import (
     LOG2_E,
     UPCAST_LOADS,
+    KVScales,
     attend_kv_tile,
     check_paged_cache,
     check_query,
     dot_tile,
     index_tensor,
+    scale_args,
     tl,
     triton,
     tuning_configs,
@@ -88,6 +90,8 @@ def _decode_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     context_lens_ptr,
     out_ptr,
@@ -100,6 +104,9 @@ def _decode_kernel(
     stride_cache_block,
     stride_cache_token,
     stride_cache_head,
+    stride_scale_block,
+    stride_scale_token,
+    stride_scale_head,
     stride_bt,
     stride_ob,
     stride_oh,
@@ -110,6 +117,7 @@ def _decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
+    QUANTIZED: tl.constexpr,
     TILE_N: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
@@ -141,6 +149,7 @@ def _decode_kernel(
 
     block_table = block_tables_ptr + seq * stride_bt
     head_offset = kv_head * stride_cache_head + dims[None, :]
+    scale_head_offset = kv_head * stride_scale_head
     for tile_start in range(start, end, TILE_N):
         pos = tile_start + tl.arange(0, TILE_N)
         valid = pos < end
@@ -151,8 +160,11 @@ def _decode_kernel(
             acc,
             k_cache_ptr,
             v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
             block_table,
             head_offset,
+            scale_head_offset,
             dim_mask,
             pos,
             valid,
@@ -160,8 +172,11 @@ def _decode_kernel(
             qk_scale,
             stride_cache_block,
             stride_cache_token,
+            stride_scale_block,
+            stride_scale_token,
             BLOCK_SIZE,
             UPCAST,
+            QUANTIZED,
         )
 
     # A split past the end of a short sequence saw no token: l == 0, output 0, lse -inf.
@@ -232,16 +247,18 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     *,
+    kv_scales: KVScales = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its paged K/V.
 
     ``q: [batch, num_heads, head_dim]``; ``k_cache, v_cache: [num_blocks, block_size,
-    num_kv_heads, head_dim]``; ``block_tables: [batch, max_blocks]``; ``context_lens:
-    [batch]`` (at least 1: the cache already holds this step's token). Returns
-    ``[batch, num_heads, head_dim]``. ``num_splits`` overrides the split-K heuristic.
+    num_kv_heads, head_dim]`` (int8 / fp8 with ``kv_scales``, see ``attention.py``);
+    ``block_tables: [batch, max_blocks]``; ``context_lens: [batch]`` (at least 1: the
+    cache already holds this step's token). Returns ``[batch, num_heads, head_dim]``.
+    ``num_splits`` overrides the split-K heuristic.
     """
-    block_size, num_kv_heads, head_dim = check_paged_cache(k_cache, v_cache)
+    block_size, num_kv_heads, head_dim = check_paged_cache(k_cache, v_cache, kv_scales)
     group = check_query(q, k_cache, num_kv_heads, head_dim)
     block_tables = index_tensor("block_tables", block_tables, 2, q.device)
     context_lens = index_tensor("context_lens", context_lens, 1, q.device)
@@ -272,10 +289,13 @@ def paged_decode_attention(
     else:  # unused by the kernel: the single split writes straight into out
         partial_out = partial_lse = out
 
+    k_scale, v_scale, *scale_strides = scale_args(k_cache, kv_scales)
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q,
         k_cache,
         v_cache,
+        k_scale,
+        v_scale,
         block_tables,
         context_lens,
         out,
@@ -288,6 +308,7 @@ def paged_decode_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        *scale_strides,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -298,6 +319,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         SPLIT=split,
         UPCAST=UPCAST_LOADS,
+        QUANTIZED=kv_scales is not None,
     )
     if split:
         _combine_splits_kernel[(batch, num_heads)](

@@ -19,11 +19,13 @@ import torch
 from llmctl_torch.triton_common import (
     LOG2_E,
     UPCAST_LOADS,
+    KVScales,
     attend_kv_tile,
     check_paged_cache,
     check_query,
     dot_tile,
     index_tensor,
+    scale_args,
     tl,
     triton,
     tuning_configs,
@@ -53,6 +55,8 @@ def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     query_start_loc_ptr,
     context_lens_ptr,
@@ -64,6 +68,9 @@ def _prefill_kernel(
     stride_cache_block,
     stride_cache_token,
     stride_cache_head,
+    stride_scale_block,
+    stride_scale_token,
+    stride_scale_head,
     stride_bt,
     stride_ot,
     stride_oh,
@@ -73,6 +80,7 @@ def _prefill_kernel(
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     UPCAST: tl.constexpr,
+    QUANTIZED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     TILE_N: tl.constexpr,
 ):
@@ -128,6 +136,7 @@ def _prefill_kernel(
     kv_end = tl.minimum(prefix_len + first_query + BLOCK_Q, context_len)
     block_table = block_tables_ptr + seq * stride_bt
     head_offset = kv_head * stride_cache_head + dims[None, :]
+    scale_head_offset = kv_head * stride_scale_head
     for tile_start in range(0, kv_end, TILE_N):
         pos = tile_start + tl.arange(0, TILE_N)
         valid = pos < kv_end
@@ -139,8 +148,11 @@ def _prefill_kernel(
             acc,
             k_cache_ptr,
             v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
             block_table,
             head_offset,
+            scale_head_offset,
             dim_mask,
             pos,
             valid,
@@ -148,8 +160,11 @@ def _prefill_kernel(
             qk_scale,
             stride_cache_block,
             stride_cache_token,
+            stride_scale_block,
+            stride_scale_token,
             BLOCK_SIZE,
             UPCAST,
+            QUANTIZED,
         )
 
     result = acc / tl.where(l > 0.0, l, 1.0)[:, None]
@@ -168,14 +183,17 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    *,
+    kv_scales: KVScales = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its paged K/V.
 
     ``q: [tokens, num_heads, head_dim]`` holds sequence ``b``'s new tokens in rows
     ``query_start_loc[b] : query_start_loc[b + 1]``; they are the last tokens of its
-    ``context_lens[b]`` cached ones. Returns ``[tokens, num_heads, head_dim]``.
+    ``context_lens[b]`` cached ones. An int8 / fp8 cache comes with ``kv_scales``.
+    Returns ``[tokens, num_heads, head_dim]``.
     """
-    block_size, num_kv_heads, head_dim = check_paged_cache(k_cache, v_cache)
+    block_size, num_kv_heads, head_dim = check_paged_cache(k_cache, v_cache, kv_scales)
     group = check_query(q, k_cache, num_kv_heads, head_dim)
     block_tables = index_tensor("block_tables", block_tables, 2, q.device)
     query_start_loc = index_tensor("query_start_loc", query_start_loc, 1, q.device)
@@ -205,10 +223,13 @@ def paged_prefill_attention(
         # cover every layout of T tokens over B sequences.
         return (num_tokens // (meta["BLOCK_M"] // group_pad) + num_seqs, num_kv_heads)
 
+    k_scale, v_scale, *scale_strides = scale_args(k_cache, kv_scales)
     _prefill_kernel[grid](
         q,
         k_cache,
         v_cache,
+        k_scale,
+        v_scale,
         block_tables,
         query_start_loc,
         context_lens,
@@ -220,6 +241,7 @@ def paged_prefill_attention(
         k_cache.stride(0),
         k_cache.stride(1),
         k_cache.stride(2),
+        *scale_strides,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -229,5 +251,6 @@ def paged_prefill_attention(
         HEAD_DIM_PAD=dot_tile(head_dim),
         BLOCK_SIZE=block_size,
         UPCAST=UPCAST_LOADS,
+        QUANTIZED=kv_scales is not None,
     )
     return out

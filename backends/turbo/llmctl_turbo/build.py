@@ -39,7 +39,13 @@ CPU_SOURCES = (
     "llama_step.cpp",
     "ops.cpp",
 )
-CUDA_SOURCES = ("cuda_ops.cpp", "cuda/attention.cu", "cuda/elementwise.cu")
+CUDA_SOURCES = (
+    "cuda_ops.cpp",
+    "cuda/decode_attention.cu",
+    "cuda/prefill_attention.cu",
+    "cuda/simt_attention.cu",
+    "cuda/elementwise.cu",
+)
 # -fno-trapping-math lets loops with a clamp or a max vectorise; results are unchanged.
 # -ffp-contract=fast lets a multiply and an add become one FMA (the ISO modes forbid it).
 # No -march: wider instruction sets are enabled per function (csrc/cpu_kernels.cpp).

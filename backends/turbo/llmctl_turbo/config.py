@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmctl.backend import DEVICE_RULE, Hardware, OptionRule
+from llmctl.backend import CUDA_GRAPHS_RULE, DEVICE_RULE, Hardware, OptionRule, one_device_rules
 from llmctl.kv_budget import KVBudget, parse_kv_budget
 
 LLAMA_FAMILY = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
@@ -32,6 +32,7 @@ class TurboConfig:
     seed: int
     chat_template: str | None
     model_name: str | None
+    enable_cuda_graph: bool  # decode replays CUDA graphs (on CUDA only)
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> TurboConfig:
@@ -48,6 +49,7 @@ class TurboConfig:
             seed=options["seed"],
             chat_template=options["chat_template"],
             model_name=options["model_name"],
+            enable_cuda_graph=options["cuda_graphs"],
         )
 
     # The shared engine's names for the same settings (EngineOptions).
@@ -73,6 +75,21 @@ def block_size_problem(block_size: int, on_cuda: bool, hardware: Hardware) -> st
     return why if block_size % multiple else None
 
 
+def quantized_kv_problem(kv_cache_dtype: str) -> str | None:
+    """turbo has no int8 / fp8 KV cache yet: say where to turn instead."""
+    if kv_cache_dtype == "auto":
+        return None
+    where = (
+        "(--backend torch, or auto)"
+        if kv_cache_dtype == "int8"
+        else "on CUDA GPUs of compute capability >= 8.9"
+    )
+    return (
+        f"turbo has no {kv_cache_dtype} KV-cache kernels yet; the torch backend supports "
+        f"kv_cache_dtype={kv_cache_dtype} {where}"
+    )
+
+
 RULES = (
     OptionRule(
         "cache_block_seq_len",
@@ -94,5 +111,23 @@ RULES = (
         "and torch's",
         lambda value, options, hardware: None,
     ),
+    # No int8 kernels in turbo yet: the rules below go when they land.
+    OptionRule(
+        "quantization",
+        "`none` only for now (the torch backend has `int8`)",
+        lambda value, options, hardware: (
+            "turbo has no int8 weight kernels yet; the torch backend supports "
+            "quantization=int8 (--backend torch, or auto)"
+            if value != "none"
+            else None
+        ),
+    ),
+    OptionRule(
+        "kv_cache_dtype",
+        "`auto` only for now (the torch backend has `int8` and `fp8`)",
+        lambda value, options, hardware: quantized_kv_problem(value),
+    ),
     DEVICE_RULE,
+    CUDA_GRAPHS_RULE,
+    *one_device_rules("turbo"),
 )

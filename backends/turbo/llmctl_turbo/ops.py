@@ -77,3 +77,20 @@ def paged_prefill_attention(
         out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
     )
     return out
+
+
+def rotary_embedding_and_write_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """``rotary_embedding`` then ``write_kv_cache`` of the rotated k and v (one kernel on
+    CUDA)."""
+    load_ops().rotary_embedding_and_write_kv(
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping
+    )

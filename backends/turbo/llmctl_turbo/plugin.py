@@ -54,6 +54,8 @@ class TurboBackend(Backend):
                 cpu_threads=config.cpu_threads,
                 block_size=config.cache_block_seq_len,
                 max_model_len=max_model_len,
+                max_num_seqs=config.max_batch_size,
+                enable_cuda_graph=config.enable_cuda_graph,
             )
 
         return build_engine(model, config, hardware, load_runner)

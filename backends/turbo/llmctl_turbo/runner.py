@@ -2,19 +2,25 @@
 
 At load it reads the checkpoint with the shared loader and prepares the weights the
 native step wants (q/k/v and gate/up fused; on the CPU each matrix packed for turbo's
-own linear kernels). Each ``execute`` turns the step's lists into int32 tensors and
-makes ONE native call, ``llama_step``, which runs every layer and returns the logits.
+own linear kernels, elsewhere as transposed views). Each ``execute`` turns the step's
+lists into int32 tensors (one packed buffer, the shared ``stage_step``) and makes ONE
+native call, ``llama_step``, which runs every layer and returns the logits.
+
+On a GPU, decode steps replay CUDA graphs of that call, captured per batch-size bucket
+when the cache is allocated (``llmctl.engine.cuda_graphs``): a step then costs one
+host-to-device copy and one graph launch instead of a few hundred kernel launches.
+Prefill and mixed steps run eagerly.
 """
 
 from __future__ import annotations
 
-from itertools import accumulate
 from pathlib import Path
 
 import torch
 
+from llmctl.engine.cuda_graphs import DecodeGraphs, decode_graphs
 from llmctl.engine.model_config import ModelConfig
-from llmctl.engine.runner import PagedRunner, StepBatch
+from llmctl.engine.runner import PagedRunner, StepBatch, StepInputs, stage_step
 from llmctl.engine.weights import load_weights
 from llmctl.errors import ModelError
 from llmctl_turbo.build import load_ops
@@ -81,8 +87,9 @@ class TurboModelRunner(PagedRunner):
 
     ``num_blocks`` may be given later through ``allocate_kv_cache`` (the engine sizes
     the cache from the memory free once the weights are loaded). ``max_model_len``
-    bounds the positions the rotary table covers. ``cpu_threads`` sizes the native
-    kernels' thread pool (and torch's) on the CPU.
+    bounds the positions the rotary table covers and, with ``max_num_seqs``, the decode
+    steps the CUDA graphs are captured for; ``enable_cuda_graph=False`` turns them off.
+    ``cpu_threads`` sizes the native kernels' thread pool (and torch's) on the CPU.
     """
 
     def __init__(
@@ -95,6 +102,8 @@ class TurboModelRunner(PagedRunner):
         block_size: int = 64,
         num_blocks: int | None = None,
         max_model_len: int | None = None,
+        max_num_seqs: int = 128,
+        enable_cuda_graph: bool = True,
         cpu_threads: int | None = None,
     ) -> None:
         super().__init__(
@@ -110,9 +119,12 @@ class TurboModelRunner(PagedRunner):
         weights = load_weights(model_dir, self.dtype, self.device)
         self.weights = prepare_weights(weights, config, pack=on_cpu_kernels)
         del weights  # the checkpoint's copies of packed matrices
-        max_positions = max_model_len or config.session_len()
-        self.cos_sin_cache = model_cos_sin_cache(config, max_positions).to(self.device)
+        self.max_model_len = max_model_len or config.session_len()
+        self.cos_sin_cache = model_cos_sin_cache(config, self.max_model_len).to(self.device)
         self.kv_cache = torch.empty(0, device=self.device)
+        self.max_num_seqs = max_num_seqs
+        self.enable_cuda_graph = enable_cuda_graph
+        self.decode_graphs: DecodeGraphs | None = None
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
 
@@ -121,46 +133,49 @@ class TurboModelRunner(PagedRunner):
         CPU its memory is taken as blocks are first used (``new_cache``)."""
         c = self.config
         self.kv_cache = self.new_cache(
-            (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+            (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim),
+            self.kv_dtype,
+        )
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the cache, then capture the decode graphs over it (GPU only)."""
+        super().allocate_kv_cache(num_blocks)
+        self.decode_graphs = decode_graphs(
+            self.forward,
+            enabled=self.enable_cuda_graph,
+            device=self.device,
+            max_batch_size=self.max_num_seqs,
+            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+            block_size=self.block_size,
+            num_blocks=num_blocks,
         )
 
     @torch.inference_mode()
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Write the batch's K/V and return fp32 logits ``[num_seqs, vocab]`` of the last new
-        token of each sequence."""
+        token of each sequence (on a GPU a decode step's logits stay valid until the next
+        ``execute``)."""
         self.check_allocated()
-        input_ids, positions, slots, block_tables, query_start_loc, context_lens = (
-            self._batch_tensors(batch)
-        )
+        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
+            return self.decode_graphs.run(batch)
+        # The step's int32 tensors come from ONE list (one allocation, one copy to the
+        # device): at a few hundred microseconds per step, each tensor made counts.
+        return self.forward(stage_step(batch, self.device))
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor:
+        """``llama_step`` over staged inputs: every eager step, and the decode step the
+        CUDA graphs capture (padding rows: slot -1 writes nothing, context length 0
+        attends to nothing)."""
         return self._llama_step(
-            input_ids,
-            positions,
-            slots,
-            block_tables,
-            query_start_loc,
-            context_lens,
+            inputs.input_ids,
+            inputs.positions,
+            inputs.slot_mapping,
+            inputs.block_tables,
+            inputs.query_start_loc,
+            inputs.context_lens,
             self.weights,
             self.kv_cache,
             self.cos_sin_cache,
             self.config.num_heads,
             self.config.rms_norm_eps,
         )
-
-    def _batch_tensors(self, batch: StepBatch) -> tuple[torch.Tensor, ...]:
-        """The step's int32 tensors, made from ONE list (one allocation, one copy to the
-        device): at a few hundred microseconds per step, each tensor made counts."""
-        num_tokens, num_seqs = len(batch.input_ids), batch.num_seqs
-        width = max(map(len, batch.block_tables))
-        flat = batch.input_ids + batch.positions + batch.slot_mapping
-        flat += accumulate(batch.query_lens, initial=0)
-        flat += batch.context_lens
-        for table in batch.block_tables:
-            flat += table
-            flat += [0] * (width - len(table))  # padding, never read
-        packed = torch.tensor(flat, dtype=torch.int32)
-        if self.device.type == "cuda":
-            packed = packed.pin_memory().to(self.device, non_blocking=True)
-        ids, positions, slots, query_start_loc, context_lens, tables = packed.split(
-            [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs * width]
-        )
-        return ids, positions, slots, tables.view(num_seqs, width), query_start_loc, context_lens

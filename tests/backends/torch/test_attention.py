@@ -12,6 +12,7 @@ from llmctl_torch.attention import (
     write_kv,
 )
 
+from llmctl.engine.quant import dequantize_kv, quantize_kv
 from llmctl.errors import OptionError
 
 
@@ -84,6 +85,64 @@ def test_decode_and_prefill_match_dense_reference(block_size, num_heads, num_kv_
         rows = slice(starts[b], starts[b + 1])
         want = dense_reference(q_prefill[rows], keys, values, scale)
         torch.testing.assert_close(got[rows], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+def test_a_quantized_cache_attends_like_the_reference_on_dequantized_kv(kv_dtype):
+    """write_kv quantizes with ``quantize_kv`` (the stored codes and scales are exactly
+    its); decode and prefill then match the dense reference run on the dequantized K/V
+    to float32 rounding. fp8 runs here in plain torch; the engine allows it on GPUs only."""
+    generator = torch.Generator().manual_seed(5)
+    block_size, num_heads, num_kv_heads, head_dim, scale = 16, 8, 2, 16, 0.3
+    context_lens, query_lens = [1, 16, 17, 40], [1, 16, 1, 9]
+    seqs_kv = [
+        (
+            torch.randn(n, num_kv_heads, head_dim, generator=generator) * 3,
+            torch.randn(n, num_kv_heads, head_dim, generator=generator),
+        )
+        for n in context_lens
+    ]
+    num_blocks = 8
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    # Garbage outside the written slots: random codes, finite scales (see the module doc).
+    k_cache = torch.randint(-100, 100, shape, generator=generator).float().to(kv_dtype)
+    v_cache = torch.randint(-100, 100, shape, generator=generator).float().to(kv_dtype)
+    scales = torch.rand((2, *shape[:3]), generator=generator)
+    kv_scales = (scales[0], scales[1])
+    free = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = []
+    for keys, values in seqs_kv:
+        table = [free.pop() for _ in range(-(-keys.shape[0] // block_size))]
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size
+                              for p in range(keys.shape[0])])  # fmt: skip
+        write_kv(keys, values, k_cache, v_cache, slots, kv_scales=kv_scales)
+        codes, row_scales = quantize_kv(keys, kv_dtype)
+        stored = k_cache.view(-1, num_kv_heads, head_dim)[slots]
+        assert torch.equal(stored.view(torch.uint8), codes.view(torch.uint8))
+        assert torch.equal(scales[0].view(-1, num_kv_heads)[slots], row_scales)
+        tables.append(table + [0] * (3 - len(table)))
+    tables = torch.tensor(tables, dtype=torch.int32)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    dequantized = [
+        tuple(dequantize_kv(*quantize_kv(x, kv_dtype), torch.float32) for x in kv) for kv in seqs_kv
+    ]
+
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=generator)
+    got = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, kv_scales=kv_scales)
+    for b, (keys, values) in enumerate(dequantized):
+        want = dense_reference(q[b : b + 1], keys, values, scale)
+        torch.testing.assert_close(got[b : b + 1], want, atol=1e-5, rtol=1e-5)
+
+    q = torch.randn(sum(query_lens), num_heads, head_dim, generator=generator)
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    got = paged_prefill_attention(
+        q, k_cache, v_cache, tables, starts, lens, scale, kv_scales=kv_scales
+    )
+    for b, (keys, values) in enumerate(dequantized):
+        rows = slice(starts[b], starts[b + 1])
+        torch.testing.assert_close(
+            got[rows], dense_reference(q[rows], keys, values, scale), atol=1e-5, rtol=1e-5
+        )
 
 
 def test_write_kv_puts_each_token_at_its_slot():

@@ -14,20 +14,7 @@ from llmctl_torch.runner import TorchModelRunner
 from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.runner import StepBatch
 from llmctl.errors import ModelError, OptionError
-from tests.backends.torch.tiny_models import PagedSequences
-
-
-def greedy(runner, prompts, max_new_tokens):
-    """Decode all prompts together, greedily, through the paged cache."""
-    paged = PagedSequences(runner)
-    seqs = [paged.add(p) for p in prompts]
-    counts = {s: len(p) for s, p in zip(seqs, prompts)}
-    for _ in range(max_new_tokens):
-        logits = paged.step(counts)
-        for row, seq in enumerate(counts):
-            paged.tokens[seq].append(int(logits[row].argmax()))
-        counts = {s: 1 for s in seqs}
-    return [tokens[len(p) :] for tokens, p in zip(paged.tokens, prompts)]
+from tests.backends.torch.tiny_models import PagedSequences, greedy
 
 
 @pytest.mark.parametrize("block_size", [16, 64])

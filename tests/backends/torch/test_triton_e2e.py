@@ -69,3 +69,25 @@ def test_triton_greedy_tokens_match_transformers_on_every_prompt(monkeypatch, st
     new_tokens = len(cases[0][1])
     got = greedy_with_triton(monkeypatch, stories_dir, [p for p, _ in cases], new_tokens)
     assert got == [want for _, want in cases]
+
+
+def test_triton_int8_cache_gives_the_plain_torch_paths_logits(monkeypatch, stories_dir):
+    """Both paths quantize each token's K/V the same way (up to a code at an exact
+    rounding boundary) and dequantize on load; their logits agree to float32 rounding."""
+    config = ModelConfig.from_dir(stories_dir)
+    prompts = [p for p, _ in reference_cases(stories_dir)[:2]]
+    logits = {}
+    for path in ("torch", "triton"):
+        monkeypatch.setenv("LLMCTL_TORCH_ATTENTION", path)
+        runner = TorchModelRunner(
+            stories_dir, config, device=DEVICE, block_size=16, num_blocks=8,
+            kv_cache_dtype="int8", quantization="int8",
+        )  # fmt: skip
+        assert runner.ops.name == path and runner.kv_caches[0].k.dtype == torch.int8
+        paged = PagedSequences(runner, seed=1)
+        seqs = [paged.add(p + [300, 301, 302]) for p in prompts]
+        steps = [paged.step({s: len(prompts[s]) for s in seqs})]
+        steps += [paged.step({s: 1 for s in seqs}) for _ in range(3)]
+        logits[path] = torch.cat(steps).cpu()
+    scale = logits["torch"].abs().max()
+    assert (logits["triton"] - logits["torch"]).abs().max() < 1e-3 * scale

@@ -66,6 +66,11 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
         "MistralConfig",
         dict(num_key_value_heads=2, head_dim=16, sliding_window=None, tie_word_embeddings=False),
     ),
+    # Mistral with a single KV head: every query head reads the same K/V (MQA).
+    "mistral-one-kv-head": (
+        "MistralConfig",
+        dict(num_key_value_heads=1, head_dim=16, sliding_window=None, tie_word_embeddings=False),
+    ),
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=False)),
     # Qwen3: RMSNorm on each head's q and k; no q/k/v bias; explicit head_dim.
     "qwen3": (
@@ -145,6 +150,20 @@ class PagedSequences:
             ]
             self.cached[seq] = end
         return self.runner.execute(batch)
+
+
+def greedy(runner, prompts: list[list[int]], steps: int, seed: int = 0) -> list[list[int]]:
+    """Decode all prompts together, greedily, through the runner's paged cache: the
+    first step prefills every prompt, each later one decodes a token of each."""
+    paged = PagedSequences(runner, seed)
+    seqs = [paged.add(p) for p in prompts]
+    counts = {s: len(p) for s, p in zip(seqs, prompts)}
+    for _ in range(steps):
+        logits = paged.step(counts)
+        for row, seq in enumerate(counts):
+            paged.tokens[seq].append(int(logits[row].argmax()))
+        counts = {s: 1 for s in seqs}
+    return [tokens[len(p) :] for tokens, p in zip(paged.tokens, prompts)]
 
 
 def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:

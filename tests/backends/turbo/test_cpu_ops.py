@@ -271,3 +271,11 @@ def test_errors_name_the_argument_and_the_rule(turbo_ops):
         turbo_ops.write_kv_cache(key, key, k_cache, k_cache.clone(), int32([0, 64]))
     with pytest.raises(RuntimeError, match="positions\\[0\\] = 600 has no row"):
         turbo_ops.rotary_embedding(int32([600, 1]), q, q[:, :2].clone(), torch.randn(512, 8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_embedding_and_write_kv_is_rotary_then_write(turbo_ops, dtype):
+    """The op the CUDA step fuses; on the CPU it runs the two kernels in turn."""
+    from tests.backends.turbo.kernel_checks import check_rotary_and_write_kv
+
+    check_rotary_and_write_kv(turbo_ops.rotary_embedding_and_write_kv, turbo_ops, dtype)

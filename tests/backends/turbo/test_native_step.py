@@ -32,9 +32,13 @@ def hf_logits(model_dir, tokens: list[int]) -> torch.Tensor:
         return model(torch.tensor([tokens])).logits[0]
 
 
-def check_against_transformers(model_dir, block_size: int, num_blocks: int = 64) -> None:
+def check_against_transformers(
+    model_dir, block_size: int, num_blocks: int = 64, device: str = "cpu"
+) -> None:
     config = ModelConfig.from_dir(model_dir)
-    runner = TurboModelRunner(model_dir, config, block_size=block_size, num_blocks=num_blocks)
+    runner = TurboModelRunner(
+        model_dir, config, block_size=block_size, num_blocks=num_blocks, device=device
+    )
     generator = torch.Generator().manual_seed(block_size)
     lengths = [block_size + 7, 3, 2 * block_size + 1]
     prompts = [
@@ -52,7 +56,7 @@ def check_against_transformers(model_dir, block_size: int, num_blocks: int = 64)
         assert logits.dtype == torch.float32 and logits.shape == (len(counts), config.vocab_size)
         for row, seq in enumerate(counts):
             position = driver.cached[seq] - 1
-            torch.testing.assert_close(logits[row], expected[seq][position], **TOLERANCE)
+            torch.testing.assert_close(logits[row].cpu(), expected[seq][position], **TOLERANCE)
 
     # A whole prompt, the first chunk of another, a short prompt: one step.
     run({seqs[0]: lengths[0], seqs[2]: block_size - 1, seqs[1]: lengths[1]})

@@ -1,6 +1,10 @@
 // The C++ binding of turbo's CUDA kernels: turbo::cuda::* (kernels.h) unpack tensors into
-// the raw pointers, strides and stream of the C ABI in cuda/turbo_cuda.h. Compiled only
-// into CUDA builds (build.py), where ops.cpp registers the ops for the CUDA key.
+// the raw pointers, strides and stream of the C ABI in cuda/turbo_cuda.h, and pick the
+// attention kernel for the batch. Compiled only into CUDA builds (build.py), where
+// ops.cpp registers the ops for the CUDA key.
+#include <algorithm>
+
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -31,6 +35,48 @@ void check_launch(cudaError_t status, const char* kernel) {
 
 cudaStream_t stream_of(const at::Tensor& t) {
   return c10::cuda::getCurrentCUDAStream(t.device().index()).stream();
+}
+
+// The vectorised attention kernels read and write whole 16-byte chunks of every row.
+bool rows_aligned(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 &&
+         (t.stride(0) * t.element_size()) % 16 == 0;
+}
+
+// The tensor-core kernels need sm_80 (cp.async, bf16 mma).
+bool has_sm80(const at::Tensor& t) {
+  int major = 0;
+  check_launch(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor,
+                                      t.device().index()),
+               "cudaDeviceGetAttribute");
+  return major >= 8;
+}
+
+// Split-K decode: the split count and its workspace depend on shapes only (the block
+// table's width bounds every context), so a captured CUDA graph stays valid.
+void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& block_tables,
+                            const at::Tensor& context_lens, double scale) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(2), block_size = k_cache.size(1);
+  const int64_t max_context = block_tables.size(1) * block_size;
+  int num_sms = 0;
+  check_launch(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, q.device().index()),
+               "cudaDeviceGetAttribute");
+  const int num_splits =
+      turbo_cuda_decode_num_splits(num_seqs, num_heads, num_kv_heads, max_context, num_sms);
+  const int64_t workspace_bytes =
+      turbo_cuda_decode_workspace_bytes(num_seqs, num_heads, head_dim, num_splits);
+  const at::Tensor workspace =
+      at::empty({std::max<int64_t>(workspace_bytes, 1)}, q.options().dtype(at::kByte));
+  check_launch(turbo_cuda_paged_decode_attention(
+                   dtype_code(q), out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0),
+                   k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr<int32_t>(),
+                   block_tables.stride(0), context_lens.data_ptr<int32_t>(), num_seqs,
+                   num_heads, num_kv_heads, head_dim, block_size, max_context,
+                   static_cast<float>(scale), num_splits, workspace.data_ptr(),
+                   q.scalar_type() != at::kFloat && has_sm80(q), stream_of(q)),
+               "paged_decode_attention");
 }
 
 }  // namespace
@@ -83,6 +129,22 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
                "write_kv_cache");
 }
 
+void rotary_embedding_and_write_kv(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
+                                   const at::Tensor& v, const at::Tensor& cos_sin_cache,
+                                   at::Tensor& k_cache, at::Tensor& v_cache,
+                                   const at::Tensor& slot_mapping) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  check_launch(turbo_cuda_rotary_write_kv(
+                   dtype_code(q), positions.data_ptr<int32_t>(), q.data_ptr(), q.stride(0),
+                   q.size(1), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.size(1),
+                   cos_sin_cache.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(),
+                   slot_mapping.data_ptr<int32_t>(), q.size(0), q.size(2), stream_of(q)),
+               "rotary_embedding_and_write_kv");
+}
+
+// Decode batches (one query per sequence) take the split-K kernel; batches with prompt
+// chunks the tensor-core kernel in bf16 / fp16 (from sm_80); fp32 prefill, older GPUs and
+// head_dims the vectorised kernels do not take (not a multiple of 8) the SIMT kernel.
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
@@ -90,13 +152,23 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   TORCH_CHECK(q.size(2) <= TURBO_CUDA_MAX_HEAD_DIM, "turbo's CUDA attention supports head_dim "
               "up to ", TURBO_CUDA_MAX_HEAD_DIM, ", got ", q.size(2));
   const c10::cuda::CUDAGuard guard(q.device());
-  check_launch(turbo_cuda_paged_attention(
-                   dtype_code(q), out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0),
-                   k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr<int32_t>(),
-                   block_tables.stride(0), query_start_loc.data_ptr<int32_t>(),
-                   context_lens.data_ptr<int32_t>(), context_lens.size(0), q.size(0),
-                   q.size(1), k_cache.size(2), q.size(2), k_cache.size(1),
-                   static_cast<float>(scale), stream_of(q)),
+  const int dtype = dtype_code(q);
+  const int64_t head_dim = q.size(2);
+  const bool vectorised = rows_aligned(q) && rows_aligned(out) && rows_aligned(k_cache) &&
+                          rows_aligned(v_cache);
+  if (q.size(0) == context_lens.size(0) && vectorised && turbo_cuda_decode_supported(head_dim)) {
+    paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale);
+    return;
+  }
+  const auto kernel = vectorised && turbo_cuda_prefill_supported(dtype, head_dim) && has_sm80(q)
+                          ? turbo_cuda_paged_prefill_attention
+                          : turbo_cuda_paged_attention;
+  check_launch(kernel(dtype, out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0),
+                      k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr<int32_t>(),
+                      block_tables.stride(0), query_start_loc.data_ptr<int32_t>(),
+                      context_lens.data_ptr<int32_t>(), context_lens.size(0), q.size(0),
+                      q.size(1), k_cache.size(2), head_dim, k_cache.size(1),
+                      static_cast<float>(scale), stream_of(q)),
                "paged_attention");
 }
 

@@ -81,6 +81,21 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   TURBO_ON_DEVICE(key, write_kv_cache, key, value, k_cache, v_cache, slot_mapping);
 }
 
+void rotary_embedding_and_write_kv(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
+                                   const at::Tensor& v, const at::Tensor& cos_sin_cache,
+                                   at::Tensor& k_cache, at::Tensor& v_cache,
+                                   const at::Tensor& slot_mapping) {
+#ifdef LLMCTL_TURBO_CUDA
+  if (q.is_cuda()) {
+    cuda::rotary_embedding_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
+                                        slot_mapping);
+    return;
+  }
+#endif
+  rotary_embedding(positions, q, k, cos_sin_cache);
+  write_kv_cache(k, v, k_cache, v_cache, slot_mapping);
+}
+
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,

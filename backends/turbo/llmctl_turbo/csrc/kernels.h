@@ -62,6 +62,12 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up);
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
                     at::Tensor& v_cache, const at::Tensor& slot_mapping);
 
+// rotary_embedding, then write_kv_cache of the rotated k and of v: one kernel on CUDA.
+void rotary_embedding_and_write_kv(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
+                                   const at::Tensor& v, const at::Tensor& cos_sin_cache,
+                                   at::Tensor& k_cache, at::Tensor& v_cache,
+                                   const at::Tensor& slot_mapping);
+
 // Causal attention of each sequence's queries over its paged cache. The queries of
 // sequence b are the LAST q_len tokens of its context_lens[b] tokens, so query i sees
 // keys 0 .. context_lens[b] - q_len + i. Decode is the case q_len == 1.
@@ -100,6 +106,10 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
 void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up);
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
                     at::Tensor& v_cache, const at::Tensor& slot_mapping);
+void rotary_embedding_and_write_kv(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
+                                   const at::Tensor& v, const at::Tensor& cos_sin_cache,
+                                   at::Tensor& k_cache, at::Tensor& v_cache,
+                                   const at::Tensor& slot_mapping);
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,

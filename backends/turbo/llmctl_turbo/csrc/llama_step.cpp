@@ -117,8 +117,8 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
       add_rms_norm(normed, residual, projected, w[0], rms_norm_eps);
     }
     linear(qkv, normed, w[1], w[2]);
-    rotary_embedding(positions, q, k, cos_sin_cache);
-    write_kv_cache(k, v, k_cache, v_cache, slot_mapping);
+    rotary_embedding_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
+                                  slot_mapping);
     paged_attention(attn, q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
                     scale);
     linear(projected, attn_rows, w[3], w[4]);

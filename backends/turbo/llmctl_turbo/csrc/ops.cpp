@@ -52,8 +52,8 @@ void check_heads(const at::Tensor& t, const char* name, const at::Tensor& like) 
   check_rows_contiguous(t, name);
 }
 
-void rotary_embedding_op(const at::Tensor& positions, at::Tensor q, at::Tensor k,
-                         const at::Tensor& cos_sin_cache) {
+void check_rotary_args(const at::Tensor& positions, const at::Tensor& q, const at::Tensor& k,
+                       const at::Tensor& cos_sin_cache) {
   check_heads(q, "q", q);
   check_heads(k, "k", q);
   check_tensor(positions, "positions", at::kInt, 1, q);
@@ -67,6 +67,11 @@ void rotary_embedding_op(const at::Tensor& positions, at::Tensor q, at::Tensor k
   TORCH_CHECK(cos_sin_cache.size(1) == head_dim, "cos_sin_cache must be [max_positions, ",
               head_dim, "] (cos then sin), got ", cos_sin_cache.sizes());
   check_positions(positions, cos_sin_cache.size(0));
+}
+
+void rotary_embedding_op(const at::Tensor& positions, at::Tensor q, at::Tensor k,
+                         const at::Tensor& cos_sin_cache) {
+  check_rotary_args(positions, q, k, cos_sin_cache);
   rotary_embedding(positions, q, k, cos_sin_cache);
 }
 
@@ -117,8 +122,9 @@ void linear_silu_mul_op(at::Tensor out, const at::Tensor& x, const at::Tensor& g
   linear_silu_mul(out, x, gate_up, buffer);
 }
 
-void write_kv_cache_op(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache,
-                       at::Tensor v_cache, const at::Tensor& slot_mapping) {
+void check_kv_write_args(const at::Tensor& key, const at::Tensor& value,
+                         const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& slot_mapping) {
   check_heads(key, "key", key);
   check_heads(value, "value", key);
   check_cache(k_cache, "k_cache", key);
@@ -131,7 +137,22 @@ void write_kv_cache_op(const at::Tensor& key, const at::Tensor& value, at::Tenso
   TORCH_CHECK(k_cache.size(2) == key.size(1) && k_cache.size(3) == key.size(2),
               "cache rows [.., .., KVH, D] = ", k_cache.sizes(), " do not match key ", key.sizes());
   check_slots(slot_mapping, k_cache.size(0) * k_cache.size(1));
+}
+
+void write_kv_cache_op(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache,
+                       at::Tensor v_cache, const at::Tensor& slot_mapping) {
+  check_kv_write_args(key, value, k_cache, v_cache, slot_mapping);
   write_kv_cache(key, value, k_cache, v_cache, slot_mapping);
+}
+
+void rotary_embedding_and_write_kv_op(const at::Tensor& positions, at::Tensor q, at::Tensor k,
+                                      const at::Tensor& v, const at::Tensor& cos_sin_cache,
+                                      at::Tensor k_cache, at::Tensor v_cache,
+                                      const at::Tensor& slot_mapping) {
+  check_rotary_args(positions, q, k, cos_sin_cache);
+  check_kv_write_args(k, v, k_cache, v_cache, slot_mapping);
+  rotary_embedding_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
+                                slot_mapping);
 }
 
 void paged_prefill_attention_op(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
@@ -184,6 +205,9 @@ TORCH_LIBRARY(llmctl_turbo, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
         "Tensor slot_mapping) -> ()");
+  m.def("rotary_embedding_and_write_kv(Tensor positions, Tensor(a!) q, Tensor(b!) k, "
+        "Tensor v, Tensor cos_sin_cache, Tensor(c!) k_cache, Tensor(d!) v_cache, "
+        "Tensor slot_mapping) -> ()");
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
         "Tensor block_tables, Tensor context_lens, float scale) -> ()");
   m.def("paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
@@ -213,6 +237,7 @@ TORCH_LIBRARY(llmctl_turbo, m) {
   m.impl("rotary_embedding", &rotary_embedding_op);              \
   m.impl("silu_and_mul", &silu_and_mul_op);                      \
   m.impl("write_kv_cache", &write_kv_cache_op);                  \
+  m.impl("rotary_embedding_and_write_kv", &rotary_embedding_and_write_kv_op); \
   m.impl("paged_decode_attention", &paged_decode_attention_op);  \
   m.impl("paged_prefill_attention", &paged_prefill_attention_op); \
   m.impl("llama_step", &llama_step)

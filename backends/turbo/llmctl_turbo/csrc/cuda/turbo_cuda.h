@@ -47,8 +47,20 @@ cudaError_t turbo_cuda_write_kv_cache(int dtype, const void* key, int64_t key_st
                                       void* v_cache, const int32_t* slots, int64_t num_tokens,
                                       int64_t row_elems, cudaStream_t stream);
 
+/* Rotary embedding fused with the KV-cache write: rotates q [T, H, D] and k [T, KVH, D]
+ * in place (as turbo_cuda_rotary_embedding) and copies the rotated k and v [T, KVH, D]
+ * to cache slot slots[t] (as turbo_cuda_write_kv_cache; a negative slot skips). */
+cudaError_t turbo_cuda_rotary_write_kv(int dtype, const int32_t* positions, void* q,
+                                       int64_t q_stride, int64_t num_heads, void* k,
+                                       int64_t k_stride, const void* v, int64_t v_stride,
+                                       int64_t num_kv_heads, const float* cos_sin,
+                                       void* k_cache, void* v_cache, const int32_t* slots,
+                                       int64_t num_tokens, int64_t head_dim,
+                                       cudaStream_t stream);
+
 /* Causal paged attention; the queries of sequence b are the last q_len tokens of its
- * context_lens[b]. head_dim <= TURBO_CUDA_MAX_HEAD_DIM. */
+ * context_lens[b]. head_dim <= TURBO_CUDA_MAX_HEAD_DIM. One thread block per (query
+ * token, head), SIMT, any head_dim: the reference path (fp32 prefill, odd head_dims). */
 cudaError_t turbo_cuda_paged_attention(int dtype, void* out, int64_t out_stride, const void* q,
                                        int64_t q_stride, const void* k_cache,
                                        const void* v_cache, const int32_t* block_tables,
@@ -57,6 +69,54 @@ cudaError_t turbo_cuda_paged_attention(int dtype, void* out, int64_t out_stride,
                                        int64_t num_tokens, int64_t num_heads,
                                        int64_t num_kv_heads, int64_t head_dim,
                                        int64_t block_size, float scale, cudaStream_t stream);
+
+/* ---- Paged decode attention: one query token per sequence, split-K (flash-decoding).
+ *
+ * Sequence b's context (context_lens[b] <= max_context tokens) is cut into at most
+ * num_splits pieces; one thread block per (split, KV head, sequence) serves all query
+ * heads of its KV head, so each K/V row is read once per step. Splits of one sequence
+ * write fp32 partial outputs into the workspace, combined by a second kernel. The
+ * caller picks num_splits with turbo_cuda_decode_num_splits and allocates
+ * turbo_cuda_decode_workspace_bytes: both depend on shapes only (never on the lengths
+ * stored on the device), so a CUDA graph captured for a batch size stays valid. */
+
+/* Whether the split-K decode kernel serves this shape (else use
+ * turbo_cuda_paged_attention): head_dim a multiple of 8 and at most 256. */
+int turbo_cuda_decode_supported(int64_t head_dim);
+
+/* Number of splits for num_seqs x num_kv_heads over contexts of up to max_context
+ * tokens on a GPU of num_sms multiprocessors. */
+int turbo_cuda_decode_num_splits(int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                                 int64_t max_context, int num_sms);
+
+/* Bytes of workspace the decode needs (0 with one split). */
+int64_t turbo_cuda_decode_workspace_bytes(int64_t num_seqs, int64_t num_heads,
+                                          int64_t head_dim, int num_splits);
+
+/* use_tensor_cores (bf16 / fp16 on sm_80+): the mma kernel; else the SIMT one (also the
+ * only one for fp32). Both write the same partials, combined by the same kernel. */
+cudaError_t turbo_cuda_paged_decode_attention(
+    int dtype, void* out, int64_t out_stride, const void* q, int64_t q_stride,
+    const void* k_cache, const void* v_cache, const int32_t* block_tables,
+    int64_t table_stride, const int32_t* context_lens, int64_t num_seqs, int64_t num_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t max_context,
+    float scale, int num_splits, void* workspace, int use_tensor_cores, cudaStream_t stream);
+
+/* ---- Paged prefill attention on tensor cores (bfloat16 / float16 only).
+ *
+ * Same semantics as turbo_cuda_paged_attention (any mix of prompt chunks and decodes).
+ * Rows of one tile are (query token, query head) pairs of one KV head, so K/V tiles are
+ * shared by the whole GQA group. */
+
+/* Whether the tensor-core kernel serves this dtype and head_dim (multiple of 8, <= 256). */
+int turbo_cuda_prefill_supported(int dtype, int64_t head_dim);
+
+cudaError_t turbo_cuda_paged_prefill_attention(
+    int dtype, void* out, int64_t out_stride, const void* q, int64_t q_stride,
+    const void* k_cache, const void* v_cache, const int32_t* block_tables,
+    int64_t table_stride, const int32_t* query_start_loc, const int32_t* context_lens,
+    int64_t num_seqs, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t block_size, float scale, cudaStream_t stream);
 
 #ifdef __cplusplus
 }

@@ -1,4 +1,8 @@
-// Paged attention on CUDA: one thread block per (query token, query head).
+// Paged attention on CUDA, SIMT: one thread block per (query token, query head).
+//
+// The general path: any head_dim up to 256, any dtype. turbo uses it for fp32 prefill
+// and for head_dims the vectorised kernels do not take (decode_attention.cu,
+// prefill_attention.cu); it is also their reference in the GPU checks.
 //
 // Keys are taken in tiles of kThreads, one key per thread: each thread scores its key,
 // the block agrees on the running max (online softmax, rescaling what was accumulated),
@@ -80,7 +84,9 @@ __global__ void paged_attention_kernel(T* out, int64_t out_stride, const T* q, i
 
   for (int i = 0; i < 2; ++i) {
     const int64_t d = threadIdx.x + i * kThreads;
-    if (d < head_dim) out[t * out_stride + head * head_dim + d] = from_float<T>(acc[i] / running_sum);
+    // No keys (a CUDA-graph batch's padding, context length 0): a zero output, not NaN.
+    const float o = running_sum > 0.f ? acc[i] / running_sum : 0.f;
+    if (d < head_dim) out[t * out_stride + head * head_dim + d] = from_float<T>(o);
   }
 }
 
@@ -100,7 +106,8 @@ extern "C" cudaError_t turbo_cuda_paged_attention(
   }
   if (num_tokens == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned int>(num_tokens), static_cast<unsigned int>(num_heads));
-  TURBO_CUDA_DISPATCH(dtype, paged_attention_kernel<T><<<grid, kThreads, 0, stream>>>(
+  TURBO_CUDA_DISPATCH(dtype, const auto kernel = paged_attention_kernel<T>;
+                     TURBO_LAUNCH(kernel, grid, kThreads, 0, stream)(
                                  static_cast<T*>(out), out_stride, static_cast<const T*>(q),
                                  q_stride, static_cast<const T*>(k_cache),
                                  static_cast<const T*>(v_cache), block_tables, table_stride,

@@ -1,0 +1,156 @@
+"""Linear layers with a swappable weight format (a "weight method", as vLLM's LinearMethod).
+
+``Linear`` is an ``nn.Linear`` whose forward asks its ``method`` for the product:
+
+- ``UNQUANTIZED``: the weight in the model dtype, ``F.linear``;
+- ``INT8_WEIGHTS`` (``quantization=int8``): the weight quantized once, at load, to int8
+  with a float32 scale per output channel (``llmctl.engine.quant``); the product reads
+  the int8 weight, a quarter of fp32's bytes: on CUDA through the Triton GEMM in
+  ``triton_int8_linear.py``; on the CPU through torch's ``_weight_int8pack_mm`` for
+  decode-sized products (see ``_cpu_int8_matmul`` for its limits), else by
+  dequantizing the layer's weight for the call.
+
+A layer that splits its weight across ranks (tensor parallelism) subclasses ``Linear``
+and calls ``self.method.apply(self, x, bias)`` where it would call ``F.linear``, so a
+sharded weight is quantized like any other: ``quantize_linears`` walks every ``Linear``.
+The LM head and the embeddings are not ``Linear``s: they keep the model dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmctl.engine.quant import dequantize_weight_int8, quantize_weight_int8
+from llmctl.kv_budget import format_bytes
+
+logger = logging.getLogger("llmctl")
+
+
+class UnquantizedMethod:
+    """The checkpoint's weight, as loaded."""
+
+    name = "none"
+
+    def process_weights(self, layer: Linear) -> None:
+        pass
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class Int8WeightMethod:
+    """Weight-only int8: ``layer.weight`` int8 ``[out, in]``, ``layer.weight_scale`` float32
+    ``[out]``; activations and outputs stay in the model dtype."""
+
+    name = "int8"
+
+    def process_weights(self, layer: Linear) -> None:
+        qweight, scale = quantize_weight_int8(layer.weight.detach())
+        layer.weight = nn.Parameter(qweight, requires_grad=False)
+        layer.register_buffer("weight_scale", scale)
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = int8_matmul(x, layer.weight, layer.weight_scale)
+        return out if bias is None else out + bias
+
+
+UNQUANTIZED = UnquantizedMethod()
+INT8_WEIGHTS = Int8WeightMethod()
+WEIGHT_METHODS = {method.name: method for method in (UNQUANTIZED, INT8_WEIGHTS)}
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose product its weight ``method`` computes (see the module doc)."""
+
+    method: UnquantizedMethod | Int8WeightMethod = UNQUANTIZED
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x, self.bias)
+
+
+def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x @ (qweight * scale[:, None]).T`` in ``x``'s dtype.
+
+    ``x: [..., in]``, ``qweight: int8 [out, in]``, ``scale: float32 [out]``. On CUDA the
+    Triton kernel; on the CPU see ``_cpu_int8_matmul``."""
+    if x.device.type == "cuda":
+        from llmctl_torch.triton_int8_linear import int8_linear
+
+        return int8_linear(x, qweight, scale)
+    rows = x.reshape(-1, x.shape[-1])
+    return _cpu_int8_matmul(rows, qweight, scale).view(*x.shape[:-1], qweight.shape[0])
+
+
+# torch's CPU int8 kernel is a matrix-vector product: it beats fp32's read of the weights
+# for a few rows (decode), but its cost grows with every row, so prefill dequantizes.
+CPU_INT8_KERNEL_MAX_ROWS = 8
+
+
+def _cpu_int8_matmul(
+    rows: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """The CPU product. A few rows go through ``torch._weight_int8pack_mm``, which reads
+    the int8 weight directly; only its bfloat16 path is vectorised (its float32 one is
+    scalar, 10x slower than fp32's own product), so the rows are rounded to bfloat16
+    for it and its bfloat16 result is scaled in fp32 (the scales are kept out of it:
+    bfloat16 scales would be off by up to 0.4 % per channel). It also crashes on
+    shapes its vector loops do not cover, so it is used only on aligned ones. Other
+    products dequantize the weight for this call and use the ordinary matmul."""
+    num_out, num_in = qweight.shape
+    if rows.shape[0] <= CPU_INT8_KERNEL_MAX_ROWS and num_in % 16 == 0 and num_out % 8 == 0:
+        unscaled = torch._weight_int8pack_mm(rows.to(torch.bfloat16), qweight, _ones(num_out))
+        return torch.mul(unscaled, scale).to(rows.dtype)  # bf16 * fp32: computed in fp32
+    return F.linear(rows, dequantize_weight_int8(qweight, scale, rows.dtype))
+
+
+@functools.cache
+def _ones(size: int) -> torch.Tensor:
+    """Unit bfloat16 scales for ``_weight_int8pack_mm`` (the real ones are applied after)."""
+    return torch.ones(size, dtype=torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class QuantizationReport:
+    layers: int
+    bytes_before: int
+    bytes_after: int
+
+    def describe(self) -> str:
+        saved = self.bytes_before - self.bytes_after
+        return (
+            f"{self.layers} linear layers quantized to int8: {format_bytes(self.bytes_before)} "
+            f"-> {format_bytes(self.bytes_after)} (saved {format_bytes(saved)}, "
+            f"{saved / max(self.bytes_before, 1):.0%} of their weights)"
+        )
+
+
+def quantize_linears(model: nn.Module, method_name: str) -> QuantizationReport | None:
+    """Give every ``Linear`` of ``model`` the weight method ``method_name`` (``none`` or
+    ``int8``), converting its weight in place, layer by layer with a progress bar; log
+    and return how much memory that saved (``None`` for ``none``)."""
+    from rich.progress import track
+
+    method = WEIGHT_METHODS[method_name]
+    if method is UNQUANTIZED:
+        return None
+    layers = [module for module in model.modules() if isinstance(module, Linear)]
+    before = after = 0
+    for layer in track(layers, description=f"quantizing weights to {method.name}", transient=True):
+        before += _tensor_bytes(layer)
+        method.process_weights(layer)
+        layer.method = method
+        after += _tensor_bytes(layer)
+    report = QuantizationReport(len(layers), before, after)
+    logger.info("quantization: %s", report.describe())
+    return report
+
+
+def _tensor_bytes(module: nn.Module) -> int:
+    tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,299 @@
+"""The OpenAPI document the server publishes at ``/openapi.json``: the contract it keeps.
+
+The request bodies come from ``protocol.py``; this module adds what FastAPI cannot know
+by itself: the shapes of the answers (declared here as pydantic models, used only for
+the document), every error status with OpenAI's error schema, and the facts of the
+engine being served (the model's name, its session length and vocabulary, whether an
+API key is needed). FastAPI's default 422 entries are dropped: this server answers a
+malformed body with 400, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from llmctl.server.state import ServerState
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error shape, for every status the server answers with an error."""
+
+    error: ErrorBody
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class CompletionChunk(BaseModel):
+    """One event of a streamed completion; with ``include_usage``, ``usage`` is null on
+    every chunk but the last, which has no choices."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One event of a streamed chat completion (``usage`` as in ``CompletionChunk``)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int | None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: str
+
+
+class Version(BaseModel):
+    version: str
+    backend: str
+
+
+_WHEN = {
+    400: "The request is malformed or its values do not go together (`param` names the "
+    "field): bad JSON, a wrong type, a value out of range, an unknown field "
+    "(`invalid_value`); two fields that contradict each other (`invalid_combination`); "
+    "prompt + max_tokens beyond the session length (`context_length_exceeded`).",
+    401: "No API key or a wrong one (`invalid_api_key`).",
+    404: "`model` names a model this server does not serve (`model_not_found`).",
+    408: "The client did not send its request body within the server's client_timeout.",
+    413: "The request body is larger than the server's limit (`request_too_large`).",
+    429: "The server is at capacity (`server_overloaded`); retry after `Retry-After` seconds.",
+    500: "The engine failed while running this request (`engine_error`); the server goes on.",
+    502: "A proxy backend's upstream server failed (`upstream_error`).",
+    503: "The server is shutting down (`server_shutting_down`) or its engine has stopped "
+    "(`engine_dead`).",
+}
+_HEADERS = {
+    401: {"WWW-Authenticate": {"schema": {"type": "string"}, "description": "`Bearer`"}},
+    429: {"Retry-After": {"schema": {"type": "string"}, "description": "Seconds to wait."}},
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """``responses=`` entries for a route: each status with OpenAI's error schema."""
+    return {
+        status: {"model": ErrorResponse, "description": _WHEN[status]}
+        | ({"headers": _HEADERS[status]} if status in _HEADERS else {})
+        for status in statuses
+    }
+
+
+# Every route under /v1 passes the gate: the body limit, the client timeout, draining.
+GATE_ERRORS = (408, 413, 500, 503)
+GENERATION_ERRORS = (400, 404, 429, 502, *GATE_ERRORS)
+
+
+STREAM_CHUNKS = (CompletionChunk, ChatCompletionChunk)
+
+
+def streamed_or_whole(
+    model: type[BaseModel], chunk: type[BaseModel]
+) -> dict[int | str, dict[str, Any]]:
+    """A 200 that is ``model`` as JSON, or, with ``"stream": true``, Server-Sent Events
+    whose data is a ``chunk`` (or an error, if generation fails midway) and, last, the
+    text ``[DONE]``. (Before OpenAPI 3.2, an event stream's schema describes one event.)"""
+    chunk_json = {
+        "type": "string",
+        "contentMediaType": "application/json",
+        "contentSchema": {"anyOf": [_ref(chunk.__name__), _ref(ErrorResponse.__name__)]},
+    }
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"anyOf": [{"const": "[DONE]"}, chunk_json]}},
+    }
+    return {200: {"model": model, "content": {"text/event-stream": {"schema": event}}}}
+
+
+def _ref(name: str) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def install_openapi(app: FastAPI, state: ServerState) -> None:
+    """Serve the document described above at /openapi.json (built once, then cached)."""
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(
+                title=app.title,
+                version=app.version,
+                description="An OpenAI-compatible API served by llmctl (see docs/server.md).",
+                routes=app.routes,
+            )
+            _drop_fastapi_validation_errors(schema)
+            _add_models(schema["components"]["schemas"], STREAM_CHUNKS)
+            _publish_engine_facts(schema["components"]["schemas"], state)
+            if state.api_keys.required:
+                _publish_auth(schema)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _drop_fastapi_validation_errors(schema: dict[str, Any]) -> None:
+    for operations in schema["paths"].values():
+        for operation in operations.values():
+            operation["responses"].pop("422", None)
+    for name in ("HTTPValidationError", "ValidationError"):
+        schema["components"]["schemas"].pop(name, None)
+
+
+def _add_models(components: dict[str, Any], models: tuple[type[BaseModel], ...]) -> None:
+    """Models only event streams refer to (FastAPI adds those of JSON bodies itself)."""
+    _, definitions = models_json_schema(
+        [(model, "serialization") for model in models],
+        ref_template="#/components/schemas/{model}",
+    )
+    components.update(definitions["$defs"])
+
+
+def _publish_engine_facts(components: dict[str, Any], state: ServerState) -> None:
+    """The served model's name, session length and vocabulary size, as bounds."""
+    engine = state.engine
+    session_len = engine.max_model_len  # 0: not known here (a proxy)
+    vocab_size = getattr(engine, "vocab_size", None)
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        fields = components[name]["properties"]
+        _constrain(fields["model"], "string", enum=[engine.model_name])
+        if session_len:
+            for field in ("max_tokens", "max_completion_tokens", "min_tokens"):
+                if field in fields:
+                    _constrain(fields[field], "integer", maximum=session_len)
+    if vocab_size:
+        for prompt in _choices(components["CompletionRequest"]["properties"]["prompt"]):
+            items = prompt.get("items", {})
+            items = items.get("items", items)  # a list of token-id lists
+            if items.get("type") == "integer":
+                items["maximum"] = vocab_size - 1
+
+
+def _choices(prop: dict[str, Any]) -> list[dict[str, Any]]:
+    return prop.get("anyOf", [prop])
+
+
+def _constrain(prop: dict[str, Any], json_type: str, **facts: Any) -> None:
+    for choice in _choices(prop):
+        if choice.get("type") == json_type:
+            choice.update(facts)
+
+
+def _publish_auth(schema: dict[str, Any]) -> None:
+    """Every /v1 route needs ``Authorization: Bearer KEY`` and may answer 401."""
+    schema["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
+    unauthorized = {
+        "description": _WHEN[401],
+        "headers": _HEADERS[401],
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+    }
+    for path, operations in schema["paths"].items():
+        if path.startswith("/v1/"):
+            for operation in operations.values():
+                operation["security"] = [{"apiKey": []}]
+                operation["responses"]["401"] = unauthorized

@@ -1,0 +1,53 @@
+"""What every part of the server shares: the engine, the gate's settings, the limits."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from llmctl.backend import Engine
+from llmctl.server.auth import ApiKeys
+from llmctl.server.errors import APIError
+from llmctl.server.limits import Admission
+from llmctl.server.metrics import ServerMetrics
+
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20
+DEFAULT_CLIENT_TIMEOUT = 30.0
+
+
+@dataclass
+class ServerState:
+    """Everything the routes and the gate share.
+
+    ``draining`` turns on at SIGINT/SIGTERM, or when the engine stops by itself; the
+    latter also sets ``engine_failed``, so ``serve`` exits with an error afterwards.
+    """
+
+    engine: Engine
+    backend_name: str
+    api_keys: ApiKeys
+    admission: Admission
+    metrics: ServerMetrics
+    log_prompts: bool = False
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    client_timeout: float = DEFAULT_CLIENT_TIMEOUT
+    draining: bool = False
+    engine_failed: bool = False
+    started_at: int = field(default_factory=lambda: int(time.time()))
+
+    def engine_alive(self) -> bool:
+        """Engines may offer ``is_alive()`` (their background loop still runs); one that
+        does not is taken to be alive while it answers."""
+        is_alive = getattr(self.engine, "is_alive", None)
+        return bool(is_alive()) if callable(is_alive) else True
+
+    def check_model(self, requested: str | None) -> None:
+        served = self.engine.model_name
+        if requested is not None and requested != served:
+            raise APIError(
+                404,
+                f"the model {requested!r} does not exist here: this server serves "
+                f"{served!r} (see GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )

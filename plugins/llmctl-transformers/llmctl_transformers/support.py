@@ -1,0 +1,51 @@
+"""Which models transformers' continuous-batching engine can run, asked without loading
+any weights. Importing transformers imports torch (seconds), so this module is imported
+only by checks, never when llmctl starts."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+
+@functools.cache
+def causal_lm_architectures() -> frozenset[str]:
+    """The causal-LM classes (``architectures[0]`` values) the installed transformers has."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return frozenset(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+
+
+def architecture_problem(config: dict[str, Any]) -> str | None:
+    """Why transformers cannot generate with the model ``config`` (its config.json)
+    describes through continuous batching, or None when it can."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if config.get("auto_map"):
+        return (
+            "the model ships its own modelling code (auto_map in config.json); llmctl never "
+            "runs code from a model directory: use a model transformers implements"
+        )
+    model_type = config.get("model_type")
+    if model_type not in CONFIG_MAPPING_NAMES:
+        return (
+            f"transformers {transformers.__version__} does not know model_type {model_type!r} "
+            "(a newer transformers may)"
+        )
+    causal_class = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    architecture = (config.get("architectures") or [causal_class])[0]
+    if architecture not in causal_lm_architectures():
+        hint = f"; its causal-LM class would be {causal_class}" if causal_class else ""
+        return (
+            f"architecture {architecture} is not a causal language model transformers can "
+            f"generate text with{hint}"
+        )
+    model_class = getattr(transformers, architecture, None)
+    if model_class is None or not model_class.is_backend_compatible():
+        return (
+            f"transformers' {architecture} does not use the attention interface its "
+            "continuous-batching engine plugs its paged KV cache into"
+        )
+    return None

@@ -1,0 +1,219 @@
+"""turbo's CUDA kernels, run on the CPU by the test emulator, against plain torch and
+turbo's CPU ops.
+
+The .cu sources are compiled as C++ for ``cuda_emulator/`` (fibers for threads; warp
+shuffles, ldmatrix, mma.sync and cp.async emulated from the PTX ISA's definitions) and
+called through their C ABI on CPU tensors, so the kernels' indexing, masking, split-K
+bookkeeping and tensor-core fragment handling are checked on a machine without a GPU.
+Speed, and races only real concurrency shows, are for test_cuda_kernels.py and
+``scripts/gpu_check.py`` on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.backends.turbo.kernel_checks import (
+    CUDA_BLOCK_SIZES,
+    DTYPES,
+    GQA_SHAPES,
+    TOLERANCE,
+    check_decode,
+    check_prefill,
+    check_rotary_and_write_kv,
+    decode_contexts,
+)
+from tests.backends.turbo.test_cpu_ops import (
+    PagedCache,
+    int32,
+    poisoned,
+    ref_paged_attention,
+    ref_rms_norm,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def block_size_and_dtype(variants, name=lambda v: str(v).removeprefix("torch.")):
+    """Every (block size, variant) pair; by default only a diagonal that still covers each
+    block size and each variant (an emulated kernel runs ~1000x slower than on a GPU,
+    where test_cuda_kernels.py runs every pair); the rest are ``slow``."""
+    return [
+        pytest.param(
+            block_size, variant, id=f"{block_size}-{name(variant)}",
+            marks=() if i % len(variants) == j else pytest.mark.slow,
+        )
+        for i, block_size in enumerate(CUDA_BLOCK_SIZES)
+        for j, variant in enumerate(variants)
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    from tests.backends.turbo.cuda_emulator import library
+
+    try:
+        return library.load()
+    except library.EmulatorUnavailable as why:
+        pytest.skip(str(why))
+
+
+# The decode kernels: SIMT (every dtype) and tensor cores (bf16 / fp16).
+DECODE_KERNELS = [(dtype, False) for dtype in DTYPES] + [
+    (torch.bfloat16, True),
+    (torch.float16, True),
+]
+
+
+def decode_kernel_id(kernel) -> str:
+    dtype, tensor_cores = kernel
+    return f"{str(dtype).removeprefix('torch.')}-{'mma' if tensor_cores else 'simt'}"
+
+
+@pytest.mark.parametrize(
+    "block_size, kernel", block_size_and_dtype(DECODE_KERNELS, decode_kernel_id)
+)
+def test_decode_attention(emulated, turbo_ops, block_size, kernel):
+    dtype, tensor_cores = kernel
+
+    def run(*args):
+        return emulated.paged_decode_attention(*args, tensor_cores=tensor_cores)
+
+    for heads, kv_heads, head_dim in GQA_SHAPES:
+        check_decode(
+            run, turbo_ops, block_size, dtype, heads, kv_heads, head_dim,
+            decode_contexts(block_size), seed=block_size,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("kernel", DECODE_KERNELS, ids=decode_kernel_id)
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+def test_decode_split_k_combines_partial_softmaxes(emulated, turbo_ops, kernel, num_splits):
+    """Forced split counts: sequences that use every split, some, or one (which then
+    writes its output directly)."""
+    dtype, tensor_cores = kernel
+
+    def run(*args):
+        return emulated.paged_decode_attention(
+            *args, num_splits=num_splits, tensor_cores=tensor_cores
+        )
+
+    used = check_decode(run, turbo_ops, 64, dtype, 8, 2, 128, [900, 300, 129, 5], seed=num_splits)
+    assert used == num_splits
+
+
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["simt", "mma"])
+def test_decode_large_groups_and_head_dims(emulated, turbo_ops, tensor_cores):
+    """A group of 12 heads takes two blocks per KV head; head_dim 256 and 96."""
+
+    def run(*args):
+        return emulated.paged_decode_attention(*args, num_splits=3, tensor_cores=tensor_cores)
+
+    for heads, kv_heads, head_dim in [(24, 2, 256), (12, 1, 96), (6, 3, 256)]:
+        check_decode(run, turbo_ops, 32, torch.bfloat16, heads, kv_heads, head_dim, [300, 45])
+
+
+@pytest.mark.parametrize("head_dim", [64, 12], ids=["split_k", "simt"])
+def test_decode_padding_rows_of_cuda_graphs_output_zero(emulated, head_dim):
+    """A CUDA-graph batch pads with sequences of context length 0: their output is 0."""
+    context_lens = [5, 0, 40, 0]
+    cache = PagedCache(32, [5, 1, 40, 1], 2, head_dim, torch.float32)
+    q = torch.randn(4, 4, head_dim)
+    out = poisoned(*q.shape)
+    tables, lens = cache.padded_tables(), int32(context_lens)
+    if head_dim % 8 == 0:
+        emulated.paged_decode_attention(out, q, cache.k, cache.v, tables, lens, 0.1, num_splits=2)
+    else:
+        query_start_loc = int32([0, 1, 2, 3, 4])
+        emulated.paged_prefill_attention(
+            out, q, cache.k, cache.v, tables, query_start_loc, lens, 0.1, tensor_cores=False
+        )
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+    real = [0, 2]
+    expected = ref_paged_attention(
+        q[real], cache.k, cache.v, [cache.tables[i] for i in real], [1, 1], [5, 40], 0.1
+    )
+    torch.testing.assert_close(out[real], expected, **TOLERANCE[torch.float32])
+
+
+def test_fast_division_by_block_size_is_exact(emulated):
+    """The kernels divide token indices by the block size with a multiply and a shift."""
+    for divisor in [*range(1, 300), 384, 512, 1000, 1024, 4096, 65537, (1 << 31) - 1]:
+        assert emulated.fast_divmod_mismatches(divisor) == 0, divisor
+
+
+def test_decode_split_plan_fills_the_gpu_and_fits_shared_memory(emulated):
+    # A lone sequence is cut into many splits; a big batch of short contexts into none...
+    assert emulated.decode_num_splits(1, 32, 8, 4096) >= 16
+    assert emulated.decode_num_splits(256, 32, 8, 128) == 1
+    # ...but a long context always gets enough splits for its scores to fit.
+    assert emulated.decode_num_splits(256, 32, 8, 32768) > 1
+    # Splits never go below the minimum length (128 tokens).
+    assert emulated.decode_num_splits(1, 32, 8, 256) == 2
+
+
+def test_decode_context_beyond_the_table_traps(emulated, turbo_ops):
+    """The split plan assumes contexts fit the block table; a longer one stops the kernel
+    (a launch failure) instead of silently dropping tokens."""
+
+    def run(out, q, k_cache, v_cache, tables, lens, scale):
+        emulated.paged_decode_attention(out, q, k_cache, v_cache, tables[:, :2], lens, scale, 1)
+
+    with pytest.raises(RuntimeError, match="__trap"):
+        check_decode(run, turbo_ops, 32, torch.float32, 4, 2, 32, [200, 40])
+
+
+@pytest.mark.parametrize("block_size, dtype", block_size_and_dtype([torch.bfloat16, torch.float16]))
+def test_prefill_attention_on_tensor_cores(emulated, turbo_ops, block_size, dtype):
+    for heads, kv_heads, head_dim in GQA_SHAPES:
+        check_prefill(
+            emulated.paged_prefill_attention, turbo_ops, block_size, dtype, heads, kv_heads,
+            head_dim, seed=block_size,
+        )  # fmt: skip
+
+
+def test_prefill_attention_head_dim_256_on_tensor_cores(emulated, turbo_ops):
+    check_prefill(emulated.paged_prefill_attention, turbo_ops, 64, torch.bfloat16, 8, 2, 256)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefill_attention_simt(emulated, turbo_ops, dtype):
+    """The SIMT kernel: turbo's fp32 prefill and the path for odd head_dims."""
+
+    def run(*args):
+        emulated.paged_prefill_attention(*args, tensor_cores=False)
+
+    check_prefill(run, turbo_ops, 32, dtype, 8, 2, 40)
+    check_prefill(run, turbo_ops, 96, dtype, 6, 6, 12)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_embedding_fused_with_kv_write(emulated, turbo_ops, dtype):
+    check_rotary_and_write_kv(emulated.rotary_write_kv, turbo_ops, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dim", [256, 200, 172], ids=lambda d: f"dim{d}")
+def test_row_ops_vectorised_and_scalar(emulated, dtype, dim):
+    """RMSNorm (with and without the residual add) and SiLU-and-mul, on widths that take
+    the 16-byte path and widths that do not."""
+    generator = torch.Generator().manual_seed(dim)
+    x = (3 * torch.randn(9, dim, generator=generator)).to(dtype)
+    weight = (1 + 0.3 * torch.randn(dim, generator=generator)).to(dtype)
+    residual = torch.randn(9, dim, generator=generator).to(dtype)
+    out = poisoned(9, dim, dtype=dtype)
+    emulated.rms_norm(out, x, weight, 1e-6)
+    torch.testing.assert_close(out, ref_rms_norm(x, weight, 1e-6), **TOLERANCE[dtype])
+    summed = residual + x
+    emulated.rms_norm(out, x, weight, 1e-6, residual=residual)
+    torch.testing.assert_close(residual, summed, **TOLERANCE[dtype])
+    torch.testing.assert_close(out, ref_rms_norm(summed, weight, 1e-6), **TOLERANCE[dtype])
+
+    gate_up = (2 * torch.randn(9, 2 * dim, generator=generator)).to(dtype)
+    out = poisoned(9, dim, dtype=dtype)
+    emulated.silu_and_mul(out, gate_up)
+    expected = F.silu(gate_up[:, :dim].float()) * gate_up[:, dim:].float()
+    torch.testing.assert_close(out, expected.to(dtype), **TOLERANCE[dtype])

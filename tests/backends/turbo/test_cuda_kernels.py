@@ -1,0 +1,131 @@
+"""turbo's CUDA ops on a GPU against plain torch and turbo's CPU ops (marked ``gpu``:
+skipped, with the reason, where there is no CUDA device or no CUDA build of turbo).
+
+The same cases as test_cuda_emulated.py (kernel_checks.py), through the real ops: the
+binding picks the split-K decode kernel for one-token-per-sequence batches, the
+tensor-core kernel for bf16 / fp16 prefill and the SIMT kernel for fp32 prefill.
+Also the native step on the GPU against transformers' logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.backends.turbo.kernel_checks import (
+    CUDA_BLOCK_SIZES,
+    DTYPES,
+    GQA_SHAPES,
+    TOLERANCE,
+    check_decode,
+    check_prefill,
+    check_rotary_and_write_kv,
+    decode_contexts,
+)
+from tests.backends.turbo.test_cpu_ops import poisoned, ref_rms_norm
+from tests.backends.turbo.test_native_step import check_against_transformers
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA)"),
+]
+
+
+@pytest.fixture(scope="module")
+def cuda_ops(turbo_ops):
+    from llmctl_turbo.build import build_spec
+
+    if not build_spec().with_cuda:
+        pytest.skip("turbo was built without CUDA kernels (no nvcc, or a CPU-only torch)")
+    return turbo_ops
+
+
+def on_device(op):
+    """``op`` run on CUDA copies of its CPU tensor arguments, written back in place."""
+
+    def run(*args):
+        moved = [a.cuda() if isinstance(a, torch.Tensor) else a for a in args]
+        result = op(*moved)
+        torch.cuda.synchronize()
+        for original, copy in zip(args, moved, strict=True):
+            if isinstance(original, torch.Tensor):
+                original.copy_(copy.cpu())
+        return result
+
+    return run
+
+
+@pytest.mark.parametrize("block_size", CUDA_BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_attention(cuda_ops, block_size, dtype):
+    run = on_device(cuda_ops.paged_decode_attention)
+    for heads, kv_heads, head_dim in GQA_SHAPES:
+        check_decode(
+            run, cuda_ops, block_size, dtype, heads, kv_heads, head_dim,
+            decode_contexts(block_size), seed=block_size,
+        )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_attention_splits_long_contexts(cuda_ops, dtype):
+    """Three sequences, long contexts: the split plan cuts them into many splits (a lone
+    sequence of 3000 tokens fills the GPU only that way), and head_dims 256 and 96, and
+    a group of 12 heads (two blocks per KV head)."""
+    run = on_device(cuda_ops.paged_decode_attention)
+    contexts = [3000, 700, 65]
+    for heads, kv_heads, head_dim in [(32, 8, 128), (24, 2, 256), (12, 1, 96)]:
+        check_decode(run, cuda_ops, 64, dtype, heads, kv_heads, head_dim, contexts, seed=heads)
+
+
+@pytest.mark.parametrize("block_size", CUDA_BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefill_attention(cuda_ops, block_size, dtype):
+    run = on_device(cuda_ops.paged_prefill_attention)
+    for heads, kv_heads, head_dim in GQA_SHAPES:
+        check_prefill(run, cuda_ops, block_size, dtype, heads, kv_heads, head_dim, seed=block_size)
+
+
+def test_prefill_attention_head_dim_256_and_odd_head_dims(cuda_ops):
+    run = on_device(cuda_ops.paged_prefill_attention)
+    check_prefill(run, cuda_ops, 64, torch.bfloat16, 8, 2, 256)
+    check_prefill(run, cuda_ops, 32, torch.bfloat16, 8, 2, 40)  # SIMT: not a multiple of 8...
+    check_prefill(run, cuda_ops, 32, torch.bfloat16, 6, 6, 12)
+    decode = on_device(cuda_ops.paged_decode_attention)
+    check_decode(decode, cuda_ops, 32, torch.float16, 6, 3, 12, [40, 7])  # ...in decode too
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotary_embedding_fused_with_kv_write(cuda_ops, dtype):
+    check_rotary_and_write_kv(on_device(cuda_ops.rotary_embedding_and_write_kv), cuda_ops, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dim", [2048, 200, 172], ids=lambda d: f"dim{d}")
+def test_row_ops_vectorised_and_scalar(cuda_ops, dtype, dim):
+    generator = torch.Generator().manual_seed(dim)
+    x = (3 * torch.randn(9, dim, generator=generator)).to(dtype)
+    weight = (1 + 0.3 * torch.randn(dim, generator=generator)).to(dtype)
+    residual = torch.randn(9, dim, generator=generator).to(dtype)
+    out = poisoned(9, dim, dtype=dtype)
+    on_device(cuda_ops.rms_norm)(out, x, weight, 1e-6)
+    torch.testing.assert_close(out, ref_rms_norm(x, weight, 1e-6), **TOLERANCE[dtype])
+    summed = residual + x
+    on_device(cuda_ops.add_rms_norm)(out, residual, x, weight, 1e-6)
+    torch.testing.assert_close(residual, summed, **TOLERANCE[dtype])
+    torch.testing.assert_close(out, ref_rms_norm(summed, weight, 1e-6), **TOLERANCE[dtype])
+
+    gate_up = (2 * torch.randn(9, 2 * dim, generator=generator)).to(dtype)
+    out = poisoned(9, dim, dtype=dtype)
+    on_device(cuda_ops.silu_and_mul)(out, gate_up)
+    expected = F.silu(gate_up[:, :dim].float()) * gate_up[:, dim:].float()
+    torch.testing.assert_close(out, expected.to(dtype), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("block_size", [32, 96])
+def test_native_step_on_gpu_matches_transformers(cuda_ops, stories_dir, block_size):
+    check_against_transformers(stories_dir, block_size, device="cuda")
+
+
+def test_native_step_on_gpu_qwen2_with_biases(cuda_ops, tiny_model_dir):
+    check_against_transformers(tiny_model_dir("qwen2"), block_size=32, device="cuda")

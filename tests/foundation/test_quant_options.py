@@ -1,0 +1,182 @@
+"""quantization and kv_cache_dtype through the option schema: flags, env, profiles, each
+backend's rules (with injected hardware), the fallback and the CLI's messages."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from llmctl.errors import BackendError, OptionError
+from llmctl.hardware import Hardware
+from llmctl.model_info import resolve_model
+from llmctl.options import option_named
+from llmctl.profiles import Source, get_profile, resolve
+from llmctl.selection import choose, installed_backends
+from tests.helpers.cli import run_llmctl
+
+CPU = Hardware(cxx_compiler="/usr/bin/c++", cpu_count=2, memory_bytes=2**34)
+AMPERE = replace(CPU, cuda_available=True, compute_capability=(8, 0))
+ADA = replace(CPU, cuda_available=True, compute_capability=(8, 9))
+HOPPER = replace(CPU, cuda_available=True, compute_capability=(9, 0))
+
+
+@pytest.fixture
+def builtins():
+    backends = installed_backends()
+    return {name: backends[name] for name in ("turbo", "torch")}
+
+
+@pytest.fixture
+def turbo_builds_here(builtins, monkeypatch):
+    """turbo can serve as far as its build goes: only option rules may refuse it."""
+    monkeypatch.setattr(type(builtins["turbo"]), "check_hardware", lambda self, hardware: [])
+
+
+def test_the_options_are_in_the_schema_with_their_choices():
+    assert option_named("quantization").choices == ("none", "int8")
+    assert option_named("quantization").default == "none"
+    assert option_named("kv_cache_dtype").choices == ("auto", "int8", "fp8")
+    assert option_named("kv_cache_dtype").default == "auto"
+    with pytest.raises(OptionError, match="not one of auto, int8, fp8"):
+        option_named("kv_cache_dtype").convert("int4", "flag --kv-cache-dtype")
+
+
+def test_env_and_profile_set_them(tmp_path):
+    path = tmp_path / "llmctl.toml"
+    path.write_text(
+        '[profiles.q]\nquantization = "int8"\n[profiles.q.torch]\nkv_cache_dtype = "fp8"\n'
+    )
+    profile = get_profile("q", [path])
+    settings = resolve({}, profile=profile, backend="torch", env={"LLMCTL_KV_CACHE_DTYPE": "int8"})
+    assert (settings["quantization"].value, settings["quantization"].source) == (
+        "int8",
+        Source.PROFILE,
+    )
+    assert (settings["kv_cache_dtype"].value, settings["kv_cache_dtype"].source) == (
+        "int8",
+        Source.ENV,
+    )
+
+
+@pytest.mark.parametrize(
+    ("hardware", "device", "refused"),
+    [
+        (CPU, "auto", True),
+        (CPU, "cpu", True),
+        (AMPERE, "auto", True),
+        (ADA, "auto", False),
+        (HOPPER, "cuda", False),
+        (HOPPER, "cpu", True),
+    ],
+)
+def test_torch_fp8_needs_cuda_compute_capability_8_9(builtins, hardware, device, refused):
+    errors = builtins["torch"].option_errors({"kv_cache_dtype": "fp8", "device": device}, hardware)
+    assert ("kv_cache_dtype" in errors) == refused
+    if refused:
+        assert "8.9" in errors["kv_cache_dtype"]
+
+
+@pytest.mark.parametrize("hardware", [CPU, AMPERE, HOPPER])
+def test_torch_takes_int8_weights_and_cache_everywhere(builtins, hardware):
+    options = {"quantization": "int8", "kv_cache_dtype": "int8", "device": "auto"}
+    assert builtins["torch"].option_errors(options, hardware) == {}
+
+
+@pytest.mark.parametrize(
+    ("option", "value"), [("quantization", "int8"), ("kv_cache_dtype", "int8")]
+)
+def test_turbo_refuses_int8_for_now_and_names_torch(builtins, option, value):
+    errors = builtins["turbo"].option_errors({option: value}, HOPPER)
+    assert "torch backend supports" in errors[option]
+    assert builtins["turbo"].option_errors({option: option_named(option).default}, HOPPER) == {}
+
+
+def test_auto_with_explicit_int8_picks_torch_and_says_why(builtins, turbo_builds_here):
+    model = resolve_model("demo")
+    assert choose(model, {}, hardware=CPU, backends=builtins, env={}).backend.name == "turbo"
+    choice = choose(model, {"quantization": "int8"}, hardware=CPU, backends=builtins, env={})
+    assert choice.backend.name == "torch"
+    assert any(
+        "turbo skipped" in note and "quantization='int8' refused" in note for note in choice.notes
+    )
+
+
+def test_explicit_fp8_on_this_cpu_is_an_error_naming_option_value_backend_rule(builtins):
+    with pytest.raises(BackendError) as exc:
+        choose(
+            resolve_model("demo"),
+            {"kv_cache_dtype": "fp8", "backend": "torch"},
+            hardware=CPU,
+            backends=builtins,
+            env={},
+        )
+    message = str(exc.value)
+    for fragment in ("backend torch", "kv_cache_dtype='fp8'", "flag", "compute capability >= 8.9"):
+        assert fragment in message
+
+
+def test_a_profile_section_for_one_backend_does_not_leak_to_another(
+    builtins, turbo_builds_here, tmp_path
+):
+    path = tmp_path / "llmctl.toml"
+    path.write_text('[profiles.q.torch]\nkv_cache_dtype = "fp8"\n[profiles.q.turbo]\nseed = 3\n')
+    profile = get_profile("q", [path])
+    model = resolve_model("demo")
+    # turbo serves with its own (default) value; torch's fp8 is not seen there.
+    choice = choose(model, {}, profile=profile, hardware=CPU, backends=builtins, env={})
+    assert choice.backend.name == "turbo"
+    assert choice.settings["kv_cache_dtype"].value == "auto"
+    # torch itself must honour the section: on this CPU that is the named error.
+    with pytest.raises(BackendError, match="kv_cache_dtype='fp8'.*profile section"):
+        choose(
+            model, {"backend": "torch"}, profile=profile, hardware=CPU, backends=builtins, env={}
+        )
+    # and on a Hopper GPU torch takes it.
+    torch_choice = choose(
+        model, {"backend": "torch"}, profile=profile, hardware=HOPPER, backends=builtins, env={}
+    )
+    assert torch_choice.settings["kv_cache_dtype"].value == "fp8"
+
+
+def test_a_turbo_section_int8_does_not_leak_to_the_torch_fallback(
+    builtins, turbo_builds_here, tmp_path
+):
+    path = tmp_path / "llmctl.toml"
+    path.write_text('[profiles.q.turbo]\nkv_cache_dtype = "int8"\n')
+    profile = get_profile("q", [path])
+    choice = choose(
+        resolve_model("demo"), {}, profile=profile, hardware=CPU, backends=builtins, env={}
+    )
+    assert choice.backend.name == "torch"
+    assert choice.settings["kv_cache_dtype"].source == Source.DEFAULT
+
+
+def test_backends_check_lists_the_rule_and_the_choice(tmp_path):
+    result = run_llmctl("backends", "check", "demo", "--quantization", "int8", cwd=tmp_path)
+    out = " ".join(result.stdout.split())
+    assert result.returncode == 0, out + result.stderr
+    assert "quantization='int8' refused: turbo has no int8 weight kernels yet" in out
+    assert "auto would pick torch" in out
+
+
+def test_fp8_on_this_cpu_from_the_cli_is_one_paragraph(tmp_path):
+    result = run_llmctl(
+        "backends", "check", "demo", "--kv-cache-dtype", "fp8", "--device", "cpu", cwd=tmp_path
+    )
+    flat = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 1, flat
+    assert "Traceback" not in flat
+    for fragment in ("kv_cache_dtype='fp8'", "torch", "compute capability >= 8.9"):
+        assert fragment in flat
+
+
+def test_config_show_explains_both(tmp_path):
+    result = run_llmctl(
+        "config", "show", "--backend", "torch", "--explain", "--quantization", "int8",
+        cwd=tmp_path, env={"LLMCTL_KV_CACHE_DTYPE": "int8"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = {line.split("│")[1].strip(): line for line in result.stdout.splitlines() if "│" in line}
+    assert "flag" in rows["quantization"] and "int8" in rows["quantization"]
+    assert "env (LLMCTL_KV_CACHE_DTYPE)" in rows["kv_cache_dtype"]
