@@ -206,6 +206,13 @@ def cuda_graphs_note(value: Any, options: Mapping[str, Any], hardware: Hardware)
     return None
 
 
+# The ``cpu_threads`` rule of backends that compute on the CPU through torch's own threads.
+TORCH_THREADS_RULE = OptionRule(
+    "cpu_threads",
+    "sets torch's thread count (torch.set_num_threads), for the whole process",
+    lambda value, options, hardware: None,
+)
+
 # The ``cuda_graphs`` rule both local backends share (llmctl.engine.cuda_graphs).
 CUDA_GRAPHS_RULE = OptionRule(
     "cuda_graphs",

@@ -29,8 +29,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from time import perf_counter
 
-import torch
-
 from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest, TokenLogprob
 from llmctl.engine.llm_engine import LLMEngine, StepFailed
 from llmctl.engine.sampling_params import SamplingParams
@@ -174,9 +172,6 @@ class AsyncEngine:
         self._stopping = False
         self.failure: BaseException | None = None  # why the engine stopped by itself
         self._undelivered: list[tuple[str, Item]] = []  # engine thread only
-        # torch's CPU thread count belongs to the thread that sets it (cpu_threads is set
-        # while the runner loads, in this one): the engine thread takes it over.
-        self._torch_threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._run, name="llmctl-engine", daemon=True)
         self._thread.start()
 
@@ -319,7 +314,6 @@ class AsyncEngine:
 
     def _run(self) -> None:
         """The engine thread: run the loop; if it fails, stop and fail every request."""
-        torch.set_num_threads(self._torch_threads)
         try:
             self._loop()
         except Exception as exc:

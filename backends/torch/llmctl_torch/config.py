@@ -11,7 +11,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmctl.backend import CUDA_GRAPHS_RULE, DEVICE_RULE, OptionRule, fp8_problem
+from llmctl.backend import (
+    CUDA_GRAPHS_RULE,
+    DEVICE_RULE,
+    TORCH_THREADS_RULE,
+    OptionRule,
+    fp8_problem,
+)
 from llmctl.errors import ModelError
 from llmctl.kv_budget import KVBudget, parse_kv_budget
 from llmctl.model_info import resolve_model
@@ -156,7 +162,7 @@ RULES = (
         "a power of two >= 16",
         lambda value, options, hardware: block_size_problem(value),
     ),
-    OptionRule("cpu_threads", "torch.set_num_threads", lambda value, options, hardware: None),
+    TORCH_THREADS_RULE,
     OptionRule(
         "quantization",
         "`int8` on CPU (torch's int8 kernel) and CUDA (a Triton GEMM)",

@@ -13,7 +13,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmctl.backend import DEVICE_RULE, Hardware, OptionRule, cuda_graphs_note, one_device_rules
+from llmctl.backend import (
+    DEVICE_RULE,
+    TORCH_THREADS_RULE,
+    Hardware,
+    OptionRule,
+    cuda_graphs_note,
+    one_device_rules,
+)
 from llmctl.kv_budget import KVBudget, parse_kv_budget
 
 # transformers' ContinuousBatchingConfig.page_size default: tokens per page of its paged cache.
@@ -45,6 +52,7 @@ class TransformersConfig:
     use_cuda_graph: bool | None  # None: transformers decides where its graphs apply
     dtype: str
     device: str
+    cpu_threads: int | None  # None: torch's own count
     seed: int
     max_model_len: int | None
     chat_template: str | None
@@ -67,6 +75,7 @@ class TransformersConfig:
             use_cuda_graph=None if options["cuda_graphs"] else False,
             dtype=options["dtype"],
             device=options["device"],
+            cpu_threads=options["cpu_threads"],
             seed=options["seed"],
             max_model_len=options["session_len"],
             chat_template=options["chat_template"],
@@ -150,6 +159,7 @@ RULES = (
         lambda value, options, hardware: None,
         note=cuda_graphs_note,
     ),
+    TORCH_THREADS_RULE,
     DEVICE_RULE,
     *one_device_rules("transformers"),
 )

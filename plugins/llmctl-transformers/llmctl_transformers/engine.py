@@ -56,6 +56,8 @@ def create_transformers_engine(
     """Load ``model`` with transformers, size its paged cache as llmctl's budget says,
     start the continuous-batching manager and check that it can run this architecture."""
     device = torch.device(hardware.device_for(config.device))
+    if config.cpu_threads and device.type == "cpu":
+        torch.set_num_threads(config.cpu_threads)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(
         model.path, dtype=_torch_dtype(config.dtype, device)
     )

@@ -13,7 +13,7 @@ from tests.backends.torch.tiny_models import hf_greedy, load_hf_model
 from tests.helpers.cli import run_llmctl
 
 
-@pytest.mark.parametrize("backend", ["turbo", "torch"])
+@pytest.mark.parametrize("backend", ["turbo", "torch", "transformers"])
 def test_cpu_threads_flag_reaches_the_engine(turbo_ops, stories_dir, tmp_path, backend):
     report_path = tmp_path / "report.json"
     result = run_llmctl(
