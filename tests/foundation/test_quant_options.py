@@ -98,8 +98,7 @@ def test_auto_with_explicit_int8_picks_torch_and_says_why(builtins, turbo_builds
     choice = choose(model, {"kv_cache_dtype": "int8"}, hardware=CPU, backends=builtins, env={})
     assert choice.backend.name == "torch"
     assert any(
-        "turbo skipped" in note and "kv_cache_dtype='int8' refused" in note
-        for note in choice.notes
+        "turbo skipped" in note and "kv_cache_dtype='int8' refused" in note for note in choice.notes
     )
 
 

@@ -71,14 +71,15 @@ def prepare_weights(
     embed = take("model.embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings else take("lm_head.weight")
     none = embed.new_empty(0)  # "no bias", "no scale"
-    bytes_before = bytes_after = 0
+    quantized = bytes_before = bytes_after = 0
 
     def layer_matrix(tensor: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """A layer's matrix as the kernels read it, and its scales (``none`` unless int8)."""
-        nonlocal bytes_before, bytes_after
+        nonlocal quantized, bytes_before, bytes_after
         if not quantize:
             return matrix(tensor, groups), none
         packed, scale = pack_int8_linear(tensor, groups)
+        quantized += 1
         bytes_before += tensor_bytes(tensor)
         bytes_after += tensor_bytes(packed, scale)
         return packed, scale
@@ -113,9 +114,8 @@ def prepare_weights(
             gate_up_scale,
             down_scale,
         ]
-    if quantize:
-        # The checkpoint's matrices: q, k, v, o, gate, up and down in every layer.
-        QuantizationReport(7 * config.num_layers, bytes_before, bytes_after).log()
+    if quantize:  # the torch backend's line: its layers are these fused ones too
+        QuantizationReport(quantized, bytes_before, bytes_after).log()
     return prepared
 
 
