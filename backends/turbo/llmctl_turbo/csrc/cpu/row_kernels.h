@@ -43,17 +43,18 @@ inline FloatVec load_vec(const c10::BFloat16* p) {
 
 // int8 weights (quantization=int8): sign-extended to int32 lanes, then converted to fp32,
 // in registers. The per-output scale is applied to the finished sums (linear_rows).
-// GCC lowers a vector conversion from int8 lane by lane, so x86 uses the one-instruction
-// widening of its target (a template, so only this namespace's branch is compiled).
+// GCC lowers a vector conversion from int8 lane by lane, so x86 uses its one-instruction
+// widening (vpmovsxbd). A template whose conditions name its parameter, so that only
+// this namespace's branch is instantiated (AVX-512 code never lands in the AVX2 build).
 template <typename Int8, std::enable_if_t<std::is_same_v<Int8, int8_t>, int> = 0>
 inline FloatVec load_vec(const Int8* p) {
 #ifdef TURBO_CPU_X86
   if constexpr (sizeof(Int8) == 1 && kVectorWidth == 16) {
-    const __m512i lanes = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return reinterpret_cast<FloatVec>(_mm512_cvtepi32_ps(lanes));
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));  // 16 weights
+    return reinterpret_cast<FloatVec>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
   } else if constexpr (sizeof(Int8) == 1 && kVectorWidth == 8) {
-    const __m256i lanes = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    return reinterpret_cast<FloatVec>(_mm256_cvtepi32_ps(lanes));
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));  // 8 weights
+    return reinterpret_cast<FloatVec>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
   }
 #endif
   Int8Vec q;
@@ -233,12 +234,19 @@ inline float sum_of(const float* x, int64_t n) {
 
 constexpr int kPanelVecs = kPanelWidth / kVectorWidth;  // vector registers per panel row
 
+// A multiply-add waits for the previous one into the same accumulator (4 cycles on
+// current x86): a tile with fewer accumulators than this (a few rows: decode) would wait
+// on them instead of streaming its weights, so it keeps several sets, one per k in turn.
+constexpr int kMinAccumulators = 8;
+
 // sums[r][j] for rows r < MR and columns j < NP * kPanelWidth of the panels `panels`.
 template <int MR, int NP, typename W>
 inline void panel_tile(const float* x, int64_t x_stride, const W* const (&panels)[NP], int64_t K,
                        float (&sums)[MR][NP * kPanelWidth]) {
-  FloatVec acc[MR][NP * kPanelVecs] = {};
-  for (int64_t k = 0; k < K; ++k) {
+  constexpr int kAccumulators = MR * NP * kPanelVecs;
+  constexpr int kChains = std::max(1, kMinAccumulators / kAccumulators);
+  FloatVec acc[kChains][MR][NP * kPanelVecs] = {};
+  auto step = [&](FloatVec (&a)[MR][NP * kPanelVecs], int64_t k) __attribute__((always_inline)) {
     FloatVec w[NP * kPanelVecs];
     for (int p = 0; p < NP; ++p) {
       for (int v = 0; v < kPanelVecs; ++v) {
@@ -247,12 +255,18 @@ inline void panel_tile(const float* x, int64_t x_stride, const W* const (&panels
     }
     for (int r = 0; r < MR; ++r) {
       const float xr = x[r * x_stride + k];
-      for (int j = 0; j < NP * kPanelVecs; ++j) acc[r][j] += w[j] * xr;
+      for (int j = 0; j < NP * kPanelVecs; ++j) a[r][j] += w[j] * xr;
     }
+  };
+  int64_t k = 0;
+  for (; k + kChains <= K; k += kChains) {
+    for (int c = 0; c < kChains; ++c) step(acc[c], k + c);
   }
+  for (; k < K; ++k) step(acc[0], k);
   for (int r = 0; r < MR; ++r) {
     for (int j = 0; j < NP * kPanelVecs; ++j) {
-      __builtin_memcpy(&sums[r][j * kVectorWidth], &acc[r][j], sizeof(FloatVec));
+      for (int c = 1; c < kChains; ++c) acc[0][r][j] += acc[c][r][j];
+      __builtin_memcpy(&sums[r][j * kVectorWidth], &acc[0][r][j], sizeof(FloatVec));
     }
   }
 }
@@ -370,7 +384,8 @@ void linear_silu_mul_rows(Out* out, int64_t out_stride, const float* x, int64_t 
           Out* o = out + m * out_stride + j0;
           for (int64_t c = 0; c < count; ++c) {
             const float gate_sum = gate_scale ? sums[c] * gate_scale[c] : sums[c];
-            const float up_sum = up_scale ? sums[kPanelWidth + c] * up_scale[c] : sums[kPanelWidth + c];
+            const float up_sum =
+                up_scale ? sums[kPanelWidth + c] * up_scale[c] : sums[kPanelWidth + c];
             // As transformers in the model dtype: gate and up rounded, silu(gate) rounded.
             const float gate = static_cast<float>(round_to<Out>(gate_sum));
             const float up = static_cast<float>(round_to<Out>(up_sum));
