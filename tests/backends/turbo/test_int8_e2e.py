@@ -28,12 +28,12 @@ HOPPER = replace(CPU, cuda_available=True, compute_capability=(9, 0))
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 
 
-def open_llm(backend: str, quantization: str) -> LLM:
+def open_llm(backend: str, quantization: str, dtype: str = "float32") -> LLM:
     return LLM(
         str(STORIES),
         backend=backend,
         device="cpu",
-        dtype="float32",
+        dtype=dtype,
         quantization=quantization,
         enable_prefix_caching=False,  # score() writes cache blocks directly
     )
@@ -47,10 +47,12 @@ def prompts(turbo_ops):
         return [llm.engine.tokenizer.encode(p) for p in PROMPTS[:6]]
 
 
-def greedy_and_scores(backend: str, quantization: str, prompts, continuations=None):
+def greedy_and_scores(
+    backend: str, quantization: str, prompts, continuations=None, dtype: str = "float32"
+):
     """Greedy continuations of ``prompts``, and the teacher-forced log-probabilities of
     ``continuations`` (default: the greedy ones) after them."""
-    with open_llm(backend, quantization) as llm:
+    with open_llm(backend, quantization, dtype) as llm:
         greedy = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         runner = llm.engine.engine.runner
         forced = continuations or greedy
@@ -92,6 +94,19 @@ def test_turbo_int8_stays_close_to_turbo_fp32(prompts):
         return math.exp(-sum(logprobs) / len(logprobs))
 
     assert abs(perplexity(int8_scored) / perplexity(fp32_scored) - 1) < 0.05
+
+
+def test_turbo_int8_runs_bfloat16_activations(prompts):
+    """bf16 activations over int8 weights: the fp32-activation model's tokens, teacher
+    forced, mostly keep their top rank (bf16 rounds each layer's outputs to 8 bits)."""
+    fp32_tokens, fp32_scored, _ = greedy_and_scores("turbo", "int8", prompts)
+    _, bf16_scored, _ = greedy_and_scores("turbo", "int8", prompts, fp32_tokens, "bfloat16")
+    agree = sum(
+        a == b
+        for ours, theirs in zip(bf16_scored, fp32_scored)
+        for a, b in zip(ours.top_tokens, theirs.top_tokens)
+    )
+    assert agree / sum(map(len, fp32_tokens)) >= 0.9
 
 
 def test_the_rule_takes_int8_on_cpu_and_refuses_it_on_cuda():
