@@ -16,7 +16,12 @@ these functions.
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import torch
+
+from llmctl.kv_budget import format_bytes
 
 INT8_MAX = 127.0
 FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
@@ -38,6 +43,30 @@ def dequantize_weight_int8(
 ) -> torch.Tensor:
     """The ``dtype`` weight an int8 one stands for: ``qweight * scale[:, None]``."""
     return (qweight.float() * scale.float()[:, None]).to(dtype)
+
+
+@dataclass(frozen=True)
+class QuantizationReport:
+    """What quantizing a model's linear layers saved: logged by every backend alike."""
+
+    layers: int
+    bytes_before: int
+    bytes_after: int
+
+    def describe(self) -> str:
+        saved = self.bytes_before - self.bytes_after
+        return (
+            f"{self.layers} linear layers quantized to int8: {format_bytes(self.bytes_before)} "
+            f"-> {format_bytes(self.bytes_after)} (saved {format_bytes(saved)}, "
+            f"{saved / max(self.bytes_before, 1):.0%} of their weights)"
+        )
+
+    def log(self) -> None:
+        logging.getLogger("llmctl").info("quantization: %s", self.describe())
+
+
+def tensor_bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

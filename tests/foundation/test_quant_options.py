@@ -88,17 +88,17 @@ def test_torch_takes_int8_weights_and_cache_everywhere(builtins, hardware):
 )
 def test_turbo_refuses_int8_for_now_and_names_torch(builtins, option, value):
     errors = builtins["turbo"].option_errors({option: value}, HOPPER)
-    assert "torch backend supports" in errors[option]
+    assert "--backend torch" in errors[option]
     assert builtins["turbo"].option_errors({option: option_named(option).default}, HOPPER) == {}
 
 
 def test_auto_with_explicit_int8_picks_torch_and_says_why(builtins, turbo_builds_here):
     model = resolve_model("demo")
     assert choose(model, {}, hardware=CPU, backends=builtins, env={}).backend.name == "turbo"
-    choice = choose(model, {"quantization": "int8"}, hardware=CPU, backends=builtins, env={})
+    choice = choose(model, {"kv_cache_dtype": "int8"}, hardware=CPU, backends=builtins, env={})
     assert choice.backend.name == "torch"
     assert any(
-        "turbo skipped" in note and "quantization='int8' refused" in note for note in choice.notes
+        "turbo skipped" in note and "kv_cache_dtype='int8' refused" in note for note in choice.notes
     )
 
 
@@ -153,10 +153,10 @@ def test_a_turbo_section_int8_does_not_leak_to_the_torch_fallback(
 
 
 def test_backends_check_lists_the_rule_and_the_choice(tmp_path):
-    result = run_llmctl("backends", "check", "demo", "--quantization", "int8", cwd=tmp_path)
+    result = run_llmctl("backends", "check", "demo", "--kv-cache-dtype", "int8", cwd=tmp_path)
     out = " ".join(result.stdout.split())
     assert result.returncode == 0, out + result.stderr
-    assert "quantization='int8' refused: turbo has no int8 weight kernels yet" in out
+    assert "kv_cache_dtype='int8' refused: turbo has no int8 KV-cache kernels yet" in out
     assert "auto would pick torch" in out
 
 

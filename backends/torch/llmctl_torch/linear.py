@@ -19,17 +19,17 @@ The LM head and the embeddings are not ``Linear``s: they keep the model dtype.
 from __future__ import annotations
 
 import functools
-import logging
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmctl.engine.quant import dequantize_weight_int8, quantize_weight_int8
-from llmctl.kv_budget import format_bytes
-
-logger = logging.getLogger("llmctl")
+from llmctl.engine.quant import (
+    QuantizationReport,
+    dequantize_weight_int8,
+    quantize_weight_int8,
+    tensor_bytes,
+)
 
 
 class UnquantizedMethod:
@@ -115,21 +115,6 @@ def _ones(size: int) -> torch.Tensor:
     return torch.ones(size, dtype=torch.bfloat16)
 
 
-@dataclass(frozen=True)
-class QuantizationReport:
-    layers: int
-    bytes_before: int
-    bytes_after: int
-
-    def describe(self) -> str:
-        saved = self.bytes_before - self.bytes_after
-        return (
-            f"{self.layers} linear layers quantized to int8: {format_bytes(self.bytes_before)} "
-            f"-> {format_bytes(self.bytes_after)} (saved {format_bytes(saved)}, "
-            f"{saved / max(self.bytes_before, 1):.0%} of their weights)"
-        )
-
-
 def quantize_linears(model: nn.Module, method_name: str) -> QuantizationReport | None:
     """Give every ``Linear`` of ``model`` the weight method ``method_name`` (``none`` or
     ``int8``), converting its weight in place, layer by layer with a progress bar; log
@@ -147,10 +132,9 @@ def quantize_linears(model: nn.Module, method_name: str) -> QuantizationReport |
         layer.method = method
         after += _tensor_bytes(layer)
     report = QuantizationReport(len(layers), before, after)
-    logger.info("quantization: %s", report.describe())
+    report.log()
     return report
 
 
 def _tensor_bytes(module: nn.Module) -> int:
-    tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return tensor_bytes(*module.parameters(recurse=False), *module.buffers(recurse=False))

@@ -29,6 +29,7 @@ class TurboConfig:
     dtype: str
     device: str
     cpu_threads: int | None
+    quantization: str  # "int8": int8 weights in turbo's CPU kernels
     seed: int
     chat_template: str | None
     model_name: str | None
@@ -46,6 +47,7 @@ class TurboConfig:
             dtype=options["dtype"],
             device=options["device"],
             cpu_threads=options["cpu_threads"],
+            quantization=options["quantization"],
             seed=options["seed"],
             chat_template=options["chat_template"],
             model_name=options["model_name"],
@@ -73,6 +75,19 @@ def block_size_problem(block_size: int, on_cuda: bool, hardware: Hardware) -> st
             f"{major}.{minor}" + ("" if major >= 8 else " (< 8.0)")
         )
     return why if block_size % multiple else None
+
+
+def int8_weights_problem(device: str, dtype: str) -> str | None:
+    """Why turbo cannot run int8 weights on ``device`` in ``dtype`` (``None``: it can).
+    Its int8 kernels are CPU ones, with float32 or bfloat16 activations."""
+    if device == "cuda":
+        return "turbo's CUDA kernels have no int8 weights yet; use --backend torch"
+    if dtype == "float16":
+        return (
+            "turbo's int8 weights run on its CPU kernels in float32 or bfloat16, not "
+            "float16; use --dtype float32 or bfloat16"
+        )
+    return None
 
 
 def quantized_kv_problem(kv_cache_dtype: str) -> str | None:
@@ -111,17 +126,18 @@ RULES = (
         "and torch's",
         lambda value, options, hardware: None,
     ),
-    # No int8 kernels in turbo yet: the rules below go when they land.
     OptionRule(
         "quantization",
-        "`none` only for now (the torch backend has `int8`)",
+        "`int8` on CPU (turbo's CPU kernels, float32 or bfloat16 activations); not yet on CUDA",
         lambda value, options, hardware: (
-            "turbo has no int8 weight kernels yet; the torch backend supports "
-            "quantization=int8 (--backend torch, or auto)"
-            if value != "none"
+            int8_weights_problem(
+                hardware.device_for(options.get("device", "auto")), options.get("dtype", "auto")
+            )
+            if value == "int8"
             else None
         ),
     ),
+    # No quantized KV cache in turbo yet: this rule goes when its kernels land.
     OptionRule(
         "kv_cache_dtype",
         "`auto` only for now (the torch backend has `int8` and `fp8`)",

@@ -52,6 +52,7 @@ class TurboBackend(Backend):
                 dtype=dtype,
                 device=device,
                 cpu_threads=config.cpu_threads,
+                quantization=config.quantization,
                 block_size=config.cache_block_seq_len,
                 max_model_len=max_model_len,
                 max_num_seqs=config.max_batch_size,

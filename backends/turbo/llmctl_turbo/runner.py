@@ -17,27 +17,35 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from rich.progress import track
 
 from llmctl.engine.cuda_graphs import DecodeGraphs, decode_graphs
 from llmctl.engine.model_config import ModelConfig
+from llmctl.engine.quant import QuantizationReport, quantize_weight_int8, tensor_bytes
 from llmctl.engine.runner import PagedRunner, StepBatch, StepInputs, stage_step
 from llmctl.engine.weights import load_weights
 from llmctl.errors import ModelError
 from llmctl_turbo.build import load_ops
-from llmctl_turbo.config import LLAMA_FAMILY
+from llmctl_turbo.config import LLAMA_FAMILY, int8_weights_problem
 from llmctl_turbo.rope import model_cos_sin_cache
 
 CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def prepare_weights(
-    weights: dict[str, torch.Tensor], config: ModelConfig, pack: bool = False
+    weights: dict[str, torch.Tensor],
+    config: ModelConfig,
+    pack: bool = False,
+    quantization: str = "none",
 ) -> list[torch.Tensor]:
     """The flat weight list of ``llama_step`` (layout in ``csrc/llama_step.h``).
 
     Fused matrices are concatenated once here. With ``pack`` (turbo's CPU kernels) each
     matrix is packed into the panels those kernels read (``pack_linear_weight`` in
     ``csrc/kernels.h``); the checkpoint's copy is then dropped, so memory does not grow.
+    ``quantization="int8"`` (packed only) quantizes the layers' matrices as the torch
+    backend does (``llmctl.engine.quant``) and logs what that saved; the embeddings and
+    the LM head keep the model dtype.
     """
     if config.architecture not in LLAMA_FAMILY:
         raise ModelError(
@@ -48,6 +56,9 @@ def prepare_weights(
         raise ModelError(
             "turbo does not support MLP biases (mlp_bias: true); use the torch backend"
         )
+    quantize = quantization == "int8"
+    if quantize and not pack:
+        raise ValueError("int8 weights run on turbo's CPU kernels only: they must be packed")
 
     def take(name: str) -> torch.Tensor:
         if name not in weights:
@@ -59,27 +70,64 @@ def prepare_weights(
 
     embed = take("model.embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings else take("lm_head.weight")
-    none = embed.new_empty(0)  # "no bias"
+    none = embed.new_empty(0)  # "no bias", "no scale"
+    quantized = bytes_before = bytes_after = 0
+
+    def layer_matrix(tensor: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's matrix as the kernels read it, and its scales (``none`` unless int8)."""
+        nonlocal quantized, bytes_before, bytes_after
+        if not quantize:
+            return matrix(tensor, groups), none
+        packed, scale = pack_int8_linear(tensor, groups)
+        quantized += 1
+        bytes_before += tensor_bytes(tensor)
+        bytes_after += tensor_bytes(packed, scale)
+        return packed, scale
+
+    layers = range(config.num_layers)
+    if quantize:
+        layers = track(layers, description="quantizing weights to int8", transient=True)
     prepared = [embed, take("model.norm.weight"), matrix(lm_head)]
-    for layer in range(config.num_layers):
+    for layer in layers:
         prefix = f"model.layers.{layer}."
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
-        qkv = torch.cat([take(f"{attn}{p}_proj.weight") for p in "qkv"])
+        qkv, qkv_scale = layer_matrix(torch.cat([take(f"{attn}{p}_proj.weight") for p in "qkv"]))
         qkv_bias = (
             torch.cat([take(f"{attn}{p}_proj.bias") for p in "qkv"]) if config.qkv_bias else none
         )
-        gate_up = torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")])
+        o_proj, o_scale = layer_matrix(take(attn + "o_proj.weight"))
+        gate_up, gate_up_scale = layer_matrix(
+            torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]), groups=2
+        )
+        down, down_scale = layer_matrix(take(mlp + "down_proj.weight"))
         prepared += [
             take(prefix + "input_layernorm.weight"),
-            matrix(qkv),
+            qkv,
             qkv_bias,
-            matrix(take(attn + "o_proj.weight")),
+            o_proj,
             weights.get(attn + "o_proj.bias", none),
             take(prefix + "post_attention_layernorm.weight"),
-            matrix(gate_up, groups=2),
-            matrix(take(mlp + "down_proj.weight")),
+            gate_up,
+            down,
+            qkv_scale,
+            o_scale,
+            gate_up_scale,
+            down_scale,
         ]
+    if quantize:  # the torch backend's line: its layers are these fused ones too
+        QuantizationReport(quantized, bytes_before, bytes_after).log()
     return prepared
+
+
+def pack_int8_linear(weight: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [out, in]`` quantized to int8 per output channel (the torch backend's
+    scheme) and packed for turbo's CPU kernels: ``(int8 [panels, in, 16], float32 scales
+    [panels * 16])``, the scales packed like the weight's rows."""
+    ops = load_ops()
+    qweight, scale = quantize_weight_int8(weight)
+    return ops.pack_linear_weight(qweight, groups), ops.pack_linear_weight(
+        scale[:, None], groups
+    ).flatten()
 
 
 class TurboModelRunner(PagedRunner):
@@ -90,6 +138,7 @@ class TurboModelRunner(PagedRunner):
     bounds the positions the rotary table covers and, with ``max_num_seqs``, the decode
     steps the CUDA graphs are captured for; ``enable_cuda_graph=False`` turns them off.
     ``cpu_threads`` sizes the native kernels' thread pool (and torch's) on the CPU.
+    ``quantization="int8"`` runs the layers' matrices as int8 in turbo's CPU kernels.
     """
 
     def __init__(
@@ -105,6 +154,7 @@ class TurboModelRunner(PagedRunner):
         max_num_seqs: int = 128,
         enable_cuda_graph: bool = True,
         cpu_threads: int | None = None,
+        quantization: str = "none",
     ) -> None:
         super().__init__(
             config, dtype=dtype, device=device, block_size=block_size, cpu_threads=cpu_threads
@@ -114,10 +164,16 @@ class TurboModelRunner(PagedRunner):
         self._llama_step = ops.llama_step.default
         # turbo's own CPU kernels run fp32 and bf16 (fp16 on a CPU goes through ATen).
         on_cpu_kernels = self.device.type == "cpu" and self.dtype in CPU_KERNEL_DTYPES
+        if quantization == "int8":
+            problem = int8_weights_problem(self.device.type, str(self.dtype).removeprefix("torch."))
+            if problem:
+                raise ModelError(problem)
         if self.device.type == "cpu":
             ops.set_cpu_threads(self.cpu_threads)
         weights = load_weights(model_dir, self.dtype, self.device)
-        self.weights = prepare_weights(weights, config, pack=on_cpu_kernels)
+        self.weights = prepare_weights(
+            weights, config, pack=on_cpu_kernels, quantization=quantization
+        )
         del weights  # the checkpoint's copies of packed matrices
         self.max_model_len = max_model_len or config.session_len()
         self.cos_sin_cache = model_cos_sin_cache(config, self.max_model_len).to(self.device)
@@ -127,6 +183,10 @@ class TurboModelRunner(PagedRunner):
         self.decode_graphs: DecodeGraphs | None = None
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
+
+    def weight_bytes(self) -> int:
+        unique = {t.data_ptr(): t for t in self.weights if t.numel()}  # tied embeddings once
+        return tensor_bytes(*unique.values())
 
     def _allocate(self, num_blocks: int) -> None:
         """One ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` tensor. On the

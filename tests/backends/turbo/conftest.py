@@ -18,3 +18,18 @@ def turbo_ops():
     from llmctl_turbo.build import load_ops
 
     return load_ops()
+
+
+ISAS = ["avx512", "avx2", "portable"]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request, turbo_ops):
+    """Each instruction set this CPU supports, selected for the test, then the best."""
+    best = turbo_ops.cpu_isa()
+    try:
+        turbo_ops.set_cpu_isa(request.param)
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    yield request.param
+    turbo_ops.set_cpu_isa(best)

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-ISAS = ["avx512", "avx2", "portable"]
+from tests.backends.turbo.conftest import ISAS
+
 DTYPES = [torch.float32, torch.bfloat16]
 # Relative to the largest reference value: fp32 sums in another order; bf16 rounds the
 # output (and, for silu, gate and up first) to 8 bits of mantissa.
@@ -33,18 +34,6 @@ SHAPES = [
     (64, 512, 130),
     (150, 1024, 40),
 ]
-
-
-@pytest.fixture(params=ISAS)
-def isa(request, turbo_ops):
-    """Each instruction set this CPU supports, selected for the test, then the best."""
-    best = turbo_ops.cpu_isa()
-    try:
-        turbo_ops.set_cpu_isa(request.param)
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    yield request.param
-    turbo_ops.set_cpu_isa(best)
 
 
 @pytest.fixture
@@ -140,7 +129,7 @@ def test_bad_arguments_name_the_argument_and_the_rule(turbo_ops, threads):
         turbo_ops.linear(out, x, torch.randn(32, 20).T, x[0, :0])
     with pytest.raises(RuntimeError, match="input features"):
         turbo_ops.linear(out, torch.randn(4, 31), weight, x[0, :0])
-    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or int8"):
         turbo_ops.pack_linear_weight(weight.half())
     with pytest.raises(RuntimeError, match="groups"):
         turbo_ops.pack_linear_weight(torch.randn(21, 32), 2)

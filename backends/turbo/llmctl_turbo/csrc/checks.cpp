@@ -1,5 +1,9 @@
 #include "checks.h"
 
+#include <c10/util/StringUtil.h>
+
+#include <string>
+
 #include "kernels.h"
 
 namespace turbo {
@@ -35,15 +39,22 @@ std::ostream& operator<<(std::ostream& out, const WeightName& weight) {
 }
 
 void check_linear_weight(const at::Tensor& w, WeightName name, const at::Tensor& like,
-                         int64_t in_features, int64_t features, int64_t groups) {
-  TORCH_CHECK(w.scalar_type() == like.scalar_type() && w.device() == like.device(), name,
-              " is ", w.scalar_type(), " on ", w.device(), " but must be ", like.scalar_type(),
-              " on ", like.device());
+                         int64_t in_features, int64_t features, int64_t groups,
+                         const at::Tensor& scale) {
+  const bool int8 = w.scalar_type() == at::kChar;
+  const bool scaled = scale.defined() && scale.numel() != 0;
+  TORCH_CHECK((int8 || w.scalar_type() == like.scalar_type()) && w.device() == like.device(),
+              name, " is ", w.scalar_type(), " on ", w.device(), " but must be ",
+              like.scalar_type(), " (or packed int8) on ", like.device());
   TORCH_CHECK((w.dim() == 2 || w.dim() == 3) && w.size(1) == in_features, name, " must take ",
               in_features, " input features: [", features, ", ", in_features,
               "] or packed [panels, ", in_features, ", ", kPanelWidth, "], got shape ",
               w.sizes());
+  TORCH_CHECK(int8 || !scaled, name, " is ", w.scalar_type(), ": scales go with int8 "
+              "weights only (pass an empty tensor)");
   if (w.dim() == 2) {
+    TORCH_CHECK(!int8, name, " is int8: int8 weights run on turbo's CPU kernels only, packed "
+                "by pack_linear_weight");
     TORCH_CHECK(w.size(0) == features && w.stride(1) == 1, name, " must be a [", features,
                 ", ", in_features, "] matrix with contiguous rows (row-major, as nn.Linear "
                 "stores it), got shape ", w.sizes(), " and strides ", w.strides());
@@ -51,12 +62,20 @@ void check_linear_weight(const at::Tensor& w, WeightName name, const at::Tensor&
   }
   const int64_t panels = groups * ((features / groups + kPanelWidth - 1) / kPanelWidth);
   TORCH_CHECK(w.is_cpu() && w.scalar_type() != at::kHalf, "packed weights run on turbo's CPU "
-              "kernels, in float32 or bfloat16; ", name, " is ", w.scalar_type(), " on ",
+              "kernels, in float32, bfloat16 or int8; ", name, " is ", w.scalar_type(), " on ",
               w.device());
   TORCH_CHECK(w.is_contiguous() && w.size(0) == panels && w.size(2) == kPanelWidth, name,
               " must be packed by pack_linear_weight for ", features, " outputs in ", groups,
               " group(s): a contiguous [", panels, ", ", in_features, ", ", kPanelWidth,
               "] tensor, got ", w.sizes());
+  if (!int8) return;
+  TORCH_CHECK(scaled && scale.scalar_type() == at::kFloat && scale.dim() == 1 &&
+                  scale.is_contiguous() && scale.is_cpu() &&
+                  scale.size(0) == panels * kPanelWidth,
+              name, " is int8, so its scales must be a contiguous float32 [",
+              panels * kPanelWidth, "] CPU tensor (one per output feature, packed like the "
+              "weight), got ", scaled ? c10::str(scale.scalar_type(), " ", scale.sizes())
+                                      : std::string("none"));
 }
 
 void check_cache(const at::Tensor& cache, const char* name, const at::Tensor& like) {

@@ -28,9 +28,12 @@ std::ostream& operator<<(std::ostream& out, const WeightName& weight);
 
 // A linear weight from `in_features` to `features` outputs in `groups` row groups, with
 // `like`'s (checked) dtype and device: the checkpoint's [out, in] matrix with contiguous rows, or
-// that matrix packed by pack_linear_weight (kernels.h) for the CPU kernels.
+// that matrix packed by pack_linear_weight (kernels.h) for the CPU kernels; or, packed
+// only, int8 with `scale` its packed float32 scales. `scale` is empty (or undefined) for
+// float weights.
 void check_linear_weight(const at::Tensor& w, WeightName name, const at::Tensor& like,
-                         int64_t in_features, int64_t features, int64_t groups);
+                         int64_t in_features, int64_t features, int64_t groups,
+                         const at::Tensor& scale);
 
 // One KV-cache tensor of one layer: [num_blocks, block_size, num_kv_heads, head_dim].
 void check_cache(const at::Tensor& cache, const char* name, const at::Tensor& like);

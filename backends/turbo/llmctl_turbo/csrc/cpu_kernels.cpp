@@ -31,7 +31,8 @@
                      AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__) \
                      AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__))
 
-// The weight types of the CPU linear kernels (fp16 goes through ATen: see kernels.cpp).
+// The activation types of the CPU linear kernels (fp16 goes through ATen: see kernels.cpp);
+// the weights are that type, or int8 with scales.
 #define TURBO_DISPATCH_LINEAR_TYPES(TYPE, NAME, ...)           \
   AT_DISPATCH_SWITCH(TYPE, NAME,                               \
                      AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
@@ -46,6 +47,7 @@ struct AttentionShape {
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define TURBO_CPU_X86 1
+#include <immintrin.h>  // before the pragmas, like every header
 
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"))), apply_to = function)
@@ -119,12 +121,13 @@ at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t groups) {
 }
 
 void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-            const at::Tensor& bias) {
-  TURBO_ON_ACTIVE_ISA(linear, out, x, packed, bias);
+            const at::Tensor& bias, const at::Tensor& scale) {
+  TURBO_ON_ACTIVE_ISA(linear, out, x, packed, bias, scale);
 }
 
-void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed) {
-  TURBO_ON_ACTIVE_ISA(linear_silu_mul, out, x, packed);
+void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                     const at::Tensor& scale) {
+  TURBO_ON_ACTIVE_ISA(linear_silu_mul, out, x, packed, scale);
 }
 
 void embedding(at::Tensor& out, const at::Tensor& embed, const at::Tensor& ids) {

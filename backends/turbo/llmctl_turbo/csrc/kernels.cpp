@@ -27,9 +27,9 @@ at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t groups) {
 }
 
 void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-            const at::Tensor& bias) {
+            const at::Tensor& bias, const at::Tensor& scale) {
   if (weight.dim() == 3) {
-    cpu::linear(out, x, weight, bias);
+    cpu::linear(out, x, weight, bias, scale);
   } else if (bias.numel() == 0) {
     at::mm_out(out, x, weight.t());
   } else {
@@ -38,9 +38,9 @@ void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
 }
 
 void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& gate_up,
-                     at::Tensor& gate_up_buffer) {
+                     const at::Tensor& scale, at::Tensor& gate_up_buffer) {
   if (gate_up.dim() == 3) {
-    cpu::linear_silu_mul(out, x, gate_up);
+    cpu::linear_silu_mul(out, x, gate_up, scale);
     return;
   }
   if (!gate_up_buffer.defined() || gate_up_buffer.size(0) != x.size(0)) {

@@ -25,20 +25,25 @@ namespace turbo {
 // input feature, zero-padded. Packed weights run on the CPU kernels (cpu/row_kernels.h),
 // the others through ATen's matmul.
 //
+// quantization=int8: a packed weight may be int8 (llmctl.engine.quant's symmetric
+// per-output-channel int8), with `scale` its float32 scales packed the same way (the
+// [N, 1] column of scales through pack_linear_weight: [panels * 16]); `scale` is an
+// empty tensor for float weights.
+//
 // `groups` packs equal row groups separately (each padded to whole panels): 2 for the
 // MLP's [gate; up], so that each gate panel has a matching up panel.
 constexpr int64_t kPanelWidth = 16;
 at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t groups);
 
-// out [T, N] = x [T, K] @ weight^T (+ bias [N]; an empty bias is none).
+// out [T, N] = x [T, K] @ (weight * scale)^T (+ bias [N]; an empty bias is none).
 void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-            const at::Tensor& bias);
+            const at::Tensor& bias, const at::Tensor& scale);
 
 // out [T, I] = silu(x @ gate^T) * (x @ up^T) for gate_up = [gate; up] ([2I, K], or packed
 // with groups = 2). Unpacked, the product goes through `gate_up_buffer` ([T, 2I],
 // allocated here on first use and reused by later calls).
 void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& gate_up,
-                     at::Tensor& gate_up_buffer);
+                     const at::Tensor& scale, at::Tensor& gate_up_buffer);
 
 // out[t] = embed[ids[t]]: the embedding lookup (ids int32; checked by the caller).
 void embedding(at::Tensor& out, const at::Tensor& embed, const at::Tensor& ids);
@@ -79,8 +84,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
 namespace cpu {
 at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t groups);
 void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-            const at::Tensor& bias);
-void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed);
+            const at::Tensor& bias, const at::Tensor& scale);
+void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                     const at::Tensor& scale);
 void embedding(at::Tensor& out, const at::Tensor& embed, const at::Tensor& ids);
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm(at::Tensor& out, at::Tensor& residual, const at::Tensor& x,

@@ -19,22 +19,30 @@ void check_weights(at::TensorList weights, int64_t num_layers, int64_t hidden,
               "weights must hold ", kHeadWeights, " + ", kLayerWeights, " x ", num_layers,
               " layers = ", kHeadWeights + kLayerWeights * num_layers, " tensors, got ",
               weights.size());
-  for (size_t i = 0; i < weights.size(); ++i) {
-    const at::Tensor& w = weights[i];
-    TORCH_CHECK(w.scalar_type() == embed.scalar_type() && w.device() == embed.device(),
-                "weights[", i, "] is ", w.scalar_type(), " on ", w.device(), "; every weight "
-                "must be ", embed.scalar_type(), " on ", embed.device());
-  }
-  check_linear_weight(weights[2], {"weights[2] (lm_head)"}, embed, hidden, embed.size(0), 1);
+  // Embeddings, norms and biases are in the model dtype; matrices may be packed int8,
+  // with their scales (check_linear_weight).
+  auto check_model_dtype = [&](const at::Tensor& w, WeightName name) {
+    TORCH_CHECK(w.scalar_type() == embed.scalar_type() && w.device() == embed.device(), name,
+                " is ", w.scalar_type(), " on ", w.device(), "; it must be ",
+                embed.scalar_type(), " on ", embed.device(), " like embed_tokens");
+  };
+  check_model_dtype(weights[1], {"weights[1] (final norm)"});
+  const at::Tensor none;
+  check_linear_weight(weights[2], {"weights[2] (lm_head)"}, embed, hidden, embed.size(0), 1,
+                      none);
   for (int64_t l = 0; l < num_layers; ++l) {
     const at::Tensor* w = weights.data() + kHeadWeights + kLayerWeights * l;
+    check_model_dtype(w[0], {"input norm", l});
+    check_model_dtype(w[2], {"qkv bias", l});
+    check_model_dtype(w[4], {"o_proj bias", l});
+    check_model_dtype(w[5], {"post-attention norm", l});
     TORCH_CHECK(w[7].dim() >= 2, "layer ", l, ": down must be [", hidden,
                 ", intermediate] or packed, got shape ", w[7].sizes());
     const int64_t intermediate = w[7].size(1);  // down's input features
-    check_linear_weight(w[1], {"qkv", l}, embed, hidden, qkv_width, 1);
-    check_linear_weight(w[3], {"o_proj", l}, embed, attn_width, hidden, 1);
-    check_linear_weight(w[6], {"gate_up", l}, embed, hidden, 2 * intermediate, 2);
-    check_linear_weight(w[7], {"down", l}, embed, intermediate, hidden, 1);
+    check_linear_weight(w[1], {"qkv", l}, embed, hidden, qkv_width, 1, w[8]);
+    check_linear_weight(w[3], {"o_proj", l}, embed, attn_width, hidden, 1, w[9]);
+    check_linear_weight(w[6], {"gate_up", l}, embed, hidden, 2 * intermediate, 2, w[10]);
+    check_linear_weight(w[7], {"down", l}, embed, intermediate, hidden, 1, w[11]);
   }
 }
 
@@ -116,17 +124,17 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
     } else {
       add_rms_norm(normed, residual, projected, w[0], rms_norm_eps);
     }
-    linear(qkv, normed, w[1], w[2]);
+    linear(qkv, normed, w[1], w[2], w[8]);
     rotary_embedding_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
                                   slot_mapping);
     paged_attention(attn, q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
                     scale);
-    linear(projected, attn_rows, w[3], w[4]);
+    linear(projected, attn_rows, w[3], w[4], w[9]);
 
     // MLP block.
     add_rms_norm(normed, residual, projected, w[5], rms_norm_eps);
-    linear_silu_mul(activated, normed, w[6], gate_up);
-    linear(projected, activated, w[7], no_bias);
+    linear_silu_mul(activated, normed, w[6], w[10], gate_up);
+    linear(projected, activated, w[7], no_bias, w[11]);
   }
   add_rms_norm(normed, residual, projected, weights[1], rms_norm_eps);
 
@@ -135,7 +143,7 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
       num_tokens == num_seqs ? normed
                              : at::index_select(normed, 0, query_start_loc.narrow(0, 1, num_seqs).sub(1));
   at::Tensor logits = at::empty({num_seqs, embed.size(0)}, options);
-  linear(logits, last_rows, weights[2], no_bias);
+  linear(logits, last_rows, weights[2], no_bias, no_bias);  // the LM head: never int8
   return logits.scalar_type() == at::kFloat ? logits : logits.to(at::kFloat);
 }
 

@@ -8,7 +8,7 @@ namespace turbo {
 
 // Number of tensors in `weights` before the first layer, and per layer.
 constexpr int64_t kHeadWeights = 3;
-constexpr int64_t kLayerWeights = 8;
+constexpr int64_t kLayerWeights = 12;
 
 // Runs every layer over the step's T new tokens and returns fp32 logits [B, vocab] for
 // the last new token of each of the B sequences.
@@ -18,7 +18,9 @@ constexpr int64_t kLayerWeights = 8;
 //   embed_tokens [V, hidden], final norm [hidden], lm_head [V, hidden], then per layer:
 //   input norm, qkv [(H + 2 KVH) D, hidden], qkv bias ((H + 2 KVH) D, or empty),
 //   o_proj [hidden, H D], o_proj bias (hidden, or empty), post-attention norm,
-//   gate_up [2 I, hidden] (gate rows first; packed in 2 groups), down [hidden, I].
+//   gate_up [2 I, hidden] (gate rows first; packed in 2 groups), down [hidden, I],
+//   then the scales of qkv, o_proj, gate_up and down: float32, packed like their matrix
+//   when that is int8 (quantization=int8, CPU only), else empty.
 // kv_cache: [layers, 2 (K, V), num_blocks, block_size, KVH, D], written in place.
 // The batch tensors are int32 and follow kernels.h.
 at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,

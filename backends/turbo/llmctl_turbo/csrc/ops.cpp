@@ -4,6 +4,7 @@
 #include <ATen/ops/arange.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <string>
 
 #include "checks.h"
@@ -86,40 +87,50 @@ void silu_and_mul_op(at::Tensor out, const at::Tensor& gate_up) {
 }
 
 at::Tensor pack_linear_weight_op(const at::Tensor& weight, int64_t groups) {
-  check_float_type(weight, "weight");
-  TORCH_CHECK(weight.dim() == 2 && weight.is_cpu() && weight.scalar_type() != at::kHalf,
-              "pack_linear_weight packs a float32 or bfloat16 [out, in] matrix on the CPU, got ",
+  const auto type = weight.scalar_type();
+  TORCH_CHECK(weight.dim() == 2 && weight.is_cpu() &&
+                  (type == at::kFloat || type == at::kBFloat16 || type == at::kChar),
+              "pack_linear_weight packs a float32, bfloat16 or int8 [out, in] matrix on the "
+              "CPU, got ",
               weight.scalar_type(), " ", weight.sizes(), " on ", weight.device());
   TORCH_CHECK(groups >= 1 && weight.size(0) % groups == 0, "groups (", groups,
               ") must divide the ", weight.size(0), " rows of weight");
   return pack_linear_weight(weight, groups);
 }
 
+// No scale: float weights; int8 ones need their packed scales (kernels.h).
+at::Tensor scale_or_empty(const std::optional<at::Tensor>& scale) {
+  return scale.has_value() ? *scale : at::Tensor();
+}
+
 void linear_op(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
-               const at::Tensor& bias) {
+               const at::Tensor& bias, const std::optional<at::Tensor>& weight_scale) {
+  const at::Tensor scale = scale_or_empty(weight_scale);
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in_features], got shape ", x.sizes());
   check_float_rows(x, "x", x);
   check_float_rows(out, "out", x);
   TORCH_CHECK(out.size(0) == x.size(0), "out must have x's ", x.size(0), " rows, got ",
               out.sizes());
-  check_linear_weight(weight, {"weight"}, x, x.size(1), out.size(1), 1);
+  check_linear_weight(weight, {"weight"}, x, x.size(1), out.size(1), 1, scale);
   if (bias.numel() != 0) {
     check_tensor(bias, "bias", x.scalar_type(), 1, x);
     TORCH_CHECK(bias.size(0) == out.size(1) && bias.is_contiguous(), "bias must be empty "
                 "or a contiguous [", out.size(1), "] tensor, got ", bias.sizes());
   }
-  linear(out, x, weight, bias);
+  linear(out, x, weight, bias, scale);
 }
 
-void linear_silu_mul_op(at::Tensor out, const at::Tensor& x, const at::Tensor& gate_up) {
+void linear_silu_mul_op(at::Tensor out, const at::Tensor& x, const at::Tensor& gate_up,
+                        const std::optional<at::Tensor>& weight_scale) {
+  const at::Tensor scale = scale_or_empty(weight_scale);
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in_features], got shape ", x.sizes());
   check_float_rows(x, "x", x);
   check_float_rows(out, "out", x);
   TORCH_CHECK(out.size(0) == x.size(0), "out must have x's ", x.size(0), " rows, got ",
               out.sizes());
-  check_linear_weight(gate_up, {"gate_up"}, x, x.size(1), 2 * out.size(1), 2);
+  check_linear_weight(gate_up, {"gate_up"}, x, x.size(1), 2 * out.size(1), 2, scale);
   at::Tensor buffer;
-  linear_silu_mul(out, x, gate_up, buffer);
+  linear_silu_mul(out, x, gate_up, scale, buffer);
 }
 
 void check_kv_write_args(const at::Tensor& key, const at::Tensor& value,
@@ -195,8 +206,10 @@ void paged_decode_attention_op(at::Tensor out, const at::Tensor& q, const at::Te
 
 TORCH_LIBRARY(llmctl_turbo, m) {
   m.def("pack_linear_weight(Tensor weight, int groups=1) -> Tensor");
-  m.def("linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor bias) -> ()");
-  m.def("linear_silu_mul(Tensor(a!) out, Tensor x, Tensor gate_up) -> ()");
+  m.def("linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor bias, "
+        "Tensor? weight_scale=None) -> ()");
+  m.def("linear_silu_mul(Tensor(a!) out, Tensor x, Tensor gate_up, "
+        "Tensor? weight_scale=None) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor x, Tensor weight, "
         "float eps) -> ()");

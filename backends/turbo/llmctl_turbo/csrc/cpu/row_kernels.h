@@ -21,6 +21,9 @@
 typedef float FloatVec __attribute__((vector_size(kVectorWidth * sizeof(float))));
 typedef uint16_t Bits16Vec __attribute__((vector_size(kVectorWidth * sizeof(uint16_t))));
 typedef uint32_t Bits32Vec __attribute__((vector_size(kVectorWidth * sizeof(uint32_t))));
+typedef int8_t Int8Vec __attribute__((vector_size(kVectorWidth * sizeof(int8_t))));
+typedef int16_t Int16Vec __attribute__((vector_size(kVectorWidth * sizeof(int16_t))));
+typedef int32_t Int32Vec __attribute__((vector_size(kVectorWidth * sizeof(int32_t))));
 
 inline FloatVec load_vec(const float* p) {
   FloatVec v;
@@ -36,6 +39,29 @@ inline FloatVec load_vec(const c10::BFloat16* p) {
   FloatVec v;
   __builtin_memcpy(&v, &bits, sizeof(v));
   return v;
+}
+
+// int8 weights (quantization=int8): sign-extended to int32 lanes, then converted to fp32,
+// in registers. The per-output scale is applied to the finished sums (linear_rows).
+// GCC lowers a vector conversion from int8 lane by lane, so x86 uses its one-instruction
+// widening (vpmovsxbd). A template whose conditions name its parameter, so that only
+// this namespace's branch is instantiated (AVX-512 code never lands in the AVX2 build).
+template <typename Int8, std::enable_if_t<std::is_same_v<Int8, int8_t>, int> = 0>
+inline FloatVec load_vec(const Int8* p) {
+#ifdef TURBO_CPU_X86
+  if constexpr (sizeof(Int8) == 1 && kVectorWidth == 16) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));  // 16 weights
+    return reinterpret_cast<FloatVec>(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)));
+  } else if constexpr (sizeof(Int8) == 1 && kVectorWidth == 8) {
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));  // 8 weights
+    return reinterpret_cast<FloatVec>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+  }
+#endif
+  Int8Vec q;
+  __builtin_memcpy(&q, p, sizeof(q));
+  // Through int16: one step (int8 to int32) would be converted lane by lane.
+  return __builtin_convertvector(
+      __builtin_convertvector(__builtin_convertvector(q, Int16Vec), Int32Vec), FloatVec);
 }
 
 // The sum of a vector's lanes, by halving (log2 width shuffles and adds). A template so
@@ -202,17 +228,25 @@ inline float sum_of(const float* x, int64_t n) {
 // no horizontal sums are needed. Threads split the panels, so each streams its own slice
 // of the weights from memory exactly once per step for all the step's rows (decode:
 // every sequence at once). For many rows (prefill) the rows go in blocks that fit in L2.
-// The weight type is a template parameter (fp32, bf16): a per-channel int8 variant adds
-// a load_vec overload and scales each column's sums in the store.
+// The weight type is a template parameter: fp32, bf16, or int8 (quantization=int8) with
+// a float32 scale per output feature, applied once to each finished sum in the store, so
+// the k loop is the same multiply-add whatever the weights (load_vec widens them).
 
 constexpr int kPanelVecs = kPanelWidth / kVectorWidth;  // vector registers per panel row
+
+// A multiply-add waits for the previous one into the same accumulator (4 cycles on
+// current x86): a tile with fewer accumulators than this (a few rows: decode) would wait
+// on them instead of streaming its weights, so it keeps several sets, one per k in turn.
+constexpr int kMinAccumulators = 8;
 
 // sums[r][j] for rows r < MR and columns j < NP * kPanelWidth of the panels `panels`.
 template <int MR, int NP, typename W>
 inline void panel_tile(const float* x, int64_t x_stride, const W* const (&panels)[NP], int64_t K,
                        float (&sums)[MR][NP * kPanelWidth]) {
-  FloatVec acc[MR][NP * kPanelVecs] = {};
-  for (int64_t k = 0; k < K; ++k) {
+  constexpr int kAccumulators = MR * NP * kPanelVecs;
+  constexpr int kChains = std::max(1, kMinAccumulators / kAccumulators);
+  FloatVec acc[kChains][MR][NP * kPanelVecs] = {};
+  auto step = [&](FloatVec (&a)[MR][NP * kPanelVecs], int64_t k) __attribute__((always_inline)) {
     FloatVec w[NP * kPanelVecs];
     for (int p = 0; p < NP; ++p) {
       for (int v = 0; v < kPanelVecs; ++v) {
@@ -221,12 +255,18 @@ inline void panel_tile(const float* x, int64_t x_stride, const W* const (&panels
     }
     for (int r = 0; r < MR; ++r) {
       const float xr = x[r * x_stride + k];
-      for (int j = 0; j < NP * kPanelVecs; ++j) acc[r][j] += w[j] * xr;
+      for (int j = 0; j < NP * kPanelVecs; ++j) a[r][j] += w[j] * xr;
     }
+  };
+  int64_t k = 0;
+  for (; k + kChains <= K; k += kChains) {
+    for (int c = 0; c < kChains; ++c) step(acc[c], k + c);
   }
+  for (; k < K; ++k) step(acc[0], k);
   for (int r = 0; r < MR; ++r) {
     for (int j = 0; j < NP * kPanelVecs; ++j) {
-      __builtin_memcpy(&sums[r][j * kVectorWidth], &acc[r][j], sizeof(FloatVec));
+      for (int c = 1; c < kChains; ++c) acc[0][r][j] += acc[c][r][j];
+      __builtin_memcpy(&sums[r][j * kVectorWidth], &acc[0][r][j], sizeof(FloatVec));
     }
   }
 }
@@ -281,10 +321,11 @@ inline int64_t tiles_grain(int64_t K, int64_t M, int64_t panels_per_tile) {
   return std::max<int64_t>(1, static_cast<int64_t>(kMinChunkNs / tile_ns));
 }
 
-// out[m, n] = x[m] . w[n] (+ bias[n]) for n < N, rounded to the output type.
+// out[m, n] = x[m] . w[n] * scale[n] (+ bias[n]) for n < N, rounded to the output type.
+// scale (int8 weights only, else null) is packed like the weight: one per panel column.
 template <typename W, typename Out>
 void linear_rows(Out* out, int64_t out_stride, const float* x, int64_t x_stride, int64_t M,
-                 int64_t K, const W* packed, int64_t N, const Out* bias) {
+                 int64_t K, const W* packed, int64_t N, const Out* bias, const float* scale) {
   const int64_t panel_elems = K * kPanelWidth;
   const int64_t num_panels = (N + kPanelWidth - 1) / kPanelWidth;
   auto store = [&](int64_t m, int64_t first_panel, const float* sums, int panels) {
@@ -292,7 +333,8 @@ void linear_rows(Out* out, int64_t out_stride, const float* x, int64_t x_stride,
     const int64_t count = std::min<int64_t>(panels * kPanelWidth, N - n0);
     Out* o = out + m * out_stride + n0;
     for (int64_t c = 0; c < count; ++c) {
-      o[c] = round_to<Out>(bias ? sums[c] + static_cast<float>(bias[n0 + c]) : sums[c]);
+      const float sum = scale ? sums[c] * scale[n0 + c] : sums[c];
+      o[c] = round_to<Out>(bias ? sum + static_cast<float>(bias[n0 + c]) : sum);
     }
   };
   const int64_t full_tiles = num_panels / kTilePanels;
@@ -320,9 +362,11 @@ void linear_rows(Out* out, int64_t out_stride, const float* x, int64_t x_stride,
 // out[m, j] = silu(x[m] . gate[j]) * (x[m] . up[j]) for j < I, from gate_up packed in two
 // groups (gate's panels, then up's): the MLP's first linear and its activation in one
 // pass, without an [M, 2I] buffer. A tile is one gate panel and the matching up panel.
+// scale: as in linear_rows, packed in the same two groups.
 template <typename W, typename Out>
 void linear_silu_mul_rows(Out* out, int64_t out_stride, const float* x, int64_t x_stride,
-                          int64_t M, int64_t K, const W* packed, int64_t I) {
+                          int64_t M, int64_t K, const W* packed, int64_t I,
+                          const float* scale) {
   const int64_t panel_elems = K * kPanelWidth;
   const int64_t group_panels = (I + kPanelWidth - 1) / kPanelWidth;
   parallel_for(0, group_panels, tiles_grain<W>(K, M, 2), [&](int64_t begin, int64_t end) {
@@ -335,11 +379,16 @@ void linear_silu_mul_rows(Out* out, int64_t out_stride, const float* x, int64_t 
         [&](int64_t m, int64_t panel, const float(&sums)[2 * kPanelWidth]) {
           const int64_t j0 = panel * kPanelWidth;
           const int64_t count = std::min<int64_t>(kPanelWidth, I - j0);
+          const float* gate_scale = scale ? scale + j0 : nullptr;
+          const float* up_scale = scale ? scale + (group_panels + panel) * kPanelWidth : nullptr;
           Out* o = out + m * out_stride + j0;
           for (int64_t c = 0; c < count; ++c) {
+            const float gate_sum = gate_scale ? sums[c] * gate_scale[c] : sums[c];
+            const float up_sum =
+                up_scale ? sums[kPanelWidth + c] * up_scale[c] : sums[kPanelWidth + c];
             // As transformers in the model dtype: gate and up rounded, silu(gate) rounded.
-            const float gate = static_cast<float>(round_to<Out>(sums[c]));
-            const float up = static_cast<float>(round_to<Out>(sums[kPanelWidth + c]));
+            const float gate = static_cast<float>(round_to<Out>(gate_sum));
+            const float up = static_cast<float>(round_to<Out>(up_sum));
             const float act = static_cast<float>(round_to<Out>(silu(gate)));
             o[c] = round_to<Out>(act * up);
           }

@@ -25,25 +25,41 @@ inline const float* float_rows(const at::Tensor& x, int64_t& stride) {
   return converted;
 }
 
+// The packed weight is the activations' type, or int8 with float32 scales (else empty).
 void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-            const at::Tensor& bias) {
+            const at::Tensor& bias, const at::Tensor& scale) {
   int64_t x_stride;
   const float* xf = float_rows(x, x_stride);
-  TURBO_DISPATCH_LINEAR_TYPES(packed.scalar_type(), "linear", [&] {
-    linear_rows<scalar_t, scalar_t>(out.data_ptr<scalar_t>(), out.stride(0), xf, x_stride,
-                                    x.size(0), x.size(1), packed.data_ptr<scalar_t>(),
-                                    out.size(1),
-                                    bias.numel() ? bias.data_ptr<scalar_t>() : nullptr);
+  TURBO_DISPATCH_LINEAR_TYPES(out.scalar_type(), "linear", [&] {
+    const scalar_t* b = bias.numel() ? bias.data_ptr<scalar_t>() : nullptr;
+    if (packed.scalar_type() == at::kChar) {
+      linear_rows<int8_t, scalar_t>(out.data_ptr<scalar_t>(), out.stride(0), xf, x_stride,
+                                    x.size(0), x.size(1), packed.data_ptr<int8_t>(),
+                                    out.size(1), b, scale.data_ptr<float>());
+    } else {
+      linear_rows<scalar_t, scalar_t>(out.data_ptr<scalar_t>(), out.stride(0), xf, x_stride,
+                                      x.size(0), x.size(1), packed.data_ptr<scalar_t>(),
+                                      out.size(1), b, nullptr);
+    }
   });
 }
 
-void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed) {
+void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                     const at::Tensor& scale) {
   int64_t x_stride;
   const float* xf = float_rows(x, x_stride);
-  TURBO_DISPATCH_LINEAR_TYPES(packed.scalar_type(), "linear_silu_mul", [&] {
-    linear_silu_mul_rows<scalar_t, scalar_t>(out.data_ptr<scalar_t>(), out.stride(0), xf,
+  TURBO_DISPATCH_LINEAR_TYPES(out.scalar_type(), "linear_silu_mul", [&] {
+    if (packed.scalar_type() == at::kChar) {
+      linear_silu_mul_rows<int8_t, scalar_t>(out.data_ptr<scalar_t>(), out.stride(0), xf,
                                              x_stride, x.size(0), x.size(1),
-                                             packed.data_ptr<scalar_t>(), out.size(1));
+                                             packed.data_ptr<int8_t>(), out.size(1),
+                                             scale.data_ptr<float>());
+    } else {
+      linear_silu_mul_rows<scalar_t, scalar_t>(out.data_ptr<scalar_t>(), out.stride(0), xf,
+                                               x_stride, x.size(0), x.size(1),
+                                               packed.data_ptr<scalar_t>(), out.size(1),
+                                               nullptr);
+    }
   });
 }
 
