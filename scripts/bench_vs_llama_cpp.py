@@ -2,12 +2,15 @@
 
     python scripts/bench_vs_llama_cpp.py                   # stories260K and the 24M Llama
     python scripts/bench_vs_llama_cpp.py --threads 2 --tokens 128 --rounds 5
+    python scripts/bench_vs_llama_cpp.py --quantization int8   # turbo int8 vs a Q8_0 GGUF
 
 llama.cpp is a benchmark-only tool here, never a dependency of llmctl. Its source comes
 from the package registry (``pip download --no-binary :all: llama-cpp-python`` vendors
 llama.cpp, its ``convert_hf_to_gguf.py`` and ``llama-bench``); it is built with CMake in
 ``--work-dir`` (outside the repository, reused by later runs). Each model is converted to
-an f32 GGUF with llama.cpp's own converter. The 24M model is the seeded random Llama of
+an f32 GGUF with llama.cpp's own converter (a Q8_0 one with ``--quantization int8``,
+against turbo's int8 weights: both 8-bit weights with fp32 scales, Q8_0's per 32
+weights, turbo's per output channel). The 24M model is the seeded random Llama of
 ``make_random_llama.py``, made in the work dir if absent.
 
 Per round, alternating so that a busy machine slows both alike: ``llama-bench -p 0 -n
@@ -47,6 +50,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
         "--models", default="stories260K,llama-24m", help="comma-separated: stories260K, llama-24m"
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=("none", "int8"),
+        default="none",
+        help="none: f32 weights on both sides; int8: turbo's int8 against llama.cpp's Q8_0",
     )
     return parser.parse_args()
 
@@ -99,11 +108,12 @@ def model_dir(name: str, work_dir: Path) -> Path:
     raise SystemExit(f"unknown model {name!r}: use stories260K or llama-24m")
 
 
-def f32_gguf(source: Path, model: Path, work_dir: Path, name: str) -> Path:
-    path = work_dir / f"{name}-f32.gguf"
+def gguf_file(source: Path, model: Path, work_dir: Path, name: str, outtype: str) -> Path:
+    """``model`` converted by llama.cpp's own converter to a GGUF of ``outtype``."""
+    path = work_dir / f"{name}-{outtype}.gguf"
     if not path.is_file():
-        print(f"converting {name} to an f32 GGUF ...", flush=True)
-        run([sys.executable, source / "convert_hf_to_gguf.py", model, "--outtype", "f32",
+        print(f"converting {name} to a {outtype} GGUF ...", flush=True)
+        run([sys.executable, source / "convert_hf_to_gguf.py", model, "--outtype", outtype,
              "--outfile", path])  # fmt: skip
     return path
 
@@ -138,10 +148,13 @@ def main() -> None:
     rows = []
     for name in args.models.split(","):
         model = model_dir(name, args.work_dir)
-        gguf = f32_gguf(source, model, args.work_dir, name)
-        runner = load_runner("turbo", model, blocks_needed(1, args.tokens + 1), args.threads)
+        outtype = "q8_0" if args.quantization == "int8" else "f32"
+        gguf = gguf_file(source, model, args.work_dir, name, outtype)
+        runner = load_runner(
+            "turbo", model, blocks_needed(1, args.tokens + 1), args.threads, args.quantization
+        )
         llm = LLM(str(model), backend="turbo", device="cpu", dtype="float32",
-                  cpu_threads=args.threads)  # fmt: skip
+                  cpu_threads=args.threads, quantization=args.quantization)  # fmt: skip
         turbo_model_calls_tokens_per_s(runner, 8)  # warm-up
         turbo_generate_tokens_per_s(llm, 8)
         best = {"llama": 0.0, "calls": 0.0, "generate": 0.0}
@@ -155,7 +168,9 @@ def main() -> None:
         rows.append((name, best))
 
     print(
-        f"\nBatch-1 decode, {args.tokens} tokens, fp32, {args.threads} threads, best of "
+        f"\nBatch-1 decode, {args.tokens} tokens, fp32 activations, weights "
+        f"{'turbo int8 / llama.cpp Q8_0' if args.quantization == 'int8' else 'f32'}, "
+        f"{args.threads} threads, best of "
         f"{args.rounds} alternating rounds (llama.cpp from llama-cpp-python "
         f"{LLAMA_CPP_PYTHON})\n"
     )

@@ -14,8 +14,15 @@ from pathlib import Path
 BACKENDS = ("turbo", "torch")
 
 
-def load_runner(backend: str, model_dir: Path, num_blocks: int, cpu_threads: int | None):
-    """The backend's runner on the CPU in fp32, with ``num_blocks`` KV blocks of 64 tokens."""
+def load_runner(
+    backend: str,
+    model_dir: Path,
+    num_blocks: int,
+    cpu_threads: int | None,
+    quantization: str = "none",
+):
+    """The backend's runner on the CPU in fp32 (weights int8 with ``quantization="int8"``),
+    with ``num_blocks`` KV blocks of 64 tokens."""
     from llmctl.engine.model_config import ModelConfig
 
     if backend == "turbo":
@@ -31,6 +38,7 @@ def load_runner(backend: str, model_dir: Path, num_blocks: int, cpu_threads: int
         block_size=64,
         num_blocks=num_blocks,
         cpu_threads=cpu_threads,
+        quantization=quantization,
     )
 
 
