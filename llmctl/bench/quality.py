@@ -194,7 +194,7 @@ def _compare(
     figures = _static_figures(runner, text)
     _advance(progress, task, len(text) - 1)
     total = sum(len(r) for r in reference)
-    first_differences = [_first_difference(a, b) for a, b in zip(reference, outputs)]
+    first_differences = [first_difference(a, b) for a, b in zip(reference, outputs)]
     speed = total / seconds[id(quantized)]
     baseline_speed = total / seconds[id(unquantized)]
     return {
@@ -294,7 +294,8 @@ def _local(llm: LLM) -> tuple[AsyncEngine, PagedRunner]:
     return engine, engine.engine.runner
 
 
-def _first_difference(reference: list[int], candidate: list[int]) -> int:
+def first_difference(reference: list[int], candidate: list[int]) -> int:
+    """How many leading tokens of ``candidate`` equal those of ``reference``."""
     return next((i for i, (a, b) in enumerate(zip(reference, candidate)) if a != b), len(reference))
 
 
