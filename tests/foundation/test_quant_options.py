@@ -86,16 +86,20 @@ def test_torch_takes_int8_weights_and_cache_everywhere(builtins, hardware):
 @pytest.mark.parametrize(
     ("option", "value"), [("quantization", "int8"), ("kv_cache_dtype", "int8")]
 )
-def test_turbo_refuses_int8_for_now_and_names_torch(builtins, option, value):
+def test_turbo_refuses_int8_on_cuda_and_names_torch(builtins, option, value):
     errors = builtins["turbo"].option_errors({option: value}, HOPPER)
     assert "--backend torch" in errors[option]
     assert builtins["turbo"].option_errors({option: option_named(option).default}, HOPPER) == {}
+    assert builtins["turbo"].option_errors({option: value}, CPU) == {}
 
 
-def test_auto_with_explicit_int8_picks_torch_and_says_why(builtins, turbo_builds_here):
+def test_auto_with_explicit_int8_cache_on_cuda_picks_torch_and_says_why(
+    builtins, turbo_builds_here
+):
     model = resolve_model("demo")
-    assert choose(model, {}, hardware=CPU, backends=builtins, env={}).backend.name == "turbo"
-    choice = choose(model, {"kv_cache_dtype": "int8"}, hardware=CPU, backends=builtins, env={})
+    int8 = {"kv_cache_dtype": "int8"}
+    assert choose(model, int8, hardware=CPU, backends=builtins, env={}).backend.name == "turbo"
+    choice = choose(model, int8, hardware=HOPPER, backends=builtins, env={})
     assert choice.backend.name == "torch"
     assert any(
         "turbo skipped" in note and "kv_cache_dtype='int8' refused" in note for note in choice.notes
@@ -139,11 +143,11 @@ def test_a_profile_section_for_one_backend_does_not_leak_to_another(
     assert torch_choice.settings["kv_cache_dtype"].value == "fp8"
 
 
-def test_a_turbo_section_int8_does_not_leak_to_the_torch_fallback(
+def test_a_turbo_section_fp8_does_not_leak_to_the_torch_fallback(
     builtins, turbo_builds_here, tmp_path
 ):
     path = tmp_path / "llmctl.toml"
-    path.write_text('[profiles.q.turbo]\nkv_cache_dtype = "int8"\n')
+    path.write_text('[profiles.q.turbo]\nkv_cache_dtype = "fp8"\n')
     profile = get_profile("q", [path])
     choice = choose(
         resolve_model("demo"), {}, profile=profile, hardware=CPU, backends=builtins, env={}
@@ -156,8 +160,8 @@ def test_backends_check_lists_the_rule_and_the_choice(tmp_path):
     result = run_llmctl("backends", "check", "demo", "--kv-cache-dtype", "int8", cwd=tmp_path)
     out = " ".join(result.stdout.split())
     assert result.returncode == 0, out + result.stderr
-    assert "kv_cache_dtype='int8' refused: turbo has no int8 KV-cache kernels yet" in out
-    assert "auto would pick torch" in out
+    assert "✓ turbo can serve" in out
+    assert "auto would pick turbo" in out
 
 
 def test_fp8_on_this_cpu_from_the_cli_is_one_paragraph(tmp_path):
@@ -167,7 +171,12 @@ def test_fp8_on_this_cpu_from_the_cli_is_one_paragraph(tmp_path):
     flat = " ".join((result.stdout + result.stderr).split())
     assert result.returncode == 1, flat
     assert "Traceback" not in flat
-    for fragment in ("kv_cache_dtype='fp8'", "torch", "compute capability >= 8.9"):
+    for fragment in (
+        "kv_cache_dtype='fp8'",
+        "torch",
+        "compute capability >= 8.9",
+        "turbo has no fp8 KV-cache kernels",
+    ):
         assert fragment in flat
 
 

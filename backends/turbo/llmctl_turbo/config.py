@@ -30,6 +30,7 @@ class TurboConfig:
     device: str
     cpu_threads: int | None
     quantization: str  # "int8": int8 weights in turbo's CPU kernels
+    quant_policy: int  # TurboMind's name: 8 is an int8 KV cache, 0 the model dtype
     seed: int
     chat_template: str | None
     model_name: str | None
@@ -48,6 +49,8 @@ class TurboConfig:
             device=options["device"],
             cpu_threads=options["cpu_threads"],
             quantization=options["quantization"],
+            # fp8 never gets here: the kv_cache_dtype rule refuses it.
+            quant_policy=8 if options["kv_cache_dtype"] == "int8" else 0,
             seed=options["seed"],
             chat_template=options["chat_template"],
             model_name=options["model_name"],
@@ -61,6 +64,8 @@ class TurboConfig:
     max_num_seqs = property(lambda self: self.max_batch_size)
     max_num_batched_tokens = property(lambda self: self.max_prefill_token_num)
     served_model_name = property(lambda self: self.model_name)
+    # kv_cache_dtype again, as the shared runner base takes it.
+    kv_cache_dtype = property(lambda self: "int8" if self.quant_policy == 8 else "auto")
 
 
 def block_size_problem(block_size: int, on_cuda: bool, hardware: Hardware) -> str | None:
@@ -90,19 +95,17 @@ def int8_weights_problem(device: str, dtype: str) -> str | None:
     return None
 
 
-def quantized_kv_problem(kv_cache_dtype: str) -> str | None:
-    """turbo has no int8 / fp8 KV cache yet: say where to turn instead."""
-    if kv_cache_dtype == "auto":
-        return None
-    where = (
-        "(--backend torch, or auto)"
-        if kv_cache_dtype == "int8"
-        else "on CUDA GPUs of compute capability >= 8.9"
-    )
-    return (
-        f"turbo has no {kv_cache_dtype} KV-cache kernels yet; the torch backend supports "
-        f"kv_cache_dtype={kv_cache_dtype} {where}"
-    )
+def quantized_kv_problem(kv_cache_dtype: str, device: str) -> str | None:
+    """Why turbo cannot keep a ``kv_cache_dtype`` cache on ``device`` (``None``: it can).
+    An int8 cache is read by its CPU kernels; fp8 by none of its kernels."""
+    if kv_cache_dtype == "fp8":
+        return (
+            "turbo has no fp8 KV-cache kernels; the torch backend supports "
+            "kv_cache_dtype=fp8 on CUDA GPUs of compute capability >= 8.9"
+        )
+    if kv_cache_dtype == "int8" and device == "cuda":
+        return "turbo's CUDA kernels read a float KV cache only; use --backend torch"
+    return None
 
 
 RULES = (
@@ -137,11 +140,12 @@ RULES = (
             else None
         ),
     ),
-    # No quantized KV cache in turbo yet: this rule goes when its kernels land.
     OptionRule(
         "kv_cache_dtype",
-        "`auto` only for now (the torch backend has `int8` and `fp8`)",
-        lambda value, options, hardware: quantized_kv_problem(value),
+        "`int8` on CPU (turbo's CPU kernels); no `fp8`, and no `int8` on CUDA yet",
+        lambda value, options, hardware: quantized_kv_problem(
+            value, hardware.device_for(options.get("device", "auto"))
+        ),
     ),
     DEVICE_RULE,
     CUDA_GRAPHS_RULE,

@@ -3,6 +3,9 @@
 The native ops write into tensors the caller passes (so the step can reuse buffers);
 these wrappers are the convenient form for tests, benchmarks and the GPU check. All
 index tensors are int32. Shapes and semantics: ``csrc/kernels.h``.
+
+An int8 KV cache (``kv_cache_dtype=int8``, CPU only) comes with its float32 scales
+``k_scale`` / ``v_scale`` (``[num_blocks, block_size, kv_heads]``); a float cache with none.
 """
 
 from __future__ import annotations
@@ -46,8 +49,10 @@ def write_kv_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    load_ops().write_kv_cache(key, value, k_cache, v_cache, slot_mapping)
+    load_ops().write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_decode_attention(
@@ -57,9 +62,13 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     out = torch.empty_like(q)
-    load_ops().paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale)
+    load_ops().paged_decode_attention(
+        out, q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale
+    )
     return out
 
 
@@ -71,10 +80,21 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     out = torch.empty_like(q)
     load_ops().paged_prefill_attention(
-        out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        context_lens,
+        scale,
+        k_scale,
+        v_scale,
     )
     return out
 
@@ -88,9 +108,11 @@ def rotary_embedding_and_write_kv(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """``rotary_embedding`` then ``write_kv_cache`` of the rotated k and v (one kernel on
     CUDA)."""
     load_ops().rotary_embedding_and_write_kv(
-        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping
+        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale
     )

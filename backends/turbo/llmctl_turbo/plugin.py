@@ -53,6 +53,7 @@ class TurboBackend(Backend):
                 device=device,
                 cpu_threads=config.cpu_threads,
                 quantization=config.quantization,
+                kv_cache_dtype=config.kv_cache_dtype,
                 block_size=config.cache_block_seq_len,
                 max_model_len=max_model_len,
                 max_num_seqs=config.max_batch_size,

@@ -21,12 +21,18 @@ from rich.progress import track
 
 from llmctl.engine.cuda_graphs import DecodeGraphs, decode_graphs
 from llmctl.engine.model_config import ModelConfig
-from llmctl.engine.quant import QuantizationReport, quantize_weight_int8, tensor_bytes
+from llmctl.engine.quant import (
+    SCALE_DTYPE,
+    QuantizationReport,
+    is_quantized_kv,
+    quantize_weight_int8,
+    tensor_bytes,
+)
 from llmctl.engine.runner import PagedRunner, StepBatch, StepInputs, stage_step
 from llmctl.engine.weights import load_weights
 from llmctl.errors import ModelError
 from llmctl_turbo.build import load_ops
-from llmctl_turbo.config import LLAMA_FAMILY, int8_weights_problem
+from llmctl_turbo.config import LLAMA_FAMILY, int8_weights_problem, quantized_kv_problem
 from llmctl_turbo.rope import model_cos_sin_cache
 
 CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -138,7 +144,9 @@ class TurboModelRunner(PagedRunner):
     bounds the positions the rotary table covers and, with ``max_num_seqs``, the decode
     steps the CUDA graphs are captured for; ``enable_cuda_graph=False`` turns them off.
     ``cpu_threads`` sizes the native kernels' thread pool (and torch's) on the CPU.
-    ``quantization="int8"`` runs the layers' matrices as int8 in turbo's CPU kernels.
+    ``quantization="int8"`` runs the layers' matrices as int8 in turbo's CPU kernels;
+    ``kv_cache_dtype="int8"`` keeps the KV cache as int8 with a float32 scale per token
+    and KV head (the torch backend's bytes), read by those kernels too.
     """
 
     def __init__(
@@ -155,10 +163,19 @@ class TurboModelRunner(PagedRunner):
         enable_cuda_graph: bool = True,
         cpu_threads: int | None = None,
         quantization: str = "none",
+        kv_cache_dtype: str = "auto",
     ) -> None:
         super().__init__(
-            config, dtype=dtype, device=device, block_size=block_size, cpu_threads=cpu_threads
+            config,
+            dtype=dtype,
+            device=device,
+            block_size=block_size,
+            kv_cache_dtype=kv_cache_dtype,
+            cpu_threads=cpu_threads,
         )
+        kv_problem = quantized_kv_problem(kv_cache_dtype, self.device.type)
+        if kv_problem:
+            raise ModelError(kv_problem)
         ops = load_ops()
         # The op's overload itself: calling it skips the overload lookup of every call.
         self._llama_step = ops.llama_step.default
@@ -178,6 +195,7 @@ class TurboModelRunner(PagedRunner):
         self.max_model_len = max_model_len or config.session_len()
         self.cos_sin_cache = model_cos_sin_cache(config, self.max_model_len).to(self.device)
         self.kv_cache = torch.empty(0, device=self.device)
+        self.kv_cache_scale: torch.Tensor | None = None  # an int8 cache's scales
         self.max_num_seqs = max_num_seqs
         self.enable_cuda_graph = enable_cuda_graph
         self.decode_graphs: DecodeGraphs | None = None
@@ -189,13 +207,14 @@ class TurboModelRunner(PagedRunner):
         return tensor_bytes(*unique.values())
 
     def _allocate(self, num_blocks: int) -> None:
-        """One ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` tensor. On the
-        CPU its memory is taken as blocks are first used (``new_cache``)."""
+        """One ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]`` tensor, and for
+        an int8 cache its float32 scales ``[layers, 2, num_blocks, block_size, kv_heads]``.
+        On the CPU their memory is taken as blocks are first used (``new_cache``)."""
         c = self.config
-        self.kv_cache = self.new_cache(
-            (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim),
-            self.kv_dtype,
-        )
+        rows = (c.num_layers, 2, num_blocks, self.block_size, c.num_kv_heads)
+        self.kv_cache = self.new_cache((*rows, c.head_dim), self.kv_dtype)
+        if is_quantized_kv(self.kv_dtype):
+            self.kv_cache_scale = self.new_cache(rows, SCALE_DTYPE)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache, then capture the decode graphs over it (GPU only)."""
@@ -238,4 +257,5 @@ class TurboModelRunner(PagedRunner):
             self.cos_sin_cache,
             self.config.num_heads,
             self.config.rms_norm_eps,
+            self.kv_cache_scale,
         )

@@ -120,8 +120,6 @@ def test_the_rule_takes_int8_on_cpu_and_refuses_it_on_cuda():
     assert turbo.option_errors({"quantization": "int8", "device": "cpu"}, HOPPER) == {}
     errors = turbo.option_errors({"quantization": "int8", "dtype": "float16"}, CPU)
     assert "float32 or bfloat16" in errors["quantization"]
-    # The KV cache rule is unchanged: turbo has no quantized cache yet.
-    assert "kv_cache_dtype" in turbo.option_errors({"kv_cache_dtype": "int8"}, CPU)
 
 
 def test_backends_check_shows_turbo_serving_int8_on_cpu(tmp_path):

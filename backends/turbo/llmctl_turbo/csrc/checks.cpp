@@ -78,10 +78,31 @@ void check_linear_weight(const at::Tensor& w, WeightName name, const at::Tensor&
                                       : std::string("none"));
 }
 
-void check_cache(const at::Tensor& cache, const char* name, const at::Tensor& like) {
-  check_tensor(cache, name, like.scalar_type(), 4, like);
+void check_cache(const at::Tensor& cache, const at::Tensor& scale, const char* name,
+                 const at::Tensor& like) {
+  const bool int8 = cache.defined() && cache.scalar_type() == at::kChar;
+  check_tensor(cache, name, int8 ? at::kChar : like.scalar_type(), 4, like);
   TORCH_CHECK(cache.is_contiguous(), name,
               " must be contiguous [num_blocks, block_size, num_kv_heads, head_dim]");
+  check_cache_scale(cache, scale, name);
+}
+
+void check_cache_scale(const at::Tensor& cache, const at::Tensor& scale, const char* name) {
+  const bool scaled = scale.defined() && scale.numel() != 0;
+  if (cache.scalar_type() != at::kChar) {
+    TORCH_CHECK(!scaled, name, " is ", cache.scalar_type(),
+                ": scales go with an int8 cache only (pass none)");
+    return;
+  }
+  TORCH_CHECK(cache.is_cpu(), name, " is int8 on ", cache.device(), ": turbo's CUDA kernels "
+              "read a float KV cache only; use --backend torch for kv_cache_dtype=int8 on a GPU");
+  const auto rows = cache.sizes().slice(0, cache.dim() - 1);
+  TORCH_CHECK(scaled && scale.scalar_type() == at::kFloat && scale.is_cpu() &&
+                  scale.is_contiguous() && scale.sizes() == rows,
+              name, " is int8, so its scales must be a contiguous float32 ", rows,
+              " CPU tensor (one per token and kv head), got ",
+              scaled ? c10::str(scale.scalar_type(), " ", scale.sizes(), " on ", scale.device())
+                     : std::string("none"));
 }
 
 void check_batch(const at::Tensor& block_tables, const at::Tensor& query_start_loc,

@@ -35,8 +35,15 @@ void check_linear_weight(const at::Tensor& w, WeightName name, const at::Tensor&
                          int64_t in_features, int64_t features, int64_t groups,
                          const at::Tensor& scale);
 
-// One KV-cache tensor of one layer: [num_blocks, block_size, num_kv_heads, head_dim].
-void check_cache(const at::Tensor& cache, const char* name, const at::Tensor& like);
+// One KV-cache tensor of one layer: [num_blocks, block_size, num_kv_heads, head_dim], in
+// `like`'s dtype, or int8 with `scale` (check_cache_scale).
+void check_cache(const at::Tensor& cache, const at::Tensor& scale, const char* name,
+                 const at::Tensor& like);
+
+// The scales beside a KV cache [..., num_kv_heads, head_dim] (one layer's or the whole
+// step's): none (undefined or empty) for a float cache; for an int8 one (CPU only) a
+// contiguous float32 [..., num_kv_heads] tensor, one scale per token and kv head.
+void check_cache_scale(const at::Tensor& cache, const at::Tensor& scale, const char* name);
 
 // The batch description every attention call relies on: query_start_loc starts at 0,
 // grows by at least 1 per sequence and ends at num_tokens; each context holds its

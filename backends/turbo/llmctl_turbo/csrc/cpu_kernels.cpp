@@ -162,16 +162,18 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
 }
 
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
-                    at::Tensor& v_cache, const at::Tensor& slot_mapping) {
-  TURBO_ON_ACTIVE_ISA(write_kv_cache, key, value, k_cache, v_cache, slot_mapping);
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                    const at::Tensor& k_scale, const at::Tensor& v_scale) {
+  TURBO_ON_ACTIVE_ISA(write_kv_cache, key, value, k_cache, v_cache, slot_mapping, k_scale,
+                      v_scale);
 }
 
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-                     double scale) {
+                     double scale, const at::Tensor& k_scale, const at::Tensor& v_scale) {
   TURBO_ON_ACTIVE_ISA(paged_attention, out, q, k_cache, v_cache, block_tables,
-                      query_start_loc, context_lens, scale);
+                      query_start_loc, context_lens, scale, k_scale, v_scale);
 }
 
 }  // namespace turbo::cpu

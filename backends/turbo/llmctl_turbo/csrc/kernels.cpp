@@ -8,19 +8,37 @@
 #include <ATen/ops/mm.h>
 
 namespace turbo {
+namespace {
+
+// A CUDA tensor in a build without CUDA kernels is an error that says how to get them.
+void check_cuda_built([[maybe_unused]] const at::Tensor& t) {
+#ifndef LLMCTL_TURBO_CUDA
+  TORCH_CHECK(!t.is_cuda(), "this build of turbo's native ops has no CUDA kernels (built "
+              "without nvcc or with a CPU-only torch); rebuild with `llmctl backends build "
+              "turbo` on a machine with the CUDA toolkit");
+#endif
+}
 
 #ifdef LLMCTL_TURBO_CUDA
 #define TURBO_ON_DEVICE(tensor, fn, ...) \
   ((tensor).is_cuda() ? cuda::fn(__VA_ARGS__) : cpu::fn(__VA_ARGS__))
 #else
-#define TURBO_ON_DEVICE(tensor, fn, ...)                                                   \
-  do {                                                                                     \
-    TORCH_CHECK(!(tensor).is_cuda(), "this build of turbo's native ops has no CUDA "       \
-                "kernels (built without nvcc or with a CPU-only torch); rebuild with "     \
-                "`llmctl backends build turbo` on a machine with the CUDA toolkit");       \
-    cpu::fn(__VA_ARGS__);                                                                  \
+#define TURBO_ON_DEVICE(tensor, fn, ...) \
+  do {                                   \
+    check_cuda_built(tensor);            \
+    cpu::fn(__VA_ARGS__);                \
   } while (0)
 #endif
+
+// turbo's CUDA kernels read a float cache only (its config refuses kv_cache_dtype=int8
+// on CUDA before a model loads; this guards a direct call of the ops).
+void check_no_kv_scales_on_cuda(const at::Tensor& k_scale) {
+  TORCH_CHECK(!k_scale.defined() || k_scale.numel() == 0,
+              "turbo's CUDA kernels read a float KV cache only; use --backend torch for "
+              "kv_cache_dtype=int8 on a GPU");
+}
+
+}  // namespace
 
 at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t groups) {
   return cpu::pack_linear_weight(weight, groups);
@@ -77,31 +95,51 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
 }
 
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
-                    at::Tensor& v_cache, const at::Tensor& slot_mapping) {
-  TURBO_ON_DEVICE(key, write_kv_cache, key, value, k_cache, v_cache, slot_mapping);
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                    const at::Tensor& k_scale, const at::Tensor& v_scale) {
+#ifdef LLMCTL_TURBO_CUDA
+  if (key.is_cuda()) {
+    check_no_kv_scales_on_cuda(k_scale);
+    cuda::write_kv_cache(key, value, k_cache, v_cache, slot_mapping);
+    return;
+  }
+#endif
+  check_cuda_built(key);
+  cpu::write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale);
 }
 
 void rotary_embedding_and_write_kv(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
                                    const at::Tensor& v, const at::Tensor& cos_sin_cache,
                                    at::Tensor& k_cache, at::Tensor& v_cache,
-                                   const at::Tensor& slot_mapping) {
+                                   const at::Tensor& slot_mapping, const at::Tensor& k_scale,
+                                   const at::Tensor& v_scale) {
 #ifdef LLMCTL_TURBO_CUDA
   if (q.is_cuda()) {
+    check_no_kv_scales_on_cuda(k_scale);
     cuda::rotary_embedding_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
                                         slot_mapping);
     return;
   }
 #endif
   rotary_embedding(positions, q, k, cos_sin_cache);
-  write_kv_cache(k, v, k_cache, v_cache, slot_mapping);
+  write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
 }
 
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-                     double scale) {
-  TURBO_ON_DEVICE(q, paged_attention, out, q, k_cache, v_cache, block_tables, query_start_loc,
-                  context_lens, scale);
+                     double scale, const at::Tensor& k_scale, const at::Tensor& v_scale) {
+#ifdef LLMCTL_TURBO_CUDA
+  if (q.is_cuda()) {
+    check_no_kv_scales_on_cuda(k_scale);
+    cuda::paged_attention(out, q, k_cache, v_cache, block_tables, query_start_loc,
+                          context_lens, scale);
+    return;
+  }
+#endif
+  check_cuda_built(q);
+  cpu::paged_attention(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+                       scale, k_scale, v_scale);
 }
 
 }  // namespace turbo

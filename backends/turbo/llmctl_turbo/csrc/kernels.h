@@ -13,6 +13,11 @@
 //   context_lens:            int32 [B], tokens in b's cache once this step has written
 //   positions, slot_mapping: int32 [T]; a negative slot means "do not write this token"
 //   cos_sin_cache:           float32 [max_positions, D]: cos in the first D/2, sin after
+//
+// The KV cache is the model dtype, or int8 (kv_cache_dtype=int8, the CPU kernels only)
+// with float32 scales [num_blocks, block_size, KVH] beside each of K and V: one per token
+// and kv head, llmctl.engine.quant.quantize_kv's scheme. k_scale / v_scale are empty
+// (undefined) for a float cache. The CUDA kernels read a float cache only.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -63,15 +68,18 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
 // out [T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]
 void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up);
 
-// k_cache/v_cache[slot / block_size, slot % block_size] = key/value[t] for slot = slots[t].
+// k_cache/v_cache[slot / block_size, slot % block_size] = key/value[t] for slot = slots[t]
+// (an int8 cache: quantized, the scales written at the same place of k_scale / v_scale).
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
-                    at::Tensor& v_cache, const at::Tensor& slot_mapping);
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                    const at::Tensor& k_scale, const at::Tensor& v_scale);
 
 // rotary_embedding, then write_kv_cache of the rotated k and of v: one kernel on CUDA.
 void rotary_embedding_and_write_kv(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
                                    const at::Tensor& v, const at::Tensor& cos_sin_cache,
                                    at::Tensor& k_cache, at::Tensor& v_cache,
-                                   const at::Tensor& slot_mapping);
+                                   const at::Tensor& slot_mapping, const at::Tensor& k_scale,
+                                   const at::Tensor& v_scale);
 
 // Causal attention of each sequence's queries over its paged cache. The queries of
 // sequence b are the LAST q_len tokens of its context_lens[b] tokens, so query i sees
@@ -79,7 +87,7 @@ void rotary_embedding_and_write_kv(const at::Tensor& positions, at::Tensor& q, a
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-                     double scale);
+                     double scale, const at::Tensor& k_scale, const at::Tensor& v_scale);
 
 namespace cpu {
 at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t groups);
@@ -95,11 +103,12 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
                       const at::Tensor& cos_sin_cache);
 void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up);
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
-                    at::Tensor& v_cache, const at::Tensor& slot_mapping);
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                    const at::Tensor& k_scale, const at::Tensor& v_scale);
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-                     double scale);
+                     double scale, const at::Tensor& k_scale, const at::Tensor& v_scale);
 }  // namespace cpu
 
 #ifdef LLMCTL_TURBO_CUDA

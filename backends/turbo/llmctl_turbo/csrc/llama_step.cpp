@@ -52,7 +52,8 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
                       const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                       const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                       at::TensorList weights, at::Tensor kv_cache,
-                      const at::Tensor& cos_sin_cache, int64_t num_heads, double rms_norm_eps) {
+                      const at::Tensor& cos_sin_cache, int64_t num_heads, double rms_norm_eps,
+                      const std::optional<at::Tensor>& kv_cache_scale) {
   // No autograd bookkeeping for any ATen call below.
   c10::InferenceMode inference_mode;
 
@@ -80,7 +81,10 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
   check_tensor(block_tables, "block_tables", at::kInt, 2, embed);
   check_tensor(query_start_loc, "query_start_loc", at::kInt, 1, embed);
   check_tensor(context_lens, "context_lens", at::kInt, 1, embed);
-  check_tensor(kv_cache, "kv_cache", embed.scalar_type(), 6, embed);
+  const bool int8_cache = kv_cache.scalar_type() == at::kChar;
+  check_tensor(kv_cache, "kv_cache", int8_cache ? at::kChar : embed.scalar_type(), 6, embed);
+  const at::Tensor kv_scale = kv_cache_scale.has_value() ? *kv_cache_scale : at::Tensor();
+  check_cache_scale(kv_cache, kv_scale, "kv_cache");
   check_tensor(cos_sin_cache, "cos_sin_cache", at::kFloat, 2, embed);
   TORCH_CHECK(positions.size(0) == num_tokens && slot_mapping.size(0) == num_tokens,
               "input_ids, positions and slot_mapping must all have one entry per token");
@@ -117,6 +121,8 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
     const at::Tensor* w = weights.data() + kHeadWeights + kLayerWeights * l;
     at::Tensor k_cache = kv_cache.select(0, l).select(0, 0);
     at::Tensor v_cache = kv_cache.select(0, l).select(0, 1);
+    const at::Tensor k_scale = int8_cache ? kv_scale.select(0, l).select(0, 0) : at::Tensor();
+    const at::Tensor v_scale = int8_cache ? kv_scale.select(0, l).select(0, 1) : at::Tensor();
 
     // Attention block. The previous layer's MLP output joins the residual in the norm.
     if (l == 0) {
@@ -126,9 +132,9 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
     }
     linear(qkv, normed, w[1], w[2], w[8]);
     rotary_embedding_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
-                                  slot_mapping);
+                                  slot_mapping, k_scale, v_scale);
     paged_attention(attn, q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-                    scale);
+                    scale, k_scale, v_scale);
     linear(projected, attn_rows, w[3], w[4], w[9]);
 
     // MLP block.

@@ -4,6 +4,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+
 namespace turbo {
 
 // Number of tensors in `weights` before the first layer, and per layer.
@@ -21,12 +23,15 @@ constexpr int64_t kLayerWeights = 12;
 //   gate_up [2 I, hidden] (gate rows first; packed in 2 groups), down [hidden, I],
 //   then the scales of qkv, o_proj, gate_up and down: float32, packed like their matrix
 //   when that is int8 (quantization=int8, CPU only), else empty.
-// kv_cache: [layers, 2 (K, V), num_blocks, block_size, KVH, D], written in place.
+// kv_cache: [layers, 2 (K, V), num_blocks, block_size, KVH, D], written in place: the
+// model dtype, or int8 (kv_cache_dtype=int8, CPU only) with kv_cache_scale its float32
+// scales [layers, 2, num_blocks, block_size, KVH] (none for a float cache; kernels.h).
 // The batch tensors are int32 and follow kernels.h.
 at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
                       const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                       const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                       at::TensorList weights, at::Tensor kv_cache,
-                      const at::Tensor& cos_sin_cache, int64_t num_heads, double rms_norm_eps);
+                      const at::Tensor& cos_sin_cache, int64_t num_heads, double rms_norm_eps,
+                      const std::optional<at::Tensor>& kv_cache_scale);
 
 }  // namespace turbo

@@ -98,7 +98,7 @@ at::Tensor pack_linear_weight_op(const at::Tensor& weight, int64_t groups) {
   return pack_linear_weight(weight, groups);
 }
 
-// No scale: float weights; int8 ones need their packed scales (kernels.h).
+// No scale: float weights or a float KV cache; int8 ones need their scales (kernels.h).
 at::Tensor scale_or_empty(const std::optional<at::Tensor>& scale) {
   return scale.has_value() ? *scale : at::Tensor();
 }
@@ -133,50 +133,71 @@ void linear_silu_mul_op(at::Tensor out, const at::Tensor& x, const at::Tensor& g
   linear_silu_mul(out, x, gate_up, scale, buffer);
 }
 
+// The K and V caches of one layer: one shape and one dtype (an int8 pair with scales).
+void check_kv_caches(const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& k_scale, const at::Tensor& v_scale,
+                     const at::Tensor& like) {
+  check_cache(k_cache, k_scale, "k_cache", like);
+  check_cache(v_cache, v_scale, "v_cache", like);
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "k_cache and v_cache must have one shape and dtype, got ", k_cache.scalar_type(),
+              " ", k_cache.sizes(), " and ", v_cache.scalar_type(), " ", v_cache.sizes());
+}
+
 void check_kv_write_args(const at::Tensor& key, const at::Tensor& value,
                          const at::Tensor& k_cache, const at::Tensor& v_cache,
-                         const at::Tensor& slot_mapping) {
+                         const at::Tensor& slot_mapping, const at::Tensor& k_scale,
+                         const at::Tensor& v_scale) {
   check_heads(key, "key", key);
   check_heads(value, "value", key);
-  check_cache(k_cache, "k_cache", key);
-  check_cache(v_cache, "v_cache", key);
+  check_kv_caches(k_cache, v_cache, k_scale, v_scale, key);
   check_tensor(slot_mapping, "slot_mapping", at::kInt, 1, key);
   TORCH_CHECK(value.sizes() == key.sizes() && slot_mapping.size(0) == key.size(0),
               "key and value [T, KVH, D] and slot_mapping [T] must agree; got ", key.sizes(),
               ", ", value.sizes(), ", ", slot_mapping.sizes());
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache must have one shape");
   TORCH_CHECK(k_cache.size(2) == key.size(1) && k_cache.size(3) == key.size(2),
               "cache rows [.., .., KVH, D] = ", k_cache.sizes(), " do not match key ", key.sizes());
   check_slots(slot_mapping, k_cache.size(0) * k_cache.size(1));
 }
 
 void write_kv_cache_op(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache,
-                       at::Tensor v_cache, const at::Tensor& slot_mapping) {
-  check_kv_write_args(key, value, k_cache, v_cache, slot_mapping);
-  write_kv_cache(key, value, k_cache, v_cache, slot_mapping);
+                       at::Tensor v_cache, const at::Tensor& slot_mapping,
+                       const std::optional<at::Tensor>& k_cache_scale,
+                       const std::optional<at::Tensor>& v_cache_scale) {
+  const at::Tensor k_scale = scale_or_empty(k_cache_scale);
+  const at::Tensor v_scale = scale_or_empty(v_cache_scale);
+  check_kv_write_args(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale);
+  write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale);
 }
 
 void rotary_embedding_and_write_kv_op(const at::Tensor& positions, at::Tensor q, at::Tensor k,
                                       const at::Tensor& v, const at::Tensor& cos_sin_cache,
                                       at::Tensor k_cache, at::Tensor v_cache,
-                                      const at::Tensor& slot_mapping) {
+                                      const at::Tensor& slot_mapping,
+                                      const std::optional<at::Tensor>& k_cache_scale,
+                                      const std::optional<at::Tensor>& v_cache_scale) {
+  const at::Tensor k_scale = scale_or_empty(k_cache_scale);
+  const at::Tensor v_scale = scale_or_empty(v_cache_scale);
   check_rotary_args(positions, q, k, cos_sin_cache);
-  check_kv_write_args(k, v, k_cache, v_cache, slot_mapping);
+  check_kv_write_args(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
   rotary_embedding_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
-                                slot_mapping);
+                                slot_mapping, k_scale, v_scale);
 }
 
 void paged_prefill_attention_op(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const at::Tensor& block_tables,
                                 const at::Tensor& query_start_loc,
-                                const at::Tensor& context_lens, double scale) {
+                                const at::Tensor& context_lens, double scale,
+                                const std::optional<at::Tensor>& k_cache_scale,
+                                const std::optional<at::Tensor>& v_cache_scale) {
+  const at::Tensor k_scale = scale_or_empty(k_cache_scale);
+  const at::Tensor v_scale = scale_or_empty(v_cache_scale);
   check_heads(q, "q", q);
   check_heads(out, "out", q);
   TORCH_CHECK(out.sizes() == q.sizes(), "out must have q's shape ", q.sizes(), ", got ",
               out.sizes());
-  check_cache(k_cache, "k_cache", q);
-  check_cache(v_cache, "v_cache", q);
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), "k_cache and v_cache must have one shape");
+  check_kv_caches(k_cache, v_cache, k_scale, v_scale, q);
   TORCH_CHECK(k_cache.size(3) == q.size(2), "head_dim of the cache (", k_cache.size(3),
               ") and of q (", q.size(2), ") differ");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads (", q.size(1),
@@ -186,12 +207,15 @@ void paged_prefill_attention_op(at::Tensor out, const at::Tensor& q, const at::T
   check_tensor(context_lens, "context_lens", at::kInt, 1, q);
   check_batch(block_tables, query_start_loc, context_lens, q.size(0), k_cache.size(0),
               k_cache.size(1));
-  paged_attention(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale);
+  paged_attention(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
+                  k_scale, v_scale);
 }
 
 void paged_decode_attention_op(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache,
                                const at::Tensor& v_cache, const at::Tensor& block_tables,
-                               const at::Tensor& context_lens, double scale) {
+                               const at::Tensor& context_lens, double scale,
+                               const std::optional<at::Tensor>& k_cache_scale,
+                               const std::optional<at::Tensor>& v_cache_scale) {
   // Decode is prefill with one query per sequence.
   TORCH_CHECK(q.dim() == 3 && q.size(0) == context_lens.size(0),
               "decode has one query token per sequence: q must be [num_seqs, H, D] with "
@@ -199,7 +223,7 @@ void paged_decode_attention_op(at::Tensor out, const at::Tensor& q, const at::Te
   const at::Tensor query_start_loc =
       at::arange(q.size(0) + 1, context_lens.options().dtype(at::kInt));
   paged_prefill_attention_op(out, q, k_cache, v_cache, block_tables, query_start_loc,
-                             context_lens, scale);
+                             context_lens, scale, k_cache_scale, v_cache_scale);
 }
 
 }  // namespace
@@ -216,19 +240,24 @@ TORCH_LIBRARY(llmctl_turbo, m) {
   m.def("rotary_embedding(Tensor positions, Tensor(a!) q, Tensor(b!) k, Tensor cos_sin_cache)"
         " -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
+  // An int8 KV cache (kv_cache_dtype=int8, CPU) passes its scales; a float one none.
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-        "Tensor slot_mapping) -> ()");
+        "Tensor slot_mapping, Tensor(c!)? k_cache_scale=None, "
+        "Tensor(d!)? v_cache_scale=None) -> ()");
   m.def("rotary_embedding_and_write_kv(Tensor positions, Tensor(a!) q, Tensor(b!) k, "
         "Tensor v, Tensor cos_sin_cache, Tensor(c!) k_cache, Tensor(d!) v_cache, "
-        "Tensor slot_mapping) -> ()");
+        "Tensor slot_mapping, Tensor(e!)? k_cache_scale=None, "
+        "Tensor(f!)? v_cache_scale=None) -> ()");
   m.def("paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor context_lens, float scale) -> ()");
+        "Tensor block_tables, Tensor context_lens, float scale, Tensor? k_cache_scale=None, "
+        "Tensor? v_cache_scale=None) -> ()");
   m.def("paged_prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, "
-        "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, float scale) -> ()");
+        "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, float scale, "
+        "Tensor? k_cache_scale=None, Tensor? v_cache_scale=None) -> ()");
   m.def("llama_step(Tensor input_ids, Tensor positions, Tensor slot_mapping, "
         "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, Tensor[] weights, "
-        "Tensor(a!) kv_cache, Tensor cos_sin_cache, int num_heads, float rms_norm_eps) "
-        "-> Tensor");
+        "Tensor(a!) kv_cache, Tensor cos_sin_cache, int num_heads, float rms_norm_eps, "
+        "Tensor(b!)? kv_cache_scale=None) -> Tensor");
   // The CPU kernels' threads and instruction set (cpu/thread_pool.h, cpu/isa.h).
   m.def("cpu_threads() -> int", [] { return static_cast<int64_t>(cpu::num_threads()); });
   m.def("set_cpu_threads(int threads) -> ()", [](int64_t threads) {

@@ -497,6 +497,42 @@ void write_kv_rows(const scalar_t* key, int64_t key_stride, const scalar_t* valu
   }
 }
 
+// kv_cache_dtype=int8: one head's row of D values as int8 with one float32 scale, exactly
+// as llmctl.engine.quant.quantize_kv computes it (so turbo and the torch backend hold the
+// same cache bytes): scale = max|x| / 127 (1 for an all-zero row), q = x / scale rounded
+// to nearest, ties to even (std::nearbyint in the default rounding mode, as torch.round),
+// clamped to [-127, 127]. A division, not a multiply by 1 / scale: that would round
+// differently.
+template <typename scalar_t>
+inline void quantize_row_int8(const scalar_t* x, int64_t D, int8_t* q, float* scale) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(static_cast<float>(x[d])));
+  const float s = amax > 0.f ? amax / 127.f : 1.f;
+  *scale = s;
+  for (int64_t d = 0; d < D; ++d) {
+    const float rounded = std::nearbyint(static_cast<float>(x[d]) / s);
+    q[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, rounded)));
+  }
+}
+
+// write_kv_rows for an int8 cache: each (token, kv head) row quantized with its scale
+// stored at the same [slot, kv head] place of k_scale / v_scale.
+template <typename scalar_t>
+void write_kv_rows_int8(const scalar_t* key, int64_t key_stride, const scalar_t* value,
+                        int64_t value_stride, int8_t* k_cache, int8_t* v_cache, float* k_scale,
+                        float* v_scale, const int32_t* slots, int64_t num_tokens,
+                        int64_t num_kv_heads, int64_t D) {
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const int64_t row = slot * num_kv_heads + h;
+      quantize_row_int8(key + t * key_stride + h * D, D, k_cache + row * D, k_scale + row);
+      quantize_row_int8(value + t * value_stride + h * D, D, v_cache + row * D, v_scale + row);
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------
 // Paged attention. One work item is (query token, kv head): the `group` query heads that
 // share a kv head read each key and value row once, straight from the sequence's blocks,
@@ -504,7 +540,8 @@ void write_kv_rows(const scalar_t* key, int64_t key_stride, const scalar_t* valu
 // context (two-pass softmax), which the context lengths served on a CPU afford.
 
 // Rows of a cache block as fp32 (rows `stride` apart): the block itself for fp32 storage,
-// else converted into `buffer` (rows D apart).
+// else converted into `buffer` (rows D apart). An int8 block's rows come out unscaled:
+// attention folds each row's scale into its score or its softmax weight.
 template <typename scalar_t>
 const float* rows_as_float(const scalar_t* rows, int64_t stride, int64_t count, int64_t D,
                            float* buffer, int64_t& float_stride) {
@@ -596,11 +633,15 @@ inline void accumulate_values(float* acc, const float* weights, const float* val
   }
 }
 
-template <typename scalar_t>
-void paged_attention_rows(scalar_t* out, const scalar_t* q, const scalar_t* k_cache,
-                          const scalar_t* v_cache, const int32_t* block_tables,
-                          const int32_t* query_start_loc, const int32_t* context_lens,
-                          const AttentionShape& s, float scale) {
+// The cache is the queries' type, or int8 (kv_cache_dtype=int8) with k_scale / v_scale
+// its float32 scales [num_blocks, block_size, KVH] (else null). Dequantizing is one
+// multiply per key row: q . (k * ks) = (q . k) * ks on each score, and v * vs folded into
+// the row's softmax weight (after the softmax sum, which needs the unscaled weights).
+template <typename scalar_t, typename cache_t>
+void paged_attention_rows(scalar_t* out, const scalar_t* q, const cache_t* k_cache,
+                          const cache_t* v_cache, const float* k_scale, const float* v_scale,
+                          const int32_t* block_tables, const int32_t* query_start_loc,
+                          const int32_t* context_lens, const AttentionShape& s, float scale) {
   const int64_t D = s.head_dim;
   const int64_t group = s.num_heads / s.num_kv_heads;
   const int64_t row_elems = s.num_kv_heads * D;  // one token of one block
@@ -640,24 +681,33 @@ void paged_attention_rows(scalar_t* out, const scalar_t* q, const scalar_t* k_ca
         for (int64_t d = 0; d < D; ++d) q_scaled[h * D + d] = static_cast<float>(qh[d]) * scale;
       }
 
-      // fn(start, count, rows, stride) for each block of this item's keys or values, the
-      // block's rows as fp32 (no division per key).
-      auto for_each_block = [&](const scalar_t* cache, const auto& fn) {
+      // fn(start, count, rows, stride, row_scales) for each block of this item's keys or
+      // values, the block's rows as fp32 (no division per key) and, for an int8 cache, their
+      // scales (num_kv_heads apart; else null).
+      auto for_each_block = [&](const cache_t* cache, const float* cache_scales,
+                                const auto& fn) {
         for (int64_t start = 0; start < num_keys; start += s.block_size) {
           const int64_t count = std::min(s.block_size, num_keys - start);
+          const int64_t block = table[start / s.block_size];
           int64_t stride;
-          const float* rows =
-              rows_as_float(cache + table[start / s.block_size] * block_elems + kv_head * D,
-                            row_elems, count, D, block_buffer, stride);
-          fn(start, count, rows, stride);
+          const float* rows = rows_as_float(cache + block * block_elems + kv_head * D,
+                                            row_elems, count, D, block_buffer, stride);
+          const float* row_scales =
+              cache_scales ? cache_scales + block * s.block_size * s.num_kv_heads + kv_head
+                           : nullptr;
+          fn(start, count, rows, stride, row_scales);
         }
       };
 
       // Pass 1: scores.
-      for_each_block(k_cache, [&](int64_t start, int64_t count, const float* keys,
-                                  int64_t stride) {
+      for_each_block(k_cache, k_scale, [&](int64_t start, int64_t count, const float* keys,
+                                           int64_t stride, const float* key_scales) {
         for (int64_t h = 0; h < group; ++h) {
-          score_keys(q_scaled + h * D, keys, stride, count, D, scores + h * max_context + start);
+          float* sh = scores + h * max_context + start;
+          score_keys(q_scaled + h * D, keys, stride, count, D, sh);
+          if (key_scales) {
+            for (int64_t j = 0; j < count; ++j) sh[j] *= key_scales[j * s.num_kv_heads];
+          }
         }
       });
 
@@ -671,11 +721,14 @@ void paged_attention_rows(scalar_t* out, const scalar_t* q, const scalar_t* k_ca
 
       // Pass 2: weighted sum of values.
       std::fill(acc, acc + group * D, 0.f);
-      for_each_block(v_cache, [&](int64_t start, int64_t count, const float* values,
-                                  int64_t stride) {
+      for_each_block(v_cache, v_scale, [&](int64_t start, int64_t count, const float* values,
+                                           int64_t stride, const float* value_scales) {
         for (int64_t h = 0; h < group; ++h) {
-          accumulate_values(acc + h * D, scores + h * max_context + start, values, stride, count,
-                            D);
+          float* weights = scores + h * max_context + start;
+          if (value_scales) {
+            for (int64_t j = 0; j < count; ++j) weights[j] *= value_scales[j * s.num_kv_heads];
+          }
+          accumulate_values(acc + h * D, weights, values, stride, count, D);
         }
       });
 

@@ -98,29 +98,47 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
   });
 }
 
+// An int8 cache (kv_cache_dtype=int8) comes with its scales; a float one with none.
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
-                    at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                    const at::Tensor& k_scale, const at::Tensor& v_scale) {
   TURBO_DISPATCH_FLOAT_TYPES(key.scalar_type(), "write_kv_cache", [&] {
-    write_kv_rows<scalar_t>(key.data_ptr<scalar_t>(), key.stride(0), value.data_ptr<scalar_t>(),
-                            value.stride(0), k_cache.data_ptr<scalar_t>(),
-                            v_cache.data_ptr<scalar_t>(), slot_mapping.data_ptr<int32_t>(),
-                            key.size(0), key.size(1) * key.size(2));
+    if (k_cache.scalar_type() == at::kChar) {
+      write_kv_rows_int8<scalar_t>(key.data_ptr<scalar_t>(), key.stride(0),
+                                   value.data_ptr<scalar_t>(), value.stride(0),
+                                   k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
+                                   k_scale.data_ptr<float>(), v_scale.data_ptr<float>(),
+                                   slot_mapping.data_ptr<int32_t>(), key.size(0), key.size(1),
+                                   key.size(2));
+    } else {
+      write_kv_rows<scalar_t>(key.data_ptr<scalar_t>(), key.stride(0),
+                              value.data_ptr<scalar_t>(), value.stride(0),
+                              k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                              slot_mapping.data_ptr<int32_t>(), key.size(0),
+                              key.size(1) * key.size(2));
+    }
   });
 }
 
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-                     double scale) {
+                     double scale, const at::Tensor& k_scale, const at::Tensor& v_scale) {
   const AttentionShape shape{context_lens.size(0), q.size(0),        q.size(1),
                              k_cache.size(2),      q.size(2),        k_cache.size(1),
                              q.stride(0),          out.stride(0),    block_tables.stride(0)};
   TURBO_DISPATCH_FLOAT_TYPES(q.scalar_type(), "paged_attention", [&] {
-    paged_attention_rows<scalar_t>(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
-                                   k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                   block_tables.data_ptr<int32_t>(),
-                                   query_start_loc.data_ptr<int32_t>(),
-                                   context_lens.data_ptr<int32_t>(), shape,
-                                   static_cast<float>(scale));
+    auto run = [&](const auto* k_rows, const auto* v_rows, const float* ks, const float* vs) {
+      paged_attention_rows(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k_rows, v_rows, ks,
+                           vs, block_tables.data_ptr<int32_t>(),
+                           query_start_loc.data_ptr<int32_t>(),
+                           context_lens.data_ptr<int32_t>(), shape, static_cast<float>(scale));
+    };
+    if (k_cache.scalar_type() == at::kChar) {
+      run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), k_scale.data_ptr<float>(),
+          v_scale.data_ptr<float>());
+    } else {
+      run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), nullptr, nullptr);
+    }
   });
 }
