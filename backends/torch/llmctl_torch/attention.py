@@ -29,8 +29,8 @@ sequence's end zero weight, and 0 * NaN would still be NaN.
 
 Dispatch: ``LLMCTL_TORCH_ATTENTION=triton|native|torch`` forces one; by default Triton
 on CUDA, and on the CPU turbo's native ops (``native_attention.py``) when llmctl-turbo
-is installed, its ops build here and the cache is a float one (they read no int8 / fp8
-cache), else plain torch. The others' modules are imported only when chosen.
+is installed, its ops build here and the cache is not fp8 (they read float and int8
+caches), else plain torch. The others' modules are imported only when chosen.
 """
 
 from __future__ import annotations
@@ -191,10 +191,12 @@ def _read_blocks(
     )
 
 
-def attention_ops(device: torch.device | str, quantized_kv: bool = False) -> SimpleNamespace:
-    """The three kernels to use on ``device``: Triton on CUDA; on the CPU turbo's native
-    ops where they build and ``quantized_kv`` is false, else plain torch; unless
-    ``LLMCTL_TORCH_ATTENTION`` names one."""
+def attention_ops(
+    device: torch.device | str, kv_dtype: torch.dtype | None = None
+) -> SimpleNamespace:
+    """The three kernels to use on ``device`` for a cache of ``kv_dtype``: Triton on
+    CUDA; on the CPU turbo's native ops where they build and read ``kv_dtype``, else plain
+    torch; unless ``LLMCTL_TORCH_ATTENTION`` names one."""
     choice = os.environ.get(ENV_VAR, "").strip().lower()
     if choice and choice not in CHOICES:
         raise OptionError(f"{ENV_VAR}={choice!r}: use {', '.join(CHOICES)} (or leave it unset)")
@@ -202,8 +204,8 @@ def attention_ops(device: torch.device | str, quantized_kv: bool = False) -> Sim
         if torch.device(device).type == "cuda":
             choice = "triton"
         else:
-            choice = "native" if not quantized_kv and native_problem() is None else "torch"
-    elif choice == "native" and (problem := native_problem(quantized_kv)):
+            choice = "native" if native_problem(kv_dtype) is None else "torch"
+    elif choice == "native" and (problem := native_problem(kv_dtype)):
         raise OptionError(f"{ENV_VAR}=native: {problem}")
     module = importlib.import_module(
         __name__ if choice == "torch" else f"llmctl_torch.{choice}_attention"
@@ -216,10 +218,11 @@ def attention_ops(device: torch.device | str, quantized_kv: bool = False) -> Sim
     )
 
 
-def native_problem(quantized_kv: bool = False) -> str | None:
-    """Why turbo's native ops cannot serve here (``None``: they can; built if needed)."""
-    if quantized_kv:
-        return "turbo's attention ops read a float cache only: unset kv_cache_dtype"
+def native_problem(kv_dtype: torch.dtype | None = None) -> str | None:
+    """Why turbo's native ops cannot serve a cache of ``kv_dtype`` here (``None``: they
+    can; built if needed)."""
+    if kv_dtype == torch.float8_e4m3fn:
+        return "turbo's attention ops read float and int8 caches, not fp8"
     try:
         from llmctl_turbo.build import load_ops
     except ImportError:

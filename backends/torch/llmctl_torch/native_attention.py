@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 from llmctl_turbo import ops as turbo_ops
-from llmctl_turbo.build import load_ops
 
 KVScales = tuple[torch.Tensor, torch.Tensor] | None
 
@@ -26,22 +25,16 @@ def write_kv(
     *,
     kv_scales: KVScales = None,
 ) -> None:
-    """Store ``k, v: [T, Hkv, D]`` at ``slot_mapping: [T]`` (the native op takes int32)."""
-    _float_cache_only(kv_scales)
-    load_ops().write_kv_cache(k, v, k_cache, v_cache, slot_mapping.to(torch.int32))
+    """Store ``k, v: [T, Hkv, D]`` at ``slot_mapping: [T]`` (the native op takes int32;
+    an int8 cache is quantized as ``quantize_kv`` does, with its scales)."""
+    turbo_ops.write_kv_cache(
+        k, v, k_cache, v_cache, slot_mapping.to(torch.int32), *(kv_scales or (None, None))
+    )
 
 
 def paged_decode_attention(*args, kv_scales: KVScales = None) -> torch.Tensor:
-    _float_cache_only(kv_scales)
-    return turbo_ops.paged_decode_attention(*args)
+    return turbo_ops.paged_decode_attention(*args, *(kv_scales or (None, None)))
 
 
 def paged_prefill_attention(*args, kv_scales: KVScales = None) -> torch.Tensor:
-    _float_cache_only(kv_scales)
-    return turbo_ops.paged_prefill_attention(*args)
-
-
-def _float_cache_only(kv_scales: KVScales) -> None:
-    # attention_ops never picks these ops for an int8 / fp8 cache; this guards the rest.
-    if kv_scales is not None:
-        raise ValueError("turbo's native attention ops read a float KV cache only")
+    return turbo_ops.paged_prefill_attention(*args, *(kv_scales or (None, None)))

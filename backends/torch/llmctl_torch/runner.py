@@ -62,7 +62,7 @@ class TorchModelRunner(PagedRunner):
             kv_cache_dtype=kv_cache_dtype,
             cpu_threads=cpu_threads,
         )
-        self.ops = attention_ops(self.device, quantized_kv=is_quantized_kv(self.kv_dtype))
+        self.ops = attention_ops(self.device, self.kv_dtype)
         self.model = self._load_model(model_dir, adapters)
         quantize_linears(self.model, quantization)
         self.kv_caches: list[LayerCache] = []

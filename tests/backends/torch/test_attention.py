@@ -179,6 +179,8 @@ def test_bf16_inputs_give_bf16_outputs_close_to_fp32():
 def test_dispatch_on_cpu_prefers_turbos_native_op_and_honours_the_env_var(monkeypatch):
     expected = "native" if attention.native_problem() is None else "torch"
     assert attention_ops("cpu").name == expected
+    assert attention_ops("cpu", torch.int8).name == expected  # turbo's ops read int8 too
+    assert attention_ops("cpu", torch.float8_e4m3fn).name == "torch"  # but not fp8
     monkeypatch.setenv("LLMCTL_TORCH_ATTENTION", "torch")
     assert attention_ops("cpu").paged_decode_attention is attention.paged_decode_attention
     assert attention_ops("cuda").name == "torch"
