@@ -83,14 +83,27 @@ def test_torch_takes_int8_weights_and_cache_everywhere(builtins, hardware):
     assert builtins["torch"].option_errors(options, hardware) == {}
 
 
-@pytest.mark.parametrize(
-    ("option", "value"), [("quantization", "int8"), ("kv_cache_dtype", "int8")]
-)
-def test_turbo_refuses_int8_on_cuda_and_names_torch(builtins, option, value):
-    errors = builtins["turbo"].option_errors({option: value}, HOPPER)
-    assert "--backend torch" in errors[option]
-    assert builtins["turbo"].option_errors({option: option_named(option).default}, HOPPER) == {}
-    assert builtins["turbo"].option_errors({option: value}, CPU) == {}
+def test_turbo_refuses_an_int8_cache_on_cuda_and_names_torch(builtins):
+    errors = builtins["turbo"].option_errors({"kv_cache_dtype": "int8"}, HOPPER)
+    assert "--backend torch" in errors["kv_cache_dtype"]
+    default = option_named("kv_cache_dtype").default
+    assert builtins["turbo"].option_errors({"kv_cache_dtype": default}, HOPPER) == {}
+    assert builtins["turbo"].option_errors({"kv_cache_dtype": "int8"}, CPU) == {}
+
+
+@pytest.mark.parametrize("hardware", [CPU, AMPERE, HOPPER])
+def test_turbo_takes_int8_weights_on_cpu_and_cuda(builtins, hardware):
+    """turbo's CUDA int8 kernel (csrc/cuda/int8_linear.cu) serves every model dtype; an
+    int8 cache beside int8 weights is still refused on CUDA."""
+    turbo = builtins["turbo"]
+    for dtype in ("auto", "bfloat16", "float16"):
+        options = {"quantization": "int8", "device": "auto", "dtype": dtype}
+        refused = hardware is CPU and dtype == "float16"  # turbo's CPU kernels: fp32 / bf16
+        assert ("quantization" in turbo.option_errors(options, hardware)) == refused
+    both = {"quantization": "int8", "kv_cache_dtype": "int8", "device": "auto"}
+    assert list(turbo.option_errors(both, hardware)) == (
+        [] if hardware is CPU else ["kv_cache_dtype"]
+    )
 
 
 def test_auto_with_explicit_int8_cache_on_cuda_picks_torch_and_says_why(

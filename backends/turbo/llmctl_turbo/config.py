@@ -29,7 +29,7 @@ class TurboConfig:
     dtype: str
     device: str
     cpu_threads: int | None
-    quantization: str  # "int8": int8 weights in turbo's CPU kernels
+    quantization: str  # "int8": int8 weights in turbo's CPU and CUDA kernels
     quant_policy: int  # TurboMind's name: 8 is an int8 KV cache, 0 the model dtype
     seed: int
     chat_template: str | None
@@ -84,10 +84,8 @@ def block_size_problem(block_size: int, on_cuda: bool, hardware: Hardware) -> st
 
 def int8_weights_problem(device: str, dtype: str) -> str | None:
     """Why turbo cannot run int8 weights on ``device`` in ``dtype`` (``None``: it can).
-    Its int8 kernels are CPU ones, with float32 or bfloat16 activations."""
-    if device == "cuda":
-        return "turbo's CUDA kernels have no int8 weights yet; use --backend torch"
-    if dtype == "float16":
+    Its CUDA kernel takes every model dtype; its CPU ones float32 or bfloat16."""
+    if device != "cuda" and dtype == "float16":
         return (
             "turbo's int8 weights run on its CPU kernels in float32 or bfloat16, not "
             "float16; use --dtype float32 or bfloat16"
@@ -131,7 +129,8 @@ RULES = (
     ),
     OptionRule(
         "quantization",
-        "`int8` on CPU (turbo's CPU kernels, float32 or bfloat16 activations); not yet on CUDA",
+        "`int8` on CUDA (any dtype) and on CPU (turbo's CPU kernels, float32 or bfloat16 "
+        "activations)",
         lambda value, options, hardware: (
             int8_weights_problem(
                 hardware.device_for(options.get("device", "auto")), options.get("dtype", "auto")

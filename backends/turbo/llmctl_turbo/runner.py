@@ -49,9 +49,10 @@ def prepare_weights(
     Fused matrices are concatenated once here. With ``pack`` (turbo's CPU kernels) each
     matrix is packed into the panels those kernels read (``pack_linear_weight`` in
     ``csrc/kernels.h``); the checkpoint's copy is then dropped, so memory does not grow.
-    ``quantization="int8"`` (packed only) quantizes the layers' matrices as the torch
-    backend does (``llmctl.engine.quant``) and logs what that saved; the embeddings and
-    the LM head keep the model dtype.
+    ``quantization="int8"`` quantizes the layers' matrices as the torch backend does
+    (``llmctl.engine.quant``) and logs what that saved; packed for the CPU kernels, left
+    as int8 ``[out, in]`` matrices with float32 scales ``[out]`` for the CUDA ones. The
+    embeddings and the LM head keep the model dtype.
     """
     if config.architecture not in LLAMA_FAMILY:
         raise ModelError(
@@ -63,8 +64,6 @@ def prepare_weights(
             "turbo does not support MLP biases (mlp_bias: true); use the torch backend"
         )
     quantize = quantization == "int8"
-    if quantize and not pack:
-        raise ValueError("int8 weights run on turbo's CPU kernels only: they must be packed")
 
     def take(name: str) -> torch.Tensor:
         if name not in weights:
@@ -84,11 +83,11 @@ def prepare_weights(
         nonlocal quantized, bytes_before, bytes_after
         if not quantize:
             return matrix(tensor, groups), none
-        packed, scale = pack_int8_linear(tensor, groups)
+        qweight, scale = pack_int8_linear(tensor, groups) if pack else quantize_weight_int8(tensor)
         quantized += 1
         bytes_before += tensor_bytes(tensor)
-        bytes_after += tensor_bytes(packed, scale)
-        return packed, scale
+        bytes_after += tensor_bytes(qweight, scale)
+        return qweight, scale
 
     layers = range(config.num_layers)
     if quantize:
@@ -144,7 +143,8 @@ class TurboModelRunner(PagedRunner):
     bounds the positions the rotary table covers and, with ``max_num_seqs``, the decode
     steps the CUDA graphs are captured for; ``enable_cuda_graph=False`` turns them off.
     ``cpu_threads`` sizes the native kernels' thread pool (and torch's) on the CPU.
-    ``quantization="int8"`` runs the layers' matrices as int8 in turbo's CPU kernels;
+    ``quantization="int8"`` runs the layers' matrices as int8 in turbo's kernels (CPU:
+    packed, float32 or bfloat16 activations; CUDA: any model dtype);
     ``kv_cache_dtype="int8"`` keeps the KV cache as int8 with a float32 scale per token
     and KV head (the torch backend's bytes), read by those kernels too.
     """

@@ -34,6 +34,7 @@ def test_cuda_sources_are_found_and_built():
         "prefill_attention.cu",
         "simt_attention.cu",
         "elementwise.cu",
+        "int8_linear.cu",
     }
     assert {f"cuda/{name}" for name in names} <= set(CUDA_SOURCES)  # build.py compiles each
 

@@ -217,3 +217,33 @@ def test_row_ops_vectorised_and_scalar(emulated, dtype, dim):
     emulated.silu_and_mul(out, gate_up)
     expected = F.silu(gate_up[:, :dim].float()) * gate_up[:, dim:].float()
     torch.testing.assert_close(out, expected.to(dtype), **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_int8_linear_against_dequantized_matmul(emulated, dtype):
+    """The int8-weight decode kernel against plain torch on the dequantized weight, for
+    1..20 rows (tiles of 8, partial tiles), feature counts that leave partial warp tiles,
+    K that takes 16-byte runs and K that does not (odd, or a strided x), with and
+    without a bias. fp32 accumulation in both; the tolerance is the activation dtype's
+    (one rounding of the output, plus summation order)."""
+    from llmctl.engine.quant import quantize_weight_int8
+
+    generator = torch.Generator().manual_seed(16)
+    shapes = [(1, 7, 64), (3, 33, 48), (8, 16, 32), (9, 10, 37), (16, 24, 96), (20, 5, 17)]
+    for rows, features, in_features in shapes:
+        weight, scale = quantize_weight_int8(
+            torch.randn(features, in_features, generator=generator)
+        )
+        bias = torch.randn(features, generator=generator).to(dtype)
+        # x with spare columns: a strided view, as turbo's fused qkv rows are; the one 3
+        # columns in is not 16-byte aligned, so it takes the element-wise path.
+        padded = torch.randn(rows, in_features + 8, generator=generator).to(dtype)
+        for x in (padded[:, :in_features].contiguous(), padded[:, 3 : 3 + in_features]):
+            for b in (None, bias):
+                out = poisoned(rows, features, dtype=dtype)
+                vectorized = emulated.int8_linear(out, x, weight, scale, b)
+                assert vectorized == (in_features % 16 == 0 and x.data_ptr() % 16 == 0)
+                expected = x.float() @ (weight.float() * scale[:, None]).T
+                if b is not None:
+                    expected += b.float()
+                torch.testing.assert_close(out, expected.to(dtype), **TOLERANCE[dtype])

@@ -1,5 +1,7 @@
 """turbo with quantization=int8 on the CPU, end to end, against the torch backend's int8
-path (the same quantization, ``llmctl.engine.quant``), and turbo's rule for the option.
+path (the same quantization, ``llmctl.engine.quant``), and turbo's rule for the option
+(CUDA's int8 kernel is checked by test_cuda_emulated.py here, scripts/gpu_check_quant.py
+on a GPU).
 
 torch's int8 path on the CPU rounds decode activations to bfloat16 for some products
 (``llmctl_torch.linear._cpu_int8_matmul``) where turbo keeps float32, so logits agree
@@ -109,17 +111,18 @@ def test_turbo_int8_runs_bfloat16_activations(prompts):
     assert agree / sum(map(len, fp32_tokens)) >= 0.9
 
 
-def test_the_rule_takes_int8_on_cpu_and_refuses_it_on_cuda():
+def test_the_rule_takes_int8_on_cpu_and_cuda_but_not_fp16_on_cpu():
     turbo = installed_backends()["turbo"]
     assert turbo.option_errors({"quantization": "int8", "device": "auto"}, CPU) == {}
-    errors = turbo.option_errors({"quantization": "int8", "device": "auto"}, HOPPER)
-    assert errors["quantization"] == (
-        "turbo's CUDA kernels have no int8 weights yet; use --backend torch"
-    )
-    # On a GPU machine the CPU is still an explicit choice turbo serves.
-    assert turbo.option_errors({"quantization": "int8", "device": "cpu"}, HOPPER) == {}
-    errors = turbo.option_errors({"quantization": "int8", "dtype": "float16"}, CPU)
+    assert turbo.option_errors({"quantization": "int8", "device": "auto"}, HOPPER) == {}
+    fp16 = {"quantization": "int8", "dtype": "float16"}
+    assert turbo.option_errors({**fp16, "device": "auto"}, HOPPER) == {}  # the CUDA kernel
+    assert turbo.option_errors({**fp16, "device": "cpu"}, HOPPER) != {}
+    errors = turbo.option_errors(fp16, CPU)
     assert "float32 or bfloat16" in errors["quantization"]
+    # int8 KV stays refused on CUDA, with int8 weights or without.
+    both = {"quantization": "int8", "kv_cache_dtype": "int8", "device": "auto"}
+    assert list(turbo.option_errors(both, HOPPER)) == ["kv_cache_dtype"]
 
 
 def test_backends_check_shows_turbo_serving_int8_on_cpu(tmp_path):

@@ -38,6 +38,23 @@ std::ostream& operator<<(std::ostream& out, const WeightName& weight) {
   return out << weight.name;
 }
 
+namespace {
+
+// An int8 weight's scales: contiguous float32, one per output feature (packed like the
+// weight on the CPU), beside the weight.
+void check_int8_scale(const at::Tensor& scale, bool scaled, WeightName name, int64_t count,
+                      const at::Tensor& w) {
+  TORCH_CHECK(scaled && scale.scalar_type() == at::kFloat && scale.dim() == 1 &&
+                  scale.is_contiguous() && scale.device() == w.device() &&
+                  scale.size(0) == count,
+              name, " is int8, so its scales must be a contiguous float32 [", count, "] tensor "
+              "on ", w.device(), " (one per output feature", w.dim() == 3 ? ", packed like the "
+              "weight" : "", "), got ", scaled ? c10::str(scale.scalar_type(), " ", scale.sizes(),
+              " on ", scale.device()) : std::string("none"));
+}
+
+}  // namespace
+
 void check_linear_weight(const at::Tensor& w, WeightName name, const at::Tensor& like,
                          int64_t in_features, int64_t features, int64_t groups,
                          const at::Tensor& scale) {
@@ -53,11 +70,15 @@ void check_linear_weight(const at::Tensor& w, WeightName name, const at::Tensor&
   TORCH_CHECK(int8 || !scaled, name, " is ", w.scalar_type(), ": scales go with int8 "
               "weights only (pass an empty tensor)");
   if (w.dim() == 2) {
-    TORCH_CHECK(!int8, name, " is int8: int8 weights run on turbo's CPU kernels only, packed "
-                "by pack_linear_weight");
+    TORCH_CHECK(!int8 || w.is_cuda(), name, " is int8: on the CPU int8 weights run on "
+                "turbo's CPU kernels, packed by pack_linear_weight");
     TORCH_CHECK(w.size(0) == features && w.stride(1) == 1, name, " must be a [", features,
                 ", ", in_features, "] matrix with contiguous rows (row-major, as nn.Linear "
                 "stores it), got shape ", w.sizes(), " and strides ", w.strides());
+    if (!int8) return;
+    // turbo's CUDA int8 kernel (cuda/turbo_cuda.h) reads the rows back to back.
+    TORCH_CHECK(w.is_contiguous(), name, " is int8 on CUDA, so it must be contiguous");
+    check_int8_scale(scale, scaled, name, features, w);
     return;
   }
   const int64_t panels = groups * ((features / groups + kPanelWidth - 1) / kPanelWidth);
@@ -68,14 +89,7 @@ void check_linear_weight(const at::Tensor& w, WeightName name, const at::Tensor&
               " must be packed by pack_linear_weight for ", features, " outputs in ", groups,
               " group(s): a contiguous [", panels, ", ", in_features, ", ", kPanelWidth,
               "] tensor, got ", w.sizes());
-  if (!int8) return;
-  TORCH_CHECK(scaled && scale.scalar_type() == at::kFloat && scale.dim() == 1 &&
-                  scale.is_contiguous() && scale.is_cpu() &&
-                  scale.size(0) == panels * kPanelWidth,
-              name, " is int8, so its scales must be a contiguous float32 [",
-              panels * kPanelWidth, "] CPU tensor (one per output feature, packed like the "
-              "weight), got ", scaled ? c10::str(scale.scalar_type(), " ", scale.sizes())
-                                      : std::string("none"));
+  if (int8) check_int8_scale(scale, scaled, name, panels * kPanelWidth, w);
 }
 
 void check_cache(const at::Tensor& cache, const at::Tensor& scale, const char* name,

@@ -28,9 +28,9 @@ std::ostream& operator<<(std::ostream& out, const WeightName& weight);
 
 // A linear weight from `in_features` to `features` outputs in `groups` row groups, with
 // `like`'s (checked) dtype and device: the checkpoint's [out, in] matrix with contiguous rows, or
-// that matrix packed by pack_linear_weight (kernels.h) for the CPU kernels; or, packed
-// only, int8 with `scale` its packed float32 scales. `scale` is empty (or undefined) for
-// float weights.
+// that matrix packed by pack_linear_weight (kernels.h) for the CPU kernels; or int8 with
+// `scale` its float32 scales: packed on the CPU, a contiguous [out, in] matrix on CUDA.
+// `scale` is empty (or undefined) for float weights.
 void check_linear_weight(const at::Tensor& w, WeightName name, const at::Tensor& like,
                          int64_t in_features, int64_t features, int64_t groups,
                          const at::Tensor& scale);

@@ -4,7 +4,10 @@
 // ops.cpp registers the ops for the CUDA key.
 #include <algorithm>
 
+#include <ATen/ops/addmm.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -170,6 +173,35 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                       q.size(1), k_cache.size(2), head_dim, k_cache.size(1),
                       static_cast<float>(scale), stream_of(q)),
                "paged_attention");
+}
+
+// Decode-sized batches stream the int8 weight through turbo_cuda_int8_linear, which
+// reads it once per tile of 8 rows and allocates nothing, so it serves every batch a
+// CUDA graph captures. Larger eager batches (prompts) dequantize the weight into a
+// temporary in the activation dtype (the size of the unquantized matrix, freed at once)
+// and run cuBLAS: from a few dozen rows on, its tensor cores beat re-reading the weight.
+constexpr int64_t kInt8KernelMaxRows = 32;
+
+void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                 const at::Tensor& bias, const at::Tensor& scale) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const bool has_bias = bias.defined() && bias.numel() != 0;
+  if (x.size(0) > kInt8KernelMaxRows && !c10::cuda::isStreamCapturingMayInitCtx(stream_of(x))) {
+    // One rounding, as llmctl.engine.quant.dequantize_weight_int8: int8 is exact in every
+    // activation dtype, and the in-place multiply computes in float32.
+    const at::Tensor dequantized = weight.to(x.scalar_type()).mul_(scale.unsqueeze(1));
+    if (has_bias) {
+      at::addmm_out(out, bias, x, dequantized.t());
+    } else {
+      at::mm_out(out, x, dequantized.t());
+    }
+    return;
+  }
+  check_launch(turbo_cuda_int8_linear(dtype_code(x), out.data_ptr(), out.stride(0), x.data_ptr(),
+                                      x.stride(0), weight.data_ptr<int8_t>(),
+                                      scale.data_ptr<float>(), has_bias ? bias.data_ptr() : nullptr,
+                                      x.size(0), out.size(1), x.size(1), stream_of(x)),
+               "int8_linear");
 }
 
 }  // namespace turbo::cuda

@@ -48,7 +48,11 @@ void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
             const at::Tensor& bias, const at::Tensor& scale) {
   if (weight.dim() == 3) {
     cpu::linear(out, x, weight, bias, scale);
-  } else if (bias.numel() == 0) {
+#ifdef LLMCTL_TURBO_CUDA
+  } else if (weight.scalar_type() == at::kChar) {  // CUDA only (checks.h)
+    cuda::int8_linear(out, x, weight, bias, scale);
+#endif
+  } else if (!bias.defined() || bias.numel() == 0) {
     at::mm_out(out, x, weight.t());
   } else {
     at::addmm_out(out, bias, x, weight.t());
@@ -64,7 +68,7 @@ void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& gat
   if (!gate_up_buffer.defined() || gate_up_buffer.size(0) != x.size(0)) {
     gate_up_buffer = at::empty({x.size(0), gate_up.size(0)}, x.options());
   }
-  at::mm_out(gate_up_buffer, x, gate_up.t());
+  linear(gate_up_buffer, x, gate_up, at::Tensor(), scale);
   silu_and_mul(out, gate_up_buffer);
 }
 

@@ -35,6 +35,9 @@ namespace turbo {
 // [N, 1] column of scales through pack_linear_weight: [panels * 16]); `scale` is an
 // empty tensor for float weights.
 //
+// On CUDA an int8 weight stays the [N, K] matrix (contiguous), `scale` float32 [N]
+// beside it: cuda/int8_linear.cu streams it for decode-sized batches.
+//
 // `groups` packs equal row groups separately (each padded to whole panels): 2 for the
 // MLP's [gate; up], so that each gate panel has a matching up panel.
 constexpr int64_t kPanelWidth = 16;
@@ -129,6 +132,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                      double scale);
+void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                 const at::Tensor& bias, const at::Tensor& scale);
 }  // namespace cuda
 #endif
 

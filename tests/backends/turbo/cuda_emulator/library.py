@@ -136,6 +136,10 @@ class EmulatedKernels:
             vp,
         ]
         self.lib.turbo_cuda_silu_and_mul.argtypes = [i32, vp, i64, vp, i64, i64, i64, vp]
+        self.lib.turbo_cuda_int8_linear_vectorized.argtypes = [i32, vp, i64, vp, i64]
+        self.lib.turbo_cuda_int8_linear.argtypes = [
+            i32, vp, i64, vp, i64, vp, vp, vp, i64, i64, i64, vp
+        ]  # fmt: skip
 
     def _check(self, status: int, name: str) -> None:
         if status != 0:
@@ -226,6 +230,20 @@ class EmulatedKernels:
             ),
             "silu_and_mul",
         )  # fmt: skip
+
+    def int8_linear(self, out, x, weight, scale, bias=None) -> bool:
+        """Returns whether the kernel took its 16-byte weight runs."""
+        args = (DTYPE_CODES[x.dtype], _ptr(x), x.stride(0), _ptr(weight), x.shape[1])
+        vectorized = bool(self.lib.turbo_cuda_int8_linear_vectorized(*args))
+        self._check(
+            self.lib.turbo_cuda_int8_linear(
+                DTYPE_CODES[x.dtype], _ptr(out), out.stride(0), _ptr(x), x.stride(0),
+                _ptr(weight), _ptr(scale), _ptr(bias), x.shape[0], weight.shape[0],
+                x.shape[1], None,
+            ),
+            "int8_linear",
+        )  # fmt: skip
+        return vectorized
 
 
 def load() -> EmulatedKernels:

@@ -118,6 +118,22 @@ cudaError_t turbo_cuda_paged_prefill_attention(
     int64_t num_seqs, int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads,
     int64_t head_dim, int64_t block_size, float scale, cudaStream_t stream);
 
+/* ---- Linear layer with int8 weights (quantization=int8), for decode-sized batches.
+ *
+ * out [rows, features] = x [rows, in_features] @ (weight * scale[:, None])^T (+ bias):
+ * weight int8 [features, in_features] row-major (row stride in_features), scale fp32
+ * [features], bias NULL or [features] in the activation dtype; fp32 accumulation. The
+ * weight is streamed once per tile of 8 rows, so it suits decode (a few rows); any
+ * in_features works, 16-byte weight runs where turbo_cuda_int8_linear_vectorized says so
+ * (in_features % 16 == 0 and 16-byte aligned rows). Allocates nothing. */
+int turbo_cuda_int8_linear_vectorized(int dtype, const void* x, int64_t x_stride,
+                                      const void* weight, int64_t in_features);
+
+cudaError_t turbo_cuda_int8_linear(int dtype, void* out, int64_t out_stride, const void* x,
+                                   int64_t x_stride, const int8_t* weight, const float* scale,
+                                   const void* bias, int64_t rows, int64_t features,
+                                   int64_t in_features, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif
