@@ -10,7 +10,11 @@
 3. decode attention timing over a bf16, an int8 and an fp8 cache;
 4. end to end: ``llmctl bench quality`` on stories260K on the device, each variant
    against float32 (teacher-forced agreement and perplexity are checked, as in
-   tests/backends/torch/test_quant_e2e.py; fp8 is reported, not checked).
+   tests/backends/torch/test_quant_e2e.py; fp8 is reported, not checked);
+5. turbo's CUDA int8 weights (csrc/cuda/int8_linear.cu): ``bench quality`` on
+   stories260K through turbo, int8 against float32 (checked as in 4) and against bfloat16
+   (reported), then decode tokens/s of the 723.6M reference Llama at batch 1 and 16 as
+   turbo's CUDA graphs replay it, bfloat16 weights beside int8 ones in the same run.
 
 With ``dry_run`` on a machine without a GPU the device is the CPU, the kernels run
 through the Triton interpreter on tiny shapes and the numbers mean nothing.
@@ -24,8 +28,6 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
-
-from gpu_check_turbo import seconds_per_call  # scripts/ is on sys.path when run as a script
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO.parent / "shared" / "models" / "stories260K"
@@ -49,10 +51,33 @@ VARIANTS = [
 TEACHER_FORCED_MIN = (0.95, 0.95, 0.90, None)
 
 
+def seconds_per_call(fn, device: str, iterations: int) -> float:
+    """Mean seconds per call of ``fn`` after a warm-up: CUDA events around back-to-back
+    calls on a GPU, the wall clock elsewhere. (This script imported it from
+    gpu_check_turbo.py, which has none.)"""
+    import torch
+
+    for _ in range(3):
+        fn()
+    if device != "cuda":
+        begin = time.perf_counter()
+        for _ in range(iterations):
+            fn()
+        return (time.perf_counter() - begin) / iterations
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iterations):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iterations
+
+
 def quant_section(device: str, dry_run: bool, env: dict[str, str]) -> tuple[bool, str]:
     lines = ["## Quantization: int8 weights, int8 / fp8 KV cache\n"]
     passed = True
-    for part in (run_tests, time_gemm, time_attention, quality):
+    for part in (run_tests, time_gemm, time_attention, quality, turbo_int8):
         try:
             ok, text = part(device, dry_run, env)
         except Exception as exc:  # keep going: the report should say what broke
@@ -167,20 +192,101 @@ def quality(device: str, dry_run: bool, env: dict[str, str]) -> tuple[bool, str]
     flags = {"backend": "torch", "device": device, "dtype": "float32"}
     started = time.monotonic()
     report = benchmark_quality(str(STORIES), flags, spec, variants=variants)
-    passed = dry_run or all(
-        minimum is None
-        or (
-            run["teacher_forced_agreement"] >= minimum
-            and abs(run["ratios"]["perplexity"] - 1) <= 0.02
-        )
-        for run, minimum in zip(report["runs"], TEACHER_FORCED_MIN)
-    )
+    passed = dry_run or quality_met(report, TEACHER_FORCED_MIN)
     return passed, (
         title + f"float32 on {device}, {time.monotonic() - started:.0f} s; checked: "
         "teacher-forced agreement >= 95 % / 95 % / 90 % and perplexity within 2 % "
         f"(fp8 reported only): **{'met' if passed else 'NOT MET'}**.\n\n"
         + markdown(quality_table(report))
         + "\n"
+    )
+
+
+def quality_met(report: dict, minimums) -> bool:
+    """Each checked run's teacher-forced agreement and perplexity (within 2 %)."""
+    return all(
+        minimum is None
+        or (
+            run["teacher_forced_agreement"] >= minimum
+            and abs(run["ratios"]["perplexity"] - 1) <= 0.02
+        )
+        for run, minimum in zip(report["runs"], minimums)
+    )
+
+
+TURBO_DECODE_BATCHES, TURBO_DECODE_CONTEXT = (1, 16), 512
+
+
+def turbo_int8(device: str, dry_run: bool, env: dict[str, str]) -> tuple[bool, str]:
+    """turbo's CUDA int8 weights: quality on stories260K, then decode speed."""
+    from llmctl.bench.quality import QualitySpec, benchmark_quality
+    from llmctl.bench.report import markdown, quality_table
+
+    title = "### turbo: int8 weights on CUDA\n\n"
+    if device != "cuda":
+        return True, title + "Not run: turbo's CUDA kernels need a GPU.\n"
+    if not (STORIES / "config.json").is_file():
+        return False, title + f"stories260K not found at {STORIES}: not run.\n"
+    text = json.loads(TEXT.read_text())["token_ids"]
+    spec = QualitySpec(text_token_ids=tuple(text))
+    int8 = [{"quantization": "int8", "kv_cache_dtype": "auto"}]
+    tables, passed = [], True
+    for dtype in ("float32", "bfloat16"):
+        flags = {"backend": "turbo", "device": device, "dtype": dtype}
+        report = benchmark_quality(str(STORIES), flags, spec, variants=int8)
+        if dtype == "float32":  # bf16's own rounding is the larger error: reported only
+            passed = quality_met(report, TEACHER_FORCED_MIN[:1])
+        tables.append(f"int8 vs {dtype}:\n\n" + markdown(quality_table(report)))
+    speed_ok, speed = turbo_decode_speed(device)
+    return passed and speed_ok, (
+        title + "stories260K, `bench quality` through turbo on the GPU; checked: int8 vs "
+        "float32 teacher-forced agreement >= 95 % and perplexity within 2 %: "
+        f"**{'met' if passed else 'NOT MET'}**.\n\n" + "\n\n".join(tables) + "\n\n" + speed
+    )
+
+
+def turbo_decode_speed(device: str) -> tuple[bool, str]:
+    """Decode steps of the reference Llama replayed as turbo's CUDA graphs, bf16 weights
+    and int8 weights (bf16 activations); int8's logits against bf16's on the same batch."""
+    import torch
+    from gpu_check_graphs import decode_batch, reference_llama
+    from llmctl_turbo.runner import TurboModelRunner
+
+    from llmctl.engine.model_config import ModelConfig
+
+    model_dir = reference_llama()
+    config = ModelConfig.from_dir(model_dir)
+    block_size = 64
+    num_blocks = max(TURBO_DECODE_BATCHES) * -(-TURBO_DECODE_CONTEXT // block_size)
+    results = {}
+    for quantization in ("none", "int8"):
+        runner = TurboModelRunner(
+            model_dir, config, dtype="bfloat16", device=device, block_size=block_size,
+            num_blocks=num_blocks, max_num_seqs=max(TURBO_DECODE_BATCHES),
+            quantization=quantization,
+        )  # fmt: skip
+        for num_seqs in TURBO_DECODE_BATCHES:
+            batch = decode_batch(num_seqs, TURBO_DECODE_CONTEXT, block_size)
+            with torch.inference_mode():
+                logits = runner.execute(batch).clone()
+                seconds = seconds_per_call(partial(runner.execute, batch), device, 30)
+            results[quantization, num_seqs] = (logits, seconds)
+        del runner
+        torch.cuda.empty_cache()
+    rows, passed = [], True
+    for num_seqs in TURBO_DECODE_BATCHES:
+        (want, dense), (got, quantized) = results["none", num_seqs], results["int8", num_seqs]
+        error = ((got - want).abs().max() / want.abs().max()).item()
+        passed &= error < 0.1  # int8 weights: per-channel rounding of every layer
+        rows.append(
+            f"| {num_seqs} | {num_seqs / dense:.0f} | {num_seqs / quantized:.0f} | "
+            f"{dense / quantized:.2f} | {error:.1e} |"
+        )
+    return passed, (
+        f"`{model_dir.name}`, bf16 activations, context {TURBO_DECODE_CONTEXT}, CUDA graphs "
+        "(the runner's), CUDA events over 30 back-to-back steps. Logits error: max abs diff / max abs "
+        "of int8's logits vs bf16's (checked < 0.1).\n\n| batch | bf16 tok/s | int8 tok/s "
+        "| speed-up | logits error |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
     )
 
 
