@@ -45,7 +45,7 @@ from importlib.metadata import version
 from pathlib import Path
 
 from gpu_check_graphs import graphs_section  # scripts/ is on sys.path when run as a script
-from gpu_check_quant import quant_section
+from gpu_check_quant import quant_section, seconds_per_call
 from gpu_check_turbo import turbo_section
 from gpu_check_workload import workload_section
 
@@ -345,20 +345,7 @@ def copy_bandwidth(num_bytes: int, device: str) -> tuple[float, str]:
     iterations = 20 if device == "cuda" else 2
 
     def per_second(fn) -> float:
-        fn()  # warm up
-        if device != "cuda":
-            started = time.perf_counter()
-            for _ in range(iterations):
-                fn()
-            return 2 * num_bytes * iterations / (time.perf_counter() - started)
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iterations):
-            fn()
-        end.record()
-        end.synchronize()
-        return 2 * num_bytes * iterations / (start.elapsed_time(end) / 1e3)
+        return 2 * num_bytes / seconds_per_call(fn, device, iterations)
 
     memcpy = per_second(lambda: dst.copy_(src))
     kernel = per_second(lambda: torch.mul(src, 1.0, out=dst))

@@ -53,8 +53,7 @@ TEACHER_FORCED_MIN = (0.95, 0.95, 0.90, None)
 
 def seconds_per_call(fn, device: str, iterations: int) -> float:
     """Mean seconds per call of ``fn`` after a warm-up: CUDA events around back-to-back
-    calls on a GPU, the wall clock elsewhere. (This script imported it from
-    gpu_check_turbo.py, which has none.)"""
+    calls on a GPU, the wall clock elsewhere."""
     import torch
 
     for _ in range(3):

@@ -112,7 +112,9 @@ def test_int8_arguments_are_checked_with_reasons(turbo_ops):
         turbo_ops.linear(out, x, packed, none, packed_scale[:20])
     with pytest.raises(RuntimeError, match="scales go with int8 weights only"):
         turbo_ops.linear(out, x, turbo_ops.pack_linear_weight(weight), none, packed_scale)
-    with pytest.raises(RuntimeError, match="on the CPU int8 weights run on turbo's CPU kernels, packed"):
+    with pytest.raises(
+        RuntimeError, match="on the CPU int8 weights run on turbo's CPU kernels, packed"
+    ):
         turbo_ops.linear(out, x, qweight, none, scale)
     with pytest.raises(RuntimeError, match="float32, bfloat16 or int8"):
         turbo_ops.pack_linear_weight(weight.half())
