@@ -83,39 +83,44 @@ def test_torch_takes_int8_weights_and_cache_everywhere(builtins, hardware):
     assert builtins["torch"].option_errors(options, hardware) == {}
 
 
-def test_turbo_refuses_an_int8_cache_on_cuda_and_names_torch(builtins):
-    errors = builtins["turbo"].option_errors({"kv_cache_dtype": "int8"}, HOPPER)
-    assert "--backend torch" in errors["kv_cache_dtype"]
+@pytest.mark.parametrize("hardware", [CPU, AMPERE, HOPPER])
+def test_turbo_takes_an_int8_cache_everywhere_and_refuses_fp8(builtins, hardware):
+    """turbo's CPU kernels and its CUDA SIMT attention kernel read an int8 cache; no
+    kernel of turbo reads fp8, and the refusal names the torch backend."""
+    turbo = builtins["turbo"]
     default = option_named("kv_cache_dtype").default
-    assert builtins["turbo"].option_errors({"kv_cache_dtype": default}, HOPPER) == {}
-    assert builtins["turbo"].option_errors({"kv_cache_dtype": "int8"}, CPU) == {}
+    for value in (default, "int8"):
+        assert turbo.option_errors({"kv_cache_dtype": value, "device": "auto"}, hardware) == {}
+    errors = turbo.option_errors({"kv_cache_dtype": "fp8", "device": "auto"}, hardware)
+    assert "the torch backend supports kv_cache_dtype=fp8" in errors["kv_cache_dtype"]
 
 
 @pytest.mark.parametrize("hardware", [CPU, AMPERE, HOPPER])
 def test_turbo_takes_int8_weights_on_cpu_and_cuda(builtins, hardware):
-    """turbo's CUDA int8 kernel (csrc/cuda/int8_linear.cu) serves every model dtype; an
-    int8 cache beside int8 weights is still refused on CUDA."""
+    """turbo's CUDA int8 kernel (csrc/cuda/int8_linear.cu) serves every model dtype, an
+    int8 cache beside it too."""
     turbo = builtins["turbo"]
     for dtype in ("auto", "bfloat16", "float16"):
         options = {"quantization": "int8", "device": "auto", "dtype": dtype}
         refused = hardware is CPU and dtype == "float16"  # turbo's CPU kernels: fp32 / bf16
         assert ("quantization" in turbo.option_errors(options, hardware)) == refused
     both = {"quantization": "int8", "kv_cache_dtype": "int8", "device": "auto"}
-    assert list(turbo.option_errors(both, hardware)) == (
-        [] if hardware is CPU else ["kv_cache_dtype"]
-    )
+    assert turbo.option_errors(both, hardware) == {}
 
 
-def test_auto_with_explicit_int8_cache_on_cuda_picks_torch_and_says_why(
+def test_auto_keeps_turbo_for_int8_cache_and_picks_torch_for_fp8_saying_why(
     builtins, turbo_builds_here
 ):
     model = resolve_model("demo")
     int8 = {"kv_cache_dtype": "int8"}
-    assert choose(model, int8, hardware=CPU, backends=builtins, env={}).backend.name == "turbo"
-    choice = choose(model, int8, hardware=HOPPER, backends=builtins, env={})
+    for hardware in (CPU, HOPPER):
+        assert choose(model, int8, hardware=hardware, backends=builtins, env={}).backend.name == (
+            "turbo"
+        )
+    choice = choose(model, {"kv_cache_dtype": "fp8"}, hardware=HOPPER, backends=builtins, env={})
     assert choice.backend.name == "torch"
     assert any(
-        "turbo skipped" in note and "kv_cache_dtype='int8' refused" in note for note in choice.notes
+        "turbo skipped" in note and "kv_cache_dtype='fp8' refused" in note for note in choice.notes
     )
 
 

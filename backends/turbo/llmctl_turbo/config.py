@@ -93,16 +93,14 @@ def int8_weights_problem(device: str, dtype: str) -> str | None:
     return None
 
 
-def quantized_kv_problem(kv_cache_dtype: str, device: str) -> str | None:
-    """Why turbo cannot keep a ``kv_cache_dtype`` cache on ``device`` (``None``: it can).
-    An int8 cache is read by its CPU kernels; fp8 by none of its kernels."""
+def quantized_kv_problem(kv_cache_dtype: str) -> str | None:
+    """Why turbo cannot keep a ``kv_cache_dtype`` cache (``None``: it can). An int8 cache is read by its CPU kernels and its CUDA SIMT attention kernel; fp8 by
+    none of its kernels."""
     if kv_cache_dtype == "fp8":
         return (
             "turbo has no fp8 KV-cache kernels; the torch backend supports "
             "kv_cache_dtype=fp8 on CUDA GPUs of compute capability >= 8.9"
         )
-    if kv_cache_dtype == "int8" and device == "cuda":
-        return "turbo's CUDA kernels read a float KV cache only; use --backend torch"
     return None
 
 
@@ -141,10 +139,9 @@ RULES = (
     ),
     OptionRule(
         "kv_cache_dtype",
-        "`int8` on CPU (turbo's CPU kernels); no `fp8`, and no `int8` on CUDA yet",
-        lambda value, options, hardware: quantized_kv_problem(
-            value, hardware.device_for(options.get("device", "auto"))
-        ),
+        "`int8` on CPU and CUDA (on CUDA the SIMT attention kernel reads it, slower than the "
+        "vectorised float-cache kernels); no `fp8`",
+        lambda value, options, hardware: quantized_kv_problem(value),
     ),
     DEVICE_RULE,
     CUDA_GRAPHS_RULE,

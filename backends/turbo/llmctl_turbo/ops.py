@@ -4,7 +4,7 @@ The native ops write into tensors the caller passes (so the step can reuse buffe
 these wrappers are the convenient form for tests, benchmarks and the GPU check. All
 index tensors are int32. Shapes and semantics: ``csrc/kernels.h``.
 
-An int8 KV cache (``kv_cache_dtype=int8``, CPU only) comes with its float32 scales
+An int8 KV cache (``kv_cache_dtype=int8``) comes with its float32 scales
 ``k_scale`` / ``v_scale`` (``[num_blocks, block_size, kv_heads]``); a float cache with none.
 """
 

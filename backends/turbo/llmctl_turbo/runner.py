@@ -173,7 +173,7 @@ class TurboModelRunner(PagedRunner):
             kv_cache_dtype=kv_cache_dtype,
             cpu_threads=cpu_threads,
         )
-        kv_problem = quantized_kv_problem(kv_cache_dtype, self.device.type)
+        kv_problem = quantized_kv_problem(kv_cache_dtype)
         if kv_problem:
             raise ModelError(kv_problem)
         ops = load_ops()

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from llmctl.engine.quant import dequantize_kv, quantize_kv
 from tests.backends.turbo.kernel_checks import (
     CUDA_BLOCK_SIZES,
     DTYPES,
@@ -25,12 +26,14 @@ from tests.backends.turbo.kernel_checks import (
     check_rotary_and_write_kv,
     decode_contexts,
 )
+from tests.backends.turbo.test_cpu_int8_kv import fused_key_value, int8_cache, quantized
 from tests.backends.turbo.test_cpu_ops import (
     PagedCache,
     int32,
     poisoned,
     ref_paged_attention,
     ref_rms_norm,
+    ref_rotary,
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -247,3 +250,107 @@ def test_int8_linear_against_dequantized_matmul(emulated, dtype):
                 if b is not None:
                     expected += b.float()
                 torch.testing.assert_close(out, expected.to(dtype), **TOLERANCE[dtype])
+
+
+# ------------------------------------------------------------------ int8 KV cache
+# kv_cache_dtype=int8 on CUDA: the write kernels hold exactly quantize_kv's bytes and
+# scales; the SIMT attention kernel (the one that reads an int8 cache) matches plain
+# torch over the cache dequantized in float32.
+
+INT8_KV_CASES = [(16, torch.float32), (32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("block_size, dtype", INT8_KV_CASES, ids=str)
+def test_write_kv_cache_int8_holds_quantize_kv_bytes(emulated, block_size, dtype):
+    generator = torch.Generator().manual_seed(block_size)
+    kv_heads, head_dim, num_blocks, tokens = 3, 40, 5, 23  # head_dim: not whole warps
+    key, value = fused_key_value(tokens, kv_heads, head_dim, dtype, generator)
+    slots = torch.randperm(num_blocks * block_size, generator=generator)[:tokens].to(torch.int32)
+    slots[5] = -1  # not written
+    k_cache, k_scale = int8_cache(num_blocks, block_size, kv_heads, head_dim)
+    v_cache, v_scale = int8_cache(num_blocks, block_size, kv_heads, head_dim)
+    expected = [t.clone() for t in (k_cache, k_scale, v_cache, v_scale)]
+    keep = slots >= 0
+    for cache, scale, x in ((expected[0], expected[1], key), (expected[2], expected[3], value)):
+        q, s = quantize_kv(x[keep], torch.int8)
+        cache.view(-1, kv_heads, head_dim)[slots[keep].long()] = q
+        scale.view(-1, kv_heads)[slots[keep].long()] = s
+
+    emulated.write_kv_cache(key, value, k_cache, v_cache, slots, k_scale, v_scale)
+
+    for ours, theirs in zip((k_cache, k_scale, v_cache, v_scale), expected, strict=True):
+        assert ours.view(torch.uint8).equal(theirs.view(torch.uint8))  # bit for bit, NaN too
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rotary_write_kv_int8_quantizes_the_rotated_key(emulated, dtype):
+    from llmctl_turbo.rope import cos_sin_cache
+
+    from llmctl.engine.rope import rope_inv_freq
+
+    generator = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim, tokens, block_size = 6, 2, 48, 13, 16
+    frequencies = rope_inv_freq(head_dim, 10000.0, None)
+    widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+    qkv = torch.randn(tokens, sum(widths), generator=generator).to(dtype)
+    q, k, v = (part.view(tokens, -1, head_dim) for part in qkv.split(widths, dim=1))
+    original_k = k.clone()
+    positions = torch.randint(0, 256, (tokens,), generator=generator, dtype=torch.int32)
+    slots = torch.randperm(2 * block_size, generator=generator)[:tokens].to(torch.int32)
+    k_cache, k_scale = int8_cache(2, block_size, kv_heads, head_dim)
+    v_cache, v_scale = int8_cache(2, block_size, kv_heads, head_dim)
+
+    emulated.rotary_write_kv(
+        positions, q, k, v, cos_sin_cache(frequencies, 256), k_cache, v_cache, slots,
+        k_scale, v_scale,
+    )  # fmt: skip
+
+    written = slots.long()
+    got_k = dequantize_kv(
+        k_cache.view(-1, kv_heads, head_dim)[written],
+        k_scale.view(-1, kv_heads)[written],
+        torch.float32,
+    )
+    # The key is rotated in float32 and rounded to the dtype before it is quantized: one
+    # step of its row's scale from the exact rotation at most (plus the dtype's rounding).
+    expected_k = ref_rotary(original_k, positions, frequencies)
+    step = k_scale.view(-1, kv_heads)[written][..., None]
+    slack = 0 if dtype == torch.float32 else expected_k.abs() * 2**-8
+    assert ((got_k - expected_k).abs() <= step * 1.01 + slack).all()
+    q_v, s_v = quantize_kv(v, torch.int8)
+    assert torch.equal(v_cache.view(-1, kv_heads, head_dim)[written], q_v)
+    assert torch.equal(v_scale.view(-1, kv_heads)[written], s_v)
+
+
+def int8_attention_case(block_size, dtype, query_lens, context_lens, seed):
+    """A GQA batch over a random cache quantized to int8: (q, tables, query_start_loc,
+    lens, (k, v, k_scale, v_scale), expected output over the dequantized cache)."""
+    heads, kv_heads, head_dim = 6, 2, 40
+    cache = PagedCache(block_size, context_lens, kv_heads, head_dim, torch.float32, seed=seed)
+    int8_kv, (k_ref, v_ref) = quantized(cache)
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=generator).to(dtype)
+    scale = head_dim**-0.5
+    expected = ref_paged_attention(q, k_ref, v_ref, cache.tables, query_lens, context_lens, scale)
+    query_start_loc = int32([0, *torch.tensor(query_lens).cumsum(0).tolist()])
+    return q, cache.padded_tables(), query_start_loc, int32(context_lens), int8_kv, expected
+
+
+@pytest.mark.parametrize("block_size, dtype", INT8_KV_CASES, ids=str)
+@pytest.mark.parametrize("batch", ["decode", "prefill"])
+def test_simt_attention_over_int8_cache(emulated, block_size, dtype, batch):
+    if batch == "decode":
+        context_lens = [1, block_size - 1, block_size + 1, 2 * block_size + 3, 37]
+        query_lens = [1] * len(context_lens)
+    else:  # fresh prompts, chunks after cached context, decodes, one over a kThreads tile
+        query_lens = [5, 1, block_size + 3, 9, 131]
+        context_lens = [5, 2 * block_size + 1, block_size + 3, block_size + 21, 133]
+    q, tables, query_start_loc, lens, (k, v, k_scale, v_scale), expected = int8_attention_case(
+        block_size, dtype, query_lens, context_lens, seed=block_size
+    )
+    out = poisoned(*q.shape, dtype=dtype)
+    emulated.paged_prefill_attention(
+        out, q, k, v, tables, query_start_loc, lens, q.shape[2] ** -0.5,
+        tensor_cores=False, k_scale=k_scale, v_scale=v_scale,
+    )  # fmt: skip
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])

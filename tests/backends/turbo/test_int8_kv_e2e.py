@@ -97,14 +97,12 @@ def test_turbo_int8_weights_and_cache_follow_the_torch_backend(prompts):
     assert gaps[len(gaps) // 2] < 2e-2 and gaps[-1] < 0.3
 
 
-def test_the_rule_takes_an_int8_cache_on_cpu_only():
+def test_the_rule_takes_an_int8_cache_on_cpu_and_cuda_and_refuses_fp8():
     turbo = installed_backends()["turbo"]
-    assert turbo.option_errors({"kv_cache_dtype": "int8", "device": "auto"}, CPU) == {}
-    errors = turbo.option_errors({"kv_cache_dtype": "int8", "device": "auto"}, HOPPER)
-    assert errors["kv_cache_dtype"] == (
-        "turbo's CUDA kernels read a float KV cache only; use --backend torch"
-    )
-    assert turbo.option_errors({"kv_cache_dtype": "int8", "device": "cpu"}, HOPPER) == {}
+    for hardware in (CPU, HOPPER):
+        for device in ("auto", "cpu"):
+            options = {"kv_cache_dtype": "int8", "device": device}
+            assert turbo.option_errors(options, hardware) == {}
     for hardware in (CPU, HOPPER):
         errors = turbo.option_errors({"kv_cache_dtype": "fp8", "device": "auto"}, hardware)
         assert "turbo has no fp8 KV-cache kernels" in errors["kv_cache_dtype"]

@@ -108,13 +108,11 @@ void check_cache_scale(const at::Tensor& cache, const at::Tensor& scale, const c
                 ": scales go with an int8 cache only (pass none)");
     return;
   }
-  TORCH_CHECK(cache.is_cpu(), name, " is int8 on ", cache.device(), ": turbo's CUDA kernels "
-              "read a float KV cache only; use --backend torch for kv_cache_dtype=int8 on a GPU");
   const auto rows = cache.sizes().slice(0, cache.dim() - 1);
-  TORCH_CHECK(scaled && scale.scalar_type() == at::kFloat && scale.is_cpu() &&
+  TORCH_CHECK(scaled && scale.scalar_type() == at::kFloat && scale.device() == cache.device() &&
                   scale.is_contiguous() && scale.sizes() == rows,
-              name, " is int8, so its scales must be a contiguous float32 ", rows,
-              " CPU tensor (one per token and kv head), got ",
+              name, " is int8, so its scales must be a contiguous float32 ", rows, " tensor on ",
+              cache.device(), " (one per token and kv head), got ",
               scaled ? c10::str(scale.scalar_type(), " ", scale.sizes(), " on ", scale.device())
                      : std::string("none"));
 }

@@ -41,8 +41,8 @@ void check_cache(const at::Tensor& cache, const at::Tensor& scale, const char* n
                  const at::Tensor& like);
 
 // The scales beside a KV cache [..., num_kv_heads, head_dim] (one layer's or the whole
-// step's): none (undefined or empty) for a float cache; for an int8 one (CPU only) a
-// contiguous float32 [..., num_kv_heads] tensor, one scale per token and kv head.
+// step's): none (undefined or empty) for a float cache; for an int8 one a contiguous
+// float32 [..., num_kv_heads] tensor on the cache's device, one per token and kv head.
 void check_cache_scale(const at::Tensor& cache, const at::Tensor& scale, const char* name);
 
 // The batch description every attention call relies on: query_start_loc starts at 0,

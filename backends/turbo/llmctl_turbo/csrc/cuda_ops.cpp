@@ -82,6 +82,11 @@ void paged_decode_attention(at::Tensor& out, const at::Tensor& q, const at::Tens
                "paged_decode_attention");
 }
 
+// An int8 cache's scales (kernels.h), or nullptr for a float cache.
+float* scales_of(const at::Tensor& scale) {
+  return scale.defined() && scale.numel() != 0 ? scale.data_ptr<float>() : nullptr;
+}
+
 }  // namespace
 
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
@@ -122,56 +127,72 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
 }
 
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
-                    at::Tensor& v_cache, const at::Tensor& slot_mapping) {
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                    const at::Tensor& k_scale, const at::Tensor& v_scale) {
   const c10::cuda::CUDAGuard guard(key.device());
   check_launch(turbo_cuda_write_kv_cache(dtype_code(key), key.data_ptr(), key.stride(0),
                                          value.data_ptr(), value.stride(0), k_cache.data_ptr(),
                                          v_cache.data_ptr(), slot_mapping.data_ptr<int32_t>(),
-                                         key.size(0), key.size(1) * key.size(2),
-                                         stream_of(key)),
+                                         scales_of(k_scale), scales_of(v_scale), key.size(0),
+                                         key.size(1), key.size(2), stream_of(key)),
                "write_kv_cache");
 }
 
 void rotary_embedding_and_write_kv(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
                                    const at::Tensor& v, const at::Tensor& cos_sin_cache,
                                    at::Tensor& k_cache, at::Tensor& v_cache,
-                                   const at::Tensor& slot_mapping) {
+                                   const at::Tensor& slot_mapping, const at::Tensor& k_scale,
+                                   const at::Tensor& v_scale) {
   const c10::cuda::CUDAGuard guard(q.device());
   check_launch(turbo_cuda_rotary_write_kv(
                    dtype_code(q), positions.data_ptr<int32_t>(), q.data_ptr(), q.stride(0),
                    q.size(1), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k.size(1),
                    cos_sin_cache.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(),
-                   slot_mapping.data_ptr<int32_t>(), q.size(0), q.size(2), stream_of(q)),
+                   slot_mapping.data_ptr<int32_t>(), scales_of(k_scale), scales_of(v_scale),
+                   q.size(0), q.size(2), stream_of(q)),
                "rotary_embedding_and_write_kv");
 }
 
 // Decode batches (one query per sequence) take the split-K kernel; batches with prompt
 // chunks the tensor-core kernel in bf16 / fp16 (from sm_80); fp32 prefill, older GPUs and
-// head_dims the vectorised kernels do not take (not a multiple of 8) the SIMT kernel.
+// head_dims the vectorised kernels do not take (not a multiple of 8) the SIMT kernel. An
+// int8 cache always takes the SIMT kernel, the one that reads it (slower than the
+// vectorised ones, allocation- and sync-free like them, so CUDA graphs capture it).
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-                     double scale) {
+                     double scale, const at::Tensor& k_scale, const at::Tensor& v_scale) {
   TORCH_CHECK(q.size(2) <= TURBO_CUDA_MAX_HEAD_DIM, "turbo's CUDA attention supports head_dim "
               "up to ", TURBO_CUDA_MAX_HEAD_DIM, ", got ", q.size(2));
   const c10::cuda::CUDAGuard guard(q.device());
   const int dtype = dtype_code(q);
   const int64_t head_dim = q.size(2);
-  const bool vectorised = rows_aligned(q) && rows_aligned(out) && rows_aligned(k_cache) &&
-                          rows_aligned(v_cache);
+  const bool int8_cache = k_cache.scalar_type() == at::kChar;
+  const bool vectorised = !int8_cache && rows_aligned(q) && rows_aligned(out) &&
+                          rows_aligned(k_cache) && rows_aligned(v_cache);
   if (q.size(0) == context_lens.size(0) && vectorised && turbo_cuda_decode_supported(head_dim)) {
     paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale);
     return;
   }
-  const auto kernel = vectorised && turbo_cuda_prefill_supported(dtype, head_dim) && has_sm80(q)
-                          ? turbo_cuda_paged_prefill_attention
-                          : turbo_cuda_paged_attention;
-  check_launch(kernel(dtype, out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0),
-                      k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr<int32_t>(),
-                      block_tables.stride(0), query_start_loc.data_ptr<int32_t>(),
-                      context_lens.data_ptr<int32_t>(), context_lens.size(0), q.size(0),
-                      q.size(1), k_cache.size(2), head_dim, k_cache.size(1),
-                      static_cast<float>(scale), stream_of(q)),
+  if (vectorised && turbo_cuda_prefill_supported(dtype, head_dim) && has_sm80(q)) {
+    check_launch(turbo_cuda_paged_prefill_attention(
+                     dtype, out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0),
+                     k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr<int32_t>(),
+                     block_tables.stride(0), query_start_loc.data_ptr<int32_t>(),
+                     context_lens.data_ptr<int32_t>(), context_lens.size(0), q.size(0),
+                     q.size(1), k_cache.size(2), head_dim, k_cache.size(1),
+                     static_cast<float>(scale), stream_of(q)),
+                 "paged_prefill_attention");
+    return;
+  }
+  check_launch(turbo_cuda_paged_attention(
+                   dtype, out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0),
+                   k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr<int32_t>(),
+                   block_tables.stride(0), query_start_loc.data_ptr<int32_t>(),
+                   context_lens.data_ptr<int32_t>(), context_lens.size(0), q.size(0),
+                   q.size(1), k_cache.size(2), head_dim, k_cache.size(1),
+                   static_cast<float>(scale), scales_of(k_scale), scales_of(v_scale),
+                   stream_of(q)),
                "paged_attention");
 }
 

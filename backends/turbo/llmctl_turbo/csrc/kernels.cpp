@@ -30,14 +30,6 @@ void check_cuda_built([[maybe_unused]] const at::Tensor& t) {
   } while (0)
 #endif
 
-// turbo's CUDA kernels read a float cache only (its config refuses kv_cache_dtype=int8
-// on CUDA before a model loads; this guards a direct call of the ops).
-void check_no_kv_scales_on_cuda(const at::Tensor& k_scale) {
-  TORCH_CHECK(!k_scale.defined() || k_scale.numel() == 0,
-              "turbo's CUDA kernels read a float KV cache only; use --backend torch for "
-              "kv_cache_dtype=int8 on a GPU");
-}
-
 }  // namespace
 
 at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t groups) {
@@ -103,8 +95,7 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
                     const at::Tensor& k_scale, const at::Tensor& v_scale) {
 #ifdef LLMCTL_TURBO_CUDA
   if (key.is_cuda()) {
-    check_no_kv_scales_on_cuda(k_scale);
-    cuda::write_kv_cache(key, value, k_cache, v_cache, slot_mapping);
+    cuda::write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale);
     return;
   }
 #endif
@@ -119,9 +110,8 @@ void rotary_embedding_and_write_kv(const at::Tensor& positions, at::Tensor& q, a
                                    const at::Tensor& v_scale) {
 #ifdef LLMCTL_TURBO_CUDA
   if (q.is_cuda()) {
-    check_no_kv_scales_on_cuda(k_scale);
     cuda::rotary_embedding_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
-                                        slot_mapping);
+                                        slot_mapping, k_scale, v_scale);
     return;
   }
 #endif
@@ -135,9 +125,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                      double scale, const at::Tensor& k_scale, const at::Tensor& v_scale) {
 #ifdef LLMCTL_TURBO_CUDA
   if (q.is_cuda()) {
-    check_no_kv_scales_on_cuda(k_scale);
     cuda::paged_attention(out, q, k_cache, v_cache, block_tables, query_start_loc,
-                          context_lens, scale);
+                          context_lens, scale, k_scale, v_scale);
     return;
   }
 #endif

@@ -14,10 +14,10 @@
 //   positions, slot_mapping: int32 [T]; a negative slot means "do not write this token"
 //   cos_sin_cache:           float32 [max_positions, D]: cos in the first D/2, sin after
 //
-// The KV cache is the model dtype, or int8 (kv_cache_dtype=int8, the CPU kernels only)
-// with float32 scales [num_blocks, block_size, KVH] beside each of K and V: one per token
-// and kv head, llmctl.engine.quant.quantize_kv's scheme. k_scale / v_scale are empty
-// (undefined) for a float cache. The CUDA kernels read a float cache only.
+// The KV cache is the model dtype, or int8 (kv_cache_dtype=int8) with float32 scales
+// [num_blocks, block_size, KVH] beside each of K and V: one per token and kv head,
+// llmctl.engine.quant.quantize_kv's scheme. k_scale / v_scale are empty (undefined) for a
+// float cache. On CUDA only the SIMT attention kernel reads an int8 cache.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -123,15 +123,17 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
                       const at::Tensor& cos_sin_cache);
 void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up);
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
-                    at::Tensor& v_cache, const at::Tensor& slot_mapping);
+                    at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                    const at::Tensor& k_scale, const at::Tensor& v_scale);
 void rotary_embedding_and_write_kv(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
                                    const at::Tensor& v, const at::Tensor& cos_sin_cache,
                                    at::Tensor& k_cache, at::Tensor& v_cache,
-                                   const at::Tensor& slot_mapping);
+                                   const at::Tensor& slot_mapping, const at::Tensor& k_scale,
+                                   const at::Tensor& v_scale);
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
-                     double scale);
+                     double scale, const at::Tensor& k_scale, const at::Tensor& v_scale);
 void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                  const at::Tensor& bias, const at::Tensor& scale);
 }  // namespace cuda

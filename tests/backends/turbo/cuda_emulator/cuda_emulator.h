@@ -138,6 +138,8 @@ inline uint32_t __float_as_uint(float f) {
 inline float __expf(float x) { return std::exp(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+// Round to nearest, ties to even: the default rounding mode of nearbyint.
+inline int __float2int_rn(float x) { return static_cast<int>(std::nearbyint(x)); }
 using std::exp2f;
 using std::fmaxf;
 using std::fminf;

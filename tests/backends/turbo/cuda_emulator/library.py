@@ -116,10 +116,13 @@ class EmulatedKernels:
             [i32, vp, i64, vp, i64, vp, vp, vp, i64, vp, vp] + [i64] * 6 + [f32, vp]
         )
         self.lib.turbo_cuda_paged_attention.argtypes = (
-            [i32, vp, i64, vp, i64, vp, vp, vp, i64, vp, vp] + [i64] * 6 + [f32, vp]
+            [i32, vp, i64, vp, i64, vp, vp, vp, i64, vp, vp] + [i64] * 6 + [f32, vp, vp, vp]
         )
         self.lib.turbo_cuda_rotary_write_kv.argtypes = [
-            i32, vp, vp, i64, i64, vp, i64, vp, i64, i64, vp, vp, vp, vp, i64, i64, vp
+            i32, vp, vp, i64, i64, vp, i64, vp, i64, i64, vp, vp, vp, vp, vp, vp, i64, i64, vp
+        ]  # fmt: skip
+        self.lib.turbo_cuda_write_kv_cache.argtypes = [
+            i32, vp, i64, vp, i64, vp, vp, vp, vp, vp, i64, i64, i64, vp
         ]  # fmt: skip
         self.lib.turbo_cuda_rms_norm.argtypes = [
             i32,
@@ -184,32 +187,45 @@ class EmulatedKernels:
 
     def paged_prefill_attention(
         self, out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, scale,
-        tensor_cores: bool = True,
+        tensor_cores: bool = True, k_scale=None, v_scale=None,
     ) -> None:  # fmt: skip
-        fn = (
-            self.lib.turbo_cuda_paged_prefill_attention
-            if tensor_cores
-            else self.lib.turbo_cuda_paged_attention
-        )
+        """``tensor_cores``: the mma kernel, else the SIMT one (the only one that reads an
+        int8 cache, ``k_scale`` / ``v_scale`` its scales)."""
         block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-        self._check(
-            fn(
-                DTYPE_CODES[q.dtype], _ptr(out), out.stride(0), _ptr(q), q.stride(0),
-                _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), block_tables.stride(0),
-                _ptr(query_start_loc), _ptr(context_lens), context_lens.shape[0], q.shape[0],
-                q.shape[1], num_kv_heads, q.shape[2], block_size, scale, None,
-            ),
-            "paged_prefill_attention",
+        args = (
+            DTYPE_CODES[q.dtype], _ptr(out), out.stride(0), _ptr(q), q.stride(0),
+            _ptr(k_cache), _ptr(v_cache), _ptr(block_tables), block_tables.stride(0),
+            _ptr(query_start_loc), _ptr(context_lens), context_lens.shape[0], q.shape[0],
+            q.shape[1], num_kv_heads, q.shape[2], block_size, scale,
         )  # fmt: skip
+        if tensor_cores:
+            status = self.lib.turbo_cuda_paged_prefill_attention(*args, None)
+        else:
+            status = self.lib.turbo_cuda_paged_attention(*args, _ptr(k_scale), _ptr(v_scale), None)
+        self._check(status, "paged_prefill_attention")
 
-    def rotary_write_kv(self, positions, q, k, v, cos_sin, k_cache, v_cache, slots) -> None:
+    def rotary_write_kv(
+        self, positions, q, k, v, cos_sin, k_cache, v_cache, slots, k_scale=None, v_scale=None
+    ) -> None:
         self._check(
             self.lib.turbo_cuda_rotary_write_kv(
                 DTYPE_CODES[q.dtype], _ptr(positions), _ptr(q), q.stride(0), q.shape[1],
                 _ptr(k), k.stride(0), _ptr(v), v.stride(0), k.shape[1], _ptr(cos_sin),
-                _ptr(k_cache), _ptr(v_cache), _ptr(slots), q.shape[0], q.shape[2], None,
+                _ptr(k_cache), _ptr(v_cache), _ptr(slots), _ptr(k_scale), _ptr(v_scale),
+                q.shape[0], q.shape[2], None,
             ),
             "rotary_write_kv",
+        )  # fmt: skip
+
+    def write_kv_cache(self, key, value, k_cache, v_cache, slots, k_scale=None, v_scale=None):
+        """``key`` / ``value`` ``[T, KVH, D]``; an int8 cache with its scales, or a float one."""
+        self._check(
+            self.lib.turbo_cuda_write_kv_cache(
+                DTYPE_CODES[key.dtype], _ptr(key), key.stride(0), _ptr(value), value.stride(0),
+                _ptr(k_cache), _ptr(v_cache), _ptr(slots), _ptr(k_scale), _ptr(v_scale),
+                key.shape[0], key.shape[1], key.shape[2], None,
+            ),
+            "write_kv_cache",
         )  # fmt: skip
 
     def rms_norm(self, out, x, weight, eps, residual=None) -> None:

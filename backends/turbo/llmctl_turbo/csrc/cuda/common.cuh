@@ -31,6 +31,7 @@
 namespace turbo_cuda {
 
 __device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(int8_t v) { return static_cast<float>(v); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
 __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 

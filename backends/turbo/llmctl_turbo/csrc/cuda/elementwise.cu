@@ -1,5 +1,6 @@
 // Row-wise CUDA kernels: RMSNorm (optionally with the residual add), rotary embedding
-// (alone, or fused with the KV-cache write), SiLU-and-mul and the KV-cache write.
+// (alone, or fused with the KV-cache write), SiLU-and-mul and the KV-cache write (float,
+// or int8 with a scale per token and KV head).
 // fp32 arithmetic; rounding through the storage type where transformers rounds (see
 // ../cpu_kernels.cpp). Rows whose length, pointers and strides allow it are read and
 // written as 16-byte vectors (kN elements per access); others one element at a time.
@@ -80,14 +81,42 @@ __global__ void rms_norm_kernel(T* out, int64_t out_stride, const T* x, int64_t 
   }
 }
 
+// One token's K and V rows [num_kv_heads, head_dim] quantized into an int8 cache slot, as
+// llmctl.engine.quant.quantize_kv: one warp per (K or V, KV head) row takes its absmax,
+// scale = absmax / 127 (1 for an all-zero row), q = round-half-even(x / scale) clamped.
+template <typename T>
+__device__ void quantize_kv_rows(const T* key, const T* value, int64_t num_kv_heads,
+                                 int64_t head_dim, int8_t* k_cache, int8_t* v_cache,
+                                 float* k_scale, float* v_scale) {
+  const int lane = threadIdx.x % kWarp;
+  const int num_warps = blockDim.x / kWarp;
+  for (int64_t r = threadIdx.x / kWarp; r < 2 * num_kv_heads; r += num_warps) {
+    const bool is_key = r < num_kv_heads;
+    const int64_t head = is_key ? r : r - num_kv_heads;
+    const T* x = (is_key ? key : value) + head * head_dim;
+    int8_t* q = (is_key ? k_cache : v_cache) + head * head_dim;
+    float absmax = 0.f;
+    for (int64_t d = lane; d < head_dim; d += kWarp) absmax = fmaxf(absmax, fabsf(to_float(x[d])));
+    absmax = warp_max(absmax);
+    const float scale = absmax > 0.f ? absmax / 127.f : 1.f;
+    for (int64_t d = lane; d < head_dim; d += kWarp) {
+      const int v = __float2int_rn(to_float(x[d]) / scale);  // a true division, as torch
+      q[d] = static_cast<int8_t>(max(-127, min(127, v)));
+    }
+    if (lane == 0) (is_key ? k_scale : v_scale)[head] = scale;
+  }
+}
+
 // One block per token: q's heads, then k's, rotated in place. With k_cache != nullptr
 // the token's rotated k and its v are then copied to cache slot slots[t] (the KV write
-// fused in: the row is still in cache, and one launch is saved per layer).
+// fused in: the row is still in cache, and one launch is saved per layer); with k_scale
+// != nullptr the cache is int8 and they are quantized (quantize_kv_rows).
 template <typename T>
 __global__ void rotary_kernel(const int32_t* positions, T* q, int64_t q_stride,
                               int64_t num_heads, T* k, int64_t k_stride, const T* v,
                               int64_t v_stride, int64_t num_kv_heads, const float* cos_sin,
-                              int64_t head_dim, T* k_cache, T* v_cache, const int32_t* slots) {
+                              int64_t head_dim, void* k_cache, void* v_cache,
+                              const int32_t* slots, float* k_scale, float* v_scale) {
   const int64_t t = blockIdx.x;
   const int64_t half = head_dim / 2;
   const float* cos = cos_sin + static_cast<int64_t>(positions[t]) * head_dim;
@@ -106,9 +135,16 @@ __global__ void rotary_kernel(const int32_t* positions, T* q, int64_t q_stride,
   if (slot < 0) return;
   __syncthreads();  // the rotated k row is complete
   const int64_t row_elems = num_kv_heads * head_dim;
+  if (k_scale != nullptr) {
+    quantize_kv_rows<T>(k + t * k_stride, v + t * v_stride, num_kv_heads, head_dim,
+                        static_cast<int8_t*>(k_cache) + slot * row_elems,
+                        static_cast<int8_t*>(v_cache) + slot * row_elems,
+                        k_scale + slot * num_kv_heads, v_scale + slot * num_kv_heads);
+    return;
+  }
   for (int64_t i = threadIdx.x; i < row_elems; i += blockDim.x) {
-    k_cache[slot * row_elems + i] = k[t * k_stride + i];
-    v_cache[slot * row_elems + i] = v[t * v_stride + i];
+    static_cast<T*>(k_cache)[slot * row_elems + i] = k[t * k_stride + i];
+    static_cast<T*>(v_cache)[slot * row_elems + i] = v[t * v_stride + i];
   }
 }
 
@@ -143,6 +179,21 @@ __global__ void write_kv_kernel(const T* key, int64_t key_stride, const T* value
       v_cache[slot * row_elems + i] = value[t * value_stride + i];
     }
   }
+}
+
+// One block per token into an int8 cache (quantize_kv_rows).
+template <typename T>
+__global__ void write_kv_int8_kernel(const T* key, int64_t key_stride, const T* value,
+                                     int64_t value_stride, int8_t* k_cache, int8_t* v_cache,
+                                     float* k_scale, float* v_scale, const int32_t* slots,
+                                     int64_t num_kv_heads, int64_t head_dim) {
+  const int64_t t = blockIdx.x;
+  const int64_t slot = slots[t];
+  if (slot < 0) return;
+  const int64_t row_elems = num_kv_heads * head_dim;
+  quantize_kv_rows<T>(key + t * key_stride, value + t * value_stride, num_kv_heads, head_dim,
+                      k_cache + slot * row_elems, v_cache + slot * row_elems,
+                      k_scale + slot * num_kv_heads, v_scale + slot * num_kv_heads);
 }
 
 }  // namespace
@@ -185,7 +236,7 @@ extern "C" cudaError_t turbo_cuda_rotary_embedding(int dtype, const int32_t* pos
                                                    int64_t head_dim, cudaStream_t stream) {
   return turbo_cuda_rotary_write_kv(dtype, positions, q, q_stride, num_heads, k, k_stride,
                                     nullptr, 0, num_kv_heads, cos_sin, nullptr, nullptr,
-                                    nullptr, num_tokens, head_dim, stream);
+                                    nullptr, nullptr, nullptr, num_tokens, head_dim, stream);
 }
 
 extern "C" cudaError_t turbo_cuda_rotary_write_kv(int dtype, const int32_t* positions, void* q,
@@ -194,6 +245,7 @@ extern "C" cudaError_t turbo_cuda_rotary_write_kv(int dtype, const int32_t* posi
                                                   int64_t v_stride, int64_t num_kv_heads,
                                                   const float* cos_sin, void* k_cache,
                                                   void* v_cache, const int32_t* slots,
+                                                  float* k_scale, float* v_scale,
                                                   int64_t num_tokens, int64_t head_dim,
                                                   cudaStream_t stream) {
   if (num_tokens == 0) return cudaSuccess;
@@ -202,8 +254,8 @@ extern "C" cudaError_t turbo_cuda_rotary_write_kv(int dtype, const int32_t* posi
                                    0, stream)(positions, static_cast<T*>(q), q_stride, num_heads,
                                               static_cast<T*>(k), k_stride,
                                               static_cast<const T*>(v), v_stride, num_kv_heads,
-                                              cos_sin, head_dim, static_cast<T*>(k_cache),
-                                              static_cast<T*>(v_cache), slots));
+                                              cos_sin, head_dim, k_cache, v_cache, slots,
+                                              k_scale, v_scale));
 }
 
 extern "C" cudaError_t turbo_cuda_silu_and_mul(int dtype, void* out, int64_t out_stride,
@@ -221,9 +273,21 @@ extern "C" cudaError_t turbo_cuda_silu_and_mul(int dtype, void* out, int64_t out
 extern "C" cudaError_t turbo_cuda_write_kv_cache(int dtype, const void* key, int64_t key_stride,
                                                  const void* value, int64_t value_stride,
                                                  void* k_cache, void* v_cache,
-                                                 const int32_t* slots, int64_t num_tokens,
-                                                 int64_t row_elems, cudaStream_t stream) {
+                                                 const int32_t* slots, float* k_scale,
+                                                 float* v_scale, int64_t num_tokens,
+                                                 int64_t num_kv_heads, int64_t head_dim,
+                                                 cudaStream_t stream) {
   if (num_tokens == 0) return cudaSuccess;
+  const int64_t row_elems = num_kv_heads * head_dim;
+  if (k_scale != nullptr) {
+    TURBO_CUDA_DISPATCH(dtype, const auto kernel = write_kv_int8_kernel<T>;
+                        TURBO_LAUNCH(kernel, static_cast<unsigned int>(num_tokens), kRowThreads,
+                                     0, stream)(static_cast<const T*>(key), key_stride,
+                                                static_cast<const T*>(value), value_stride,
+                                                static_cast<int8_t*>(k_cache),
+                                                static_cast<int8_t*>(v_cache), k_scale, v_scale,
+                                                slots, num_kv_heads, head_dim));
+  }
   TURBO_CUDA_DISPATCH(
       dtype,
       const bool vector = vectorizable<T>(row_elems, {key, value, k_cache, v_cache},

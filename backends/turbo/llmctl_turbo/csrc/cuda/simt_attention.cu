@@ -8,6 +8,12 @@
 // the block agrees on the running max (online softmax, rescaling what was accumulated),
 // then threads switch to one output dimension each and sum the tile's values, so value
 // rows are read coalesced. head_dim <= 2 * kThreads = TURBO_CUDA_MAX_HEAD_DIM.
+//
+// It alone reads an int8 KV cache (kv_cache_dtype=int8; C = int8_t): a float32 scale per
+// cache row and KV head, the K scale folded into the key's score, the V scale into the
+// key's softmax weight, so rows are never dequantized into memory.
+#include <type_traits>
+
 #include "common.cuh"
 
 namespace turbo_cuda {
@@ -16,14 +22,17 @@ namespace {
 constexpr int kThreads = 128;
 static_assert(2 * kThreads == TURBO_CUDA_MAX_HEAD_DIM, "each thread owns two output dims");
 
-template <typename T>
+// C: the cache's storage type, T or int8_t (then k_scale / v_scale [rows, num_kv_heads]).
+template <typename T, typename C>
 __global__ void paged_attention_kernel(T* out, int64_t out_stride, const T* q, int64_t q_stride,
-                                       const T* k_cache, const T* v_cache,
+                                       const C* k_cache, const C* v_cache,
+                                       const float* k_scale, const float* v_scale,
                                        const int32_t* block_tables, int64_t table_stride,
                                        const int32_t* query_start_loc,
                                        const int32_t* context_lens, int64_t num_seqs,
                                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                        int64_t block_size, float scale) {
+  constexpr bool kInt8 = std::is_same_v<C, int8_t>;
   __shared__ float q_scaled[TURBO_CUDA_MAX_HEAD_DIM];
   __shared__ float probs[kThreads];
   __shared__ int64_t key_rows[kThreads];  // cache row (block * block_size + offset) per key
@@ -57,13 +66,18 @@ __global__ void paged_attention_kernel(T* out, int64_t out_stride, const T* q, i
     if (j < num_keys) {
       const int64_t row = static_cast<int64_t>(table[j / block_size]) * block_size + j % block_size;
       key_rows[threadIdx.x] = row;
-      const T* k = k_cache + row * row_elems + kv_head * head_dim;
+      const C* k = k_cache + row * row_elems + kv_head * head_dim;
       score = 0.f;
       for (int64_t d = 0; d < head_dim; ++d) score += q_scaled[d] * to_float(k[d]);
+      if constexpr (kInt8) score *= k_scale[row * num_kv_heads + kv_head];
     }
     const float new_max = fmaxf(running_max, block_reduce<true>(score, scratch));
     const float p = j < num_keys ? __expf(score - new_max) : 0.f;
-    probs[threadIdx.x] = p;
+    float weight = p;  // an int8 cache: the value row's scale rides on its weight
+    if constexpr (kInt8) {
+      if (j < num_keys) weight *= v_scale[key_rows[threadIdx.x] * num_kv_heads + kv_head];
+    }
+    probs[threadIdx.x] = weight;
     const float correction = __expf(running_max - new_max);  // 0 on the first tile
     running_sum = running_sum * correction + block_reduce<false>(p, scratch);
     running_max = new_max;
@@ -100,17 +114,28 @@ extern "C" cudaError_t turbo_cuda_paged_attention(
     const void* k_cache, const void* v_cache, const int32_t* block_tables, int64_t table_stride,
     const int32_t* query_start_loc, const int32_t* context_lens, int64_t num_seqs,
     int64_t num_tokens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, float scale, cudaStream_t stream) {
+    int64_t block_size, float scale, const float* k_scale, const float* v_scale,
+    cudaStream_t stream) {
   if (head_dim > TURBO_CUDA_MAX_HEAD_DIM || num_kv_heads <= 0 || num_heads % num_kv_heads) {
     return cudaErrorInvalidValue;
   }
   if (num_tokens == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned int>(num_tokens), static_cast<unsigned int>(num_heads));
-  TURBO_CUDA_DISPATCH(dtype, const auto kernel = paged_attention_kernel<T>;
+  if (k_scale != nullptr) {
+    TURBO_CUDA_DISPATCH(dtype, const auto kernel = paged_attention_kernel<T, int8_t>;
+                        TURBO_LAUNCH(kernel, grid, kThreads, 0, stream)(
+                            static_cast<T*>(out), out_stride, static_cast<const T*>(q),
+                            q_stride, static_cast<const int8_t*>(k_cache),
+                            static_cast<const int8_t*>(v_cache), k_scale, v_scale,
+                            block_tables, table_stride, query_start_loc, context_lens,
+                            num_seqs, num_heads, num_kv_heads, head_dim, block_size, scale));
+  }
+  TURBO_CUDA_DISPATCH(dtype, const auto kernel = paged_attention_kernel<T, T>;
                      TURBO_LAUNCH(kernel, grid, kThreads, 0, stream)(
                                  static_cast<T*>(out), out_stride, static_cast<const T*>(q),
                                  q_stride, static_cast<const T*>(k_cache),
-                                 static_cast<const T*>(v_cache), block_tables, table_stride,
-                                 query_start_loc, context_lens, num_seqs, num_heads,
-                                 num_kv_heads, head_dim, block_size, scale));
+                                 static_cast<const T*>(v_cache), nullptr, nullptr,
+                                 block_tables, table_stride, query_start_loc, context_lens,
+                                 num_seqs, num_heads, num_kv_heads, head_dim, block_size,
+                                 scale));
 }

@@ -40,27 +40,34 @@ cudaError_t turbo_cuda_silu_and_mul(int dtype, void* out, int64_t out_stride,
                                     const void* gate_up, int64_t in_stride, int64_t rows,
                                     int64_t width, cudaStream_t stream);
 
-/* Copies row t of key/value (row_elems = KVH * D elements) to cache slot slots[t];
- * a negative slot skips the token. */
+/* Copies row t of key/value [T, KVH, D] to cache slot slots[t]; a negative slot skips
+ * the token. With k_scale == NULL the cache is in `dtype`; else it is int8 and each
+ * (token, KV head) row is quantized as llmctl.engine.quant.quantize_kv (scale = absmax /
+ * 127, 1 for an all-zero row; round-half-even of x / scale, clamped to +-127), its fp32
+ * scale written to k_scale / v_scale [slots, KVH] at the same slot. */
 cudaError_t turbo_cuda_write_kv_cache(int dtype, const void* key, int64_t key_stride,
                                       const void* value, int64_t value_stride, void* k_cache,
-                                      void* v_cache, const int32_t* slots, int64_t num_tokens,
-                                      int64_t row_elems, cudaStream_t stream);
+                                      void* v_cache, const int32_t* slots, float* k_scale,
+                                      float* v_scale, int64_t num_tokens, int64_t num_kv_heads,
+                                      int64_t head_dim, cudaStream_t stream);
 
 /* Rotary embedding fused with the KV-cache write: rotates q [T, H, D] and k [T, KVH, D]
  * in place (as turbo_cuda_rotary_embedding) and copies the rotated k and v [T, KVH, D]
- * to cache slot slots[t] (as turbo_cuda_write_kv_cache; a negative slot skips). */
+ * to cache slot slots[t] (as turbo_cuda_write_kv_cache: a negative slot skips, scales
+ * given mean an int8 cache). */
 cudaError_t turbo_cuda_rotary_write_kv(int dtype, const int32_t* positions, void* q,
                                        int64_t q_stride, int64_t num_heads, void* k,
                                        int64_t k_stride, const void* v, int64_t v_stride,
                                        int64_t num_kv_heads, const float* cos_sin,
                                        void* k_cache, void* v_cache, const int32_t* slots,
-                                       int64_t num_tokens, int64_t head_dim,
-                                       cudaStream_t stream);
+                                       float* k_scale, float* v_scale, int64_t num_tokens,
+                                       int64_t head_dim, cudaStream_t stream);
 
 /* Causal paged attention; the queries of sequence b are the last q_len tokens of its
  * context_lens[b]. head_dim <= TURBO_CUDA_MAX_HEAD_DIM. One thread block per (query
- * token, head), SIMT, any head_dim: the reference path (fp32 prefill, odd head_dims). */
+ * token, head), SIMT, any head_dim: the reference path (fp32 prefill, odd head_dims), and
+ * the only one for an int8 cache: k_scale / v_scale fp32 [num_blocks * block_size, KVH]
+ * (NULL: the cache is in `dtype`). Allocates nothing. */
 cudaError_t turbo_cuda_paged_attention(int dtype, void* out, int64_t out_stride, const void* q,
                                        int64_t q_stride, const void* k_cache,
                                        const void* v_cache, const int32_t* block_tables,
@@ -68,7 +75,8 @@ cudaError_t turbo_cuda_paged_attention(int dtype, void* out, int64_t out_stride,
                                        const int32_t* context_lens, int64_t num_seqs,
                                        int64_t num_tokens, int64_t num_heads,
                                        int64_t num_kv_heads, int64_t head_dim,
-                                       int64_t block_size, float scale, cudaStream_t stream);
+                                       int64_t block_size, float scale, const float* k_scale,
+                                       const float* v_scale, cudaStream_t stream);
 
 /* ---- Paged decode attention: one query token per sequence, split-K (flash-decoding).
  *
