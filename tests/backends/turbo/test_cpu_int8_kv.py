@@ -46,14 +46,13 @@ def int8_cache(num_blocks, block_size, kv_heads, head_dim):
     return cache, poisoned(num_blocks, block_size, kv_heads)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("head_dim", [8, 64])
-def test_write_kv_cache_int8_holds_quantize_kv_bytes(turbo_ops, isa, dtype, head_dim):
-    generator = torch.Generator().manual_seed(head_dim)
-    kv_heads, num_blocks, block_size, tokens = 2, 7, 16, 50
+def check_int8_write(write, dtype, kv_heads, head_dim, block_size, num_blocks, tokens, seed):
+    """``write(key, value, k_cache, v_cache, slots, k_scale, v_scale)`` into an int8 cache
+    must leave exactly quantize_kv's bytes and scales at the slots, the rest untouched."""
+    generator = torch.Generator().manual_seed(seed)
     key, value = fused_key_value(tokens, kv_heads, head_dim, dtype, generator)
     slots = torch.randperm(num_blocks * block_size, generator=generator)[:tokens].to(torch.int32)
-    slots[7] = -1  # not written
+    slots[tokens // 3] = -1  # not written
     k_cache, k_scale = int8_cache(num_blocks, block_size, kv_heads, head_dim)
     v_cache, v_scale = int8_cache(num_blocks, block_size, kv_heads, head_dim)
     expected = [t.clone() for t in (k_cache, k_scale, v_cache, v_scale)]
@@ -63,10 +62,16 @@ def test_write_kv_cache_int8_holds_quantize_kv_bytes(turbo_ops, isa, dtype, head
         cache.view(-1, kv_heads, head_dim)[slots[keep].long()] = q
         scale.view(-1, kv_heads)[slots[keep].long()] = s
 
-    turbo_ops.write_kv_cache(key, value, k_cache, v_cache, slots, k_scale, v_scale)
+    write(key, value, k_cache, v_cache, slots, k_scale, v_scale)
 
-    for ours, theirs in zip((k_cache, k_scale, v_cache, v_scale), expected):
+    for ours, theirs in zip((k_cache, k_scale, v_cache, v_scale), expected, strict=True):
         assert ours.view(torch.uint8).equal(theirs.view(torch.uint8))  # bit for bit, NaN too
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [8, 64])
+def test_write_kv_cache_int8_holds_quantize_kv_bytes(turbo_ops, isa, dtype, head_dim):
+    check_int8_write(turbo_ops.write_kv_cache, dtype, 2, head_dim, 16, 7, 50, seed=head_dim)
 
 
 def test_rotary_embedding_and_write_kv_quantizes_the_rotated_key(turbo_ops):

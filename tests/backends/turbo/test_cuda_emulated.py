@@ -26,7 +26,7 @@ from tests.backends.turbo.kernel_checks import (
     check_rotary_and_write_kv,
     decode_contexts,
 )
-from tests.backends.turbo.test_cpu_int8_kv import fused_key_value, int8_cache, quantized
+from tests.backends.turbo.test_cpu_int8_kv import check_int8_write, int8_cache, quantized
 from tests.backends.turbo.test_cpu_ops import (
     PagedCache,
     int32,
@@ -262,24 +262,8 @@ INT8_KV_CASES = [(16, torch.float32), (32, torch.bfloat16)]
 
 @pytest.mark.parametrize("block_size, dtype", INT8_KV_CASES, ids=str)
 def test_write_kv_cache_int8_holds_quantize_kv_bytes(emulated, block_size, dtype):
-    generator = torch.Generator().manual_seed(block_size)
-    kv_heads, head_dim, num_blocks, tokens = 3, 40, 5, 23  # head_dim: not whole warps
-    key, value = fused_key_value(tokens, kv_heads, head_dim, dtype, generator)
-    slots = torch.randperm(num_blocks * block_size, generator=generator)[:tokens].to(torch.int32)
-    slots[5] = -1  # not written
-    k_cache, k_scale = int8_cache(num_blocks, block_size, kv_heads, head_dim)
-    v_cache, v_scale = int8_cache(num_blocks, block_size, kv_heads, head_dim)
-    expected = [t.clone() for t in (k_cache, k_scale, v_cache, v_scale)]
-    keep = slots >= 0
-    for cache, scale, x in ((expected[0], expected[1], key), (expected[2], expected[3], value)):
-        q, s = quantize_kv(x[keep], torch.int8)
-        cache.view(-1, kv_heads, head_dim)[slots[keep].long()] = q
-        scale.view(-1, kv_heads)[slots[keep].long()] = s
-
-    emulated.write_kv_cache(key, value, k_cache, v_cache, slots, k_scale, v_scale)
-
-    for ours, theirs in zip((k_cache, k_scale, v_cache, v_scale), expected, strict=True):
-        assert ours.view(torch.uint8).equal(theirs.view(torch.uint8))  # bit for bit, NaN too
+    # 3 KV heads of 40: rows that are not whole warps, more rows than the block's warps.
+    check_int8_write(emulated.write_kv_cache, dtype, 3, 40, block_size, 5, 23, seed=block_size)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
