@@ -22,11 +22,12 @@ import torch
 from llmctl_torch import triton_attention  # noqa: F401  (switches the interpreter on early)
 from llmctl_torch.runner import TorchModelRunner
 
-from llmctl import LLM, SamplingParams
+from llmctl import LLM
 from llmctl.engine.cuda_graphs import DecodeGraphs, replay_eagerly
 from llmctl.engine.model_config import ModelConfig
 from tests.backends.torch.tiny_models import PagedSequences, greedy, hf_greedy, load_hf_model
 from tests.conftest import STORIES
+from tests.helpers.cuda_graphs import greedy_rounds
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need an NVIDIA GPU")
@@ -95,18 +96,8 @@ def generate(model_dir, prompts, max_tokens, cuda_graphs: bool, rounds: int = 1,
     """Greedy tokens of every prompt (each with its own max_tokens), ``rounds`` times over
     (later rounds hit the prefix cache); the decode steps graphs served in each round;
     the engine's count of preemptions."""
-    params = [SamplingParams(max_tokens=n, temperature=0) for n in max_tokens]
-    results, replays = [], []
     with open_llm(model_dir, cuda_graphs, **options) as llm:
-        engine = llm.engine.engine
-        graphs = engine.runner.decode_graphs
-        assert (graphs is not None) == cuda_graphs
-        for _ in range(rounds):
-            before = graphs.replays if graphs else 0
-            results.append([o.token_ids for o in llm.generate(prompts, params)])
-            replays.append((graphs.replays if graphs else 0) - before)
-        preemptions = engine.scheduler.num_preemptions
-    return results, replays, preemptions
+        return greedy_rounds(llm, prompts, max_tokens, cuda_graphs, rounds)
 
 
 def model_for(kind: str, tiny_model_dir):

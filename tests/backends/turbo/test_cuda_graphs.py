@@ -22,10 +22,11 @@ import pytest
 import torch
 from llmctl_turbo.runner import TurboModelRunner
 
-from llmctl import LLM, SamplingParams
+from llmctl import LLM
 from llmctl.engine.model_config import ModelConfig
 from tests.backends.torch.tiny_models import PagedSequences, hf_greedy, load_hf_model
 from tests.conftest import STORIES
+from tests.helpers.cuda_graphs import greedy_rounds
 
 pytestmark = [
     pytest.mark.gpu,
@@ -59,21 +60,11 @@ def workload(seed: int) -> tuple[list[list[int]], list[int]]:
 def generate(model_dir, prompts, max_tokens, cuda_graphs: bool, rounds: int = 1, **options):
     """Greedy tokens of every prompt, ``rounds`` times over; the decode steps graphs served
     per round; the engine's preemption count."""
-    params = [SamplingParams(max_tokens=n, temperature=0) for n in max_tokens]
-    results, replays = [], []
     with LLM(
         str(model_dir), backend="turbo", device="cuda", dtype="float32",
         cuda_graphs=cuda_graphs, max_batch_size=MAX_BATCH, cache_block_seq_len=32, **options,
     ) as llm:  # fmt: skip
-        engine = llm.engine.engine
-        graphs = engine.runner.decode_graphs
-        assert (graphs is not None) == cuda_graphs
-        for _ in range(rounds):
-            before = graphs.replays if graphs else 0
-            results.append([o.token_ids for o in llm.generate(prompts, params)])
-            replays.append((graphs.replays if graphs else 0) - before)
-        preemptions = engine.scheduler.num_preemptions
-    return results, replays, preemptions
+        return greedy_rounds(llm, prompts, max_tokens, cuda_graphs, rounds)
 
 
 @pytest.mark.parametrize("model_dir", MODELS, indirect=True)
