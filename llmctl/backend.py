@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 from llmctl.engine.sampling_params import SamplingParams
 from llmctl.errors import BackendError
 from llmctl.hardware import Hardware
-from llmctl.model_info import ModelInfo
+from llmctl.model.info import ModelInfo
 
 __all__ = [
     "Backend",
@@ -269,7 +269,7 @@ class Backend:
     def check(self, model: ModelInfo, options: Mapping[str, Any], hardware: Hardware) -> list[str]:
         """Every reason this backend cannot serve ``model`` with ``options`` here."""
         reasons = list(self.check_hardware(hardware))
-        if self.loads_local_model:  # a broken model directory (llmctl.engine.model_check)
+        if self.loads_local_model:  # a broken model directory (llmctl.model.check)
             reasons += model.problems
         supported = self.supported_architectures
         if supported is not None and model.architecture not in supported:

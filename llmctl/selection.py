@@ -19,7 +19,7 @@ from typing import Any
 
 from llmctl.backend import Backend, Engine, Hardware, ModelInfo
 from llmctl.errors import BackendError
-from llmctl.model_info import resolve_model
+from llmctl.model.info import resolve_model
 from llmctl.options import did_you_mean, option_named
 from llmctl.plugins.manager import registered_backends
 from llmctl.profiles import Profile, Setting, describe_source, resolve, selected_profile

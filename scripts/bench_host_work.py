@@ -46,7 +46,7 @@ def main() -> None:
     from llmctl import LLM, SamplingParams
     from llmctl.bench.report import markdown
     from llmctl.bench.workload import LengthRange, make_workload, ordinary_token_ids
-    from llmctl.model_info import resolve_model
+    from llmctl.model.info import resolve_model
 
     info = resolve_model(args.model)
     token_ids = ordinary_token_ids(info.path, info.config)

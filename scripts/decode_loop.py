@@ -23,7 +23,7 @@ def load_runner(
 ):
     """The backend's runner on the CPU in fp32 (weights int8 with ``quantization="int8"``),
     with ``num_blocks`` KV blocks of 64 tokens."""
-    from llmctl.engine.model_config import ModelConfig
+    from llmctl.model.config import ModelConfig
 
     if backend == "turbo":
         from llmctl_turbo.runner import TurboModelRunner as Runner

@@ -111,7 +111,7 @@ def time_decode_step(device: str, dry_run: bool) -> tuple[bool, str]:
     from llmctl_torch.runner import TorchModelRunner
 
     from llmctl.engine.cuda_graphs import DecodeGraphs, record_cuda_graph, replay_eagerly
-    from llmctl.engine.model_config import ModelConfig
+    from llmctl.model.config import ModelConfig
 
     title = "### Decode step: eager vs CUDA graph\n\n"
     started = time.monotonic()

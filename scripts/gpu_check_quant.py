@@ -252,7 +252,7 @@ def turbo_decode_speed(device: str) -> tuple[bool, str]:
     from gpu_check_graphs import decode_batch, reference_llama
     from llmctl_turbo.runner import TurboModelRunner
 
-    from llmctl.engine.model_config import ModelConfig
+    from llmctl.model.config import ModelConfig
 
     model_dir = reference_llama()
     config = ModelConfig.from_dir(model_dir)

@@ -104,7 +104,7 @@ def time_decode_step(device: str, dry_run: bool, run_pytest: RunPytest) -> tuple
     runner captures for the engine."""
     from llmctl_turbo.runner import TurboModelRunner
 
-    from llmctl.engine.model_config import ModelConfig
+    from llmctl.model.config import ModelConfig
 
     title = "### Decode step on the reference Llama: eager vs CUDA graph\n\n"
     if device != "cuda":

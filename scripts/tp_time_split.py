@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from llmctl import LLM, SamplingParams
 from llmctl.bench.workload import make_workload, ordinary_token_ids, parse_length_range
-from llmctl.model_info import resolve_model
+from llmctl.model.info import resolve_model
 
 TIMED = ("all_reduce", "gather", "broadcast_object_list", "barrier")
 

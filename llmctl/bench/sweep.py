@@ -48,7 +48,7 @@ def run_sweep(
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Benchmark every block size; with a serve concurrency or rate, serve runs too."""
-    from llmctl.model_info import resolve_model
+    from llmctl.model.info import resolve_model
 
     serve = serve_concurrency is not None or serve_request_rate is not None
     runs = []

@@ -35,9 +35,9 @@ from llmctl.bench.workload import (
     ordinary_token_ids,
 )
 from llmctl.engine.assemble import engine_dtype
-from llmctl.engine.model_config import ModelConfig
 from llmctl.errors import LlmctlError
 from llmctl.hardware import Hardware
+from llmctl.model.config import ModelConfig
 
 if TYPE_CHECKING:
     from rich.progress import Progress

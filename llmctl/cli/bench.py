@@ -365,9 +365,9 @@ def quality(
 
 
 def _text_token_ids(model: str, path: Path) -> tuple[int, ...]:
-    from llmctl.engine.tokenizer import Tokenizer
     from llmctl.errors import OptionError
-    from llmctl.model_info import resolve_model
+    from llmctl.model.info import resolve_model
+    from llmctl.model.tokenizer import Tokenizer
 
     try:
         content = path.read_text()
@@ -393,7 +393,7 @@ def _workload_spec(num_prompts: int, input_len: str, output_len: str, seed: int)
 
 def _vocabulary_model(name: str, *, given: bool) -> Any:
     from llmctl.errors import LlmctlError
-    from llmctl.model_info import resolve_model
+    from llmctl.model.info import resolve_model
 
     try:
         return resolve_model(name)

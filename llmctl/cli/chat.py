@@ -149,7 +149,7 @@ def _connect(
         connection = RemoteConnection(url, api_key=api_key, model=remote_model)
         where = f"{connection.model_name} at {connection.base_url}"
         return connection, f"[bold]Chatting with {escape(where)}.[/] {tail}", []
-    from llmctl.engine.demo import DEMO_LABEL
+    from llmctl.model.demo import DEMO_LABEL
     from llmctl.selection import select
 
     choice = select(model, flags, profile=profile)

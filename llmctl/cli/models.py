@@ -12,8 +12,8 @@ from rich.table import Table
 from llmctl.cli.output import console
 
 if TYPE_CHECKING:
-    from llmctl.engine.model_check import ModelReport
-    from llmctl.model_info import ModelInfo
+    from llmctl.model.check import ModelReport
+    from llmctl.model.info import ModelInfo
 
 
 def register(app: typer.Typer) -> None:
@@ -42,7 +42,7 @@ def models(
 
 def list_models() -> None:
     from llmctl.errors import ModelError
-    from llmctl.model_info import hf_hub_cache, resolve_model
+    from llmctl.model.info import hf_hub_cache, resolve_model
 
     names = ["demo"]
     cache = hf_hub_cache()
@@ -74,7 +74,7 @@ def list_models() -> None:
 
 def show_model(name: str) -> None:
     from llmctl.errors import ModelError
-    from llmctl.model_info import resolve_model
+    from llmctl.model.info import resolve_model
 
     info = resolve_model(name)
     with console.status("Reading the model's files…"):

@@ -12,11 +12,11 @@ from llmctl.engine.async_engine import AsyncEngine
 from llmctl.engine.config import EngineOptions
 from llmctl.engine.kv_cache import plan_kv_cache
 from llmctl.engine.llm_engine import LLMEngine
-from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.runner import PagedRunner
-from llmctl.engine.tokenizer import Tokenizer
 from llmctl.hardware import Hardware, available_memory_bytes
-from llmctl.model_info import ModelInfo
+from llmctl.model.config import ModelConfig
+from llmctl.model.info import ModelInfo
+from llmctl.model.tokenizer import Tokenizer
 
 logger = logging.getLogger("llmctl")
 

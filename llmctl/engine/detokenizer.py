@@ -18,8 +18,8 @@ after it, with ``include_stop_str_in_output``).
 from __future__ import annotations
 
 from llmctl.engine.sampling_params import SamplingParams
-from llmctl.engine.token_bytes import strip_leading, token_pieces
-from llmctl.engine.tokenizer import Tokenizer
+from llmctl.model.token_bytes import strip_leading, token_pieces
+from llmctl.model.tokenizer import Tokenizer
 
 # Prompt tokens decoded as context before the first generated token (vLLM uses 5).
 _CONTEXT_TOKENS = 5

@@ -34,9 +34,9 @@ from llmctl.engine.sampling_params import SamplingParams
 from llmctl.engine.scheduler import ScheduledStep, Scheduler
 from llmctl.engine.sequence import Sequence, SequenceStatus
 from llmctl.engine.step_profile import StepProfile
-from llmctl.engine.tokenizer import Tokenizer
 from llmctl.engine.transfer import to_device
 from llmctl.errors import InvalidRequest
+from llmctl.model.tokenizer import Tokenizer
 
 
 class StepFailed(Exception):

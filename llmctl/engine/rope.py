@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from llmctl.engine.model_config import RopeScaling
+from llmctl.model.config import RopeScaling
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

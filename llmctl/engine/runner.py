@@ -17,8 +17,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.quant import kv_cache_torch_dtype
+from llmctl.model.config import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -12,15 +12,15 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from llmctl.engine import demo
-from llmctl.engine.demo import (
+from llmctl.model import demo
+from llmctl.model.config import ModelConfig
+from llmctl.model.demo import (
     DEMO_CONFIG,
     demo_model_dir,
     ensure_demo_materialized,
     materialize_demo,
 )
-from llmctl.engine.model_config import ModelConfig
-from llmctl.engine.weights import load_weights
+from llmctl.model.weights import load_weights
 
 FILES = [
     "README.md",

@@ -16,8 +16,8 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from llmctl.engine.detokenizer import IncrementalDetokenizer
 from llmctl.engine.sampling_params import SamplingParams
-from llmctl.engine.token_bytes import token_pieces
-from llmctl.engine.tokenizer import Tokenizer
+from llmctl.model.token_bytes import token_pieces
+from llmctl.model.tokenizer import Tokenizer
 
 # ASCII words and spaces mixed with 2-, 3- and 4-byte UTF-8 characters, which the
 # stories260K tokenizer spells as one byte-fallback token per byte.

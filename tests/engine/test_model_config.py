@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from llmctl.engine.model_config import ModelConfig, RopeScaling, canonical_dtype
 from llmctl.errors import ModelError, OptionError
+from llmctl.model.config import ModelConfig, RopeScaling, canonical_dtype
 
 LLAMA = {
     "architectures": ["LlamaForCausalLM"],

@@ -147,7 +147,7 @@ def test_overlapped_steps_on_the_gpu_give_the_tokens_of_sequential_ones(
     from llmctl_torch.runner import TorchModelRunner
 
     from llmctl.engine.llm_engine import LLMEngine
-    from llmctl.engine.model_config import ModelConfig
+    from llmctl.model.config import ModelConfig
     from tests.conftest import STORIES
     from tests.engine.paged_toy_model import ToyOptions
 

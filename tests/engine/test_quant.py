@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from llmctl.engine.kv_cache import KVPlan
-from llmctl.engine.model_config import KV_SCALE_BYTES, ModelConfig
 from llmctl.engine.quant import (
     FP8_MAX,
     INT8_MAX,
@@ -18,6 +17,7 @@ from llmctl.engine.quant import (
     quantize_kv,
     quantize_weight_int8,
 )
+from llmctl.model.config import KV_SCALE_BYTES, ModelConfig
 
 FP8 = torch.float8_e4m3fn
 

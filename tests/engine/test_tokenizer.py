@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
-from llmctl.engine.tokenizer import Tokenizer
 from llmctl.errors import InvalidRequest, OptionError
+from llmctl.model.tokenizer import Tokenizer
 
 LLAMA2_TEMPLATE = (
     "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}"

@@ -16,7 +16,8 @@ from tests.conftest import REPO
 # Lowest first; a module belongs to the first layer with a prefix of its name.
 LAYERS = [
     ("base", ["llmctl.errors", "llmctl.paths", "llmctl.kv_budget", "llmctl.hardware"]),
-    ("schema", ["llmctl.options", "llmctl.plugins", "llmctl.model_info", "llmctl.profiles"]),
+    ("model", ["llmctl.model"]),
+    ("schema", ["llmctl.options", "llmctl.plugins", "llmctl.profiles"]),
     ("contract", ["llmctl.engine.sampling_params", "llmctl.backend"]),
     ("engine", ["llmctl.engine"]),
     ("selection", ["llmctl.selection"]),

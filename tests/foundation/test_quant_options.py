@@ -9,7 +9,7 @@ import pytest
 
 from llmctl.errors import BackendError, OptionError
 from llmctl.hardware import Hardware
-from llmctl.model_info import resolve_model
+from llmctl.model.info import resolve_model
 from llmctl.options import option_named
 from llmctl.profiles import Source, get_profile, resolve
 from llmctl.selection import choose, installed_backends

@@ -9,7 +9,7 @@ import pytest
 
 from llmctl.errors import BackendError
 from llmctl.hardware import Hardware, find_cxx_compiler
-from llmctl.model_info import ModelInfo, resolve_model
+from llmctl.model.info import ModelInfo, resolve_model
 from llmctl.profiles import Source
 from llmctl.selection import choose, installed_backends
 

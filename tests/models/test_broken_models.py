@@ -19,7 +19,7 @@ import pytest
 
 from llmctl.errors import ModelError
 from llmctl.hardware import Hardware
-from llmctl.model_info import resolve_model
+from llmctl.model.info import resolve_model
 from llmctl.selection import assess, installed_backends, select
 from tests.conftest import STORIES
 from tests.helpers.cli import run_llmctl

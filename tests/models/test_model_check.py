@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmctl.engine.model_check import check_model_dir, expected_tensors, validate_model_dir
-from llmctl.engine.weights import iter_weights, read_header
 from llmctl.errors import ModelError
+from llmctl.model.check import check_model_dir, expected_tensors, validate_model_dir
+from llmctl.model.weights import iter_weights, read_header
 from tests.backends.torch.conftest import tiny_model_dir  # noqa: F401  (a fixture)
 from tests.backends.torch.tiny_models import TINY_MODELS, make_tiny_model
 from tests.helpers.cli import run_llmctl

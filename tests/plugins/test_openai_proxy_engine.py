@@ -13,7 +13,7 @@ import pytest
 from llmctl.backend import GenerationOutput, GenerationRequest, SamplingParams
 from llmctl.errors import InvalidRequest, UpstreamError
 from llmctl.hardware import Hardware
-from llmctl.model_info import ModelInfo
+from llmctl.model.info import ModelInfo
 from tests.conftest import STORIES
 from tests.helpers.server_process import ServerProcess
 from tests.plugins.conftest import UPSTREAM_KEY, metric

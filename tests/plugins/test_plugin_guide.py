@@ -15,7 +15,7 @@ import pytest
 from llmctl.backend import Engine, GenerationOutput, GenerationRequest, SamplingParams
 from llmctl.errors import InvalidRequest
 from llmctl.hardware import Hardware
-from llmctl.model_info import ModelInfo
+from llmctl.model.info import ModelInfo
 from llmctl.plugins import hookspecs
 
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"

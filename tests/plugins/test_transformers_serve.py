@@ -13,7 +13,7 @@ import pytest
 
 from llmctl.backend import SamplingParams
 from llmctl.engine.detokenizer import IncrementalDetokenizer
-from llmctl.engine.tokenizer import Tokenizer
+from llmctl.model.tokenizer import Tokenizer
 from tests.backends.torch.tiny_models import hf_greedy, load_hf_model
 from tests.helpers.server_process import ServerProcess, start_server
 from tests.plugins.conftest import require_transformers_plugin

@@ -20,7 +20,7 @@ from llmctl.backend import (
 )
 from llmctl.errors import ModelError
 from llmctl.kv_budget import KVBudget, parse_kv_budget
-from llmctl.model_info import resolve_model
+from llmctl.model.info import resolve_model
 
 
 @dataclass(frozen=True)

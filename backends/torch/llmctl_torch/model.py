@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.rope import rope_inv_freq
 from llmctl.errors import ModelError
+from llmctl.model.config import ModelConfig
 from llmctl_torch.attention import LayerCache
 from llmctl_torch.linear import Linear
 

@@ -28,9 +28,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from llmctl.engine.model_config import ModelConfig
-from llmctl.engine.weights import SliceOf, load_weight_slices
 from llmctl.errors import ModelError, OptionError
+from llmctl.model.config import ModelConfig
+from llmctl.model.weights import SliceOf, load_weight_slices
 from llmctl_torch.config import tensor_parallel_problem
 from llmctl_torch.linear import Linear
 from llmctl_torch.model import LlamaForCausalLM, build_model

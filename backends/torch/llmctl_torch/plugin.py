@@ -7,8 +7,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from llmctl.backend import Backend, Engine, Hardware, ModelInfo
-from llmctl.engine.model_config import SUPPORTED_ARCHITECTURES
 from llmctl.errors import BackendError
+from llmctl.model.config import SUPPORTED_ARCHITECTURES
 from llmctl.plugins import hookimpl
 from llmctl_torch.config import RULES, TorchConfig
 

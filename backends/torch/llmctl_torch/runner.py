@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from llmctl.engine.cuda_graphs import DecodeGraphs, decode_graphs
-from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.quant import SCALE_DTYPE, is_quantized_kv
 from llmctl.engine.runner import PagedRunner, StepBatch, StepInputs, stage_step
-from llmctl.engine.weights import load_weights
+from llmctl.model.config import ModelConfig
+from llmctl.model.weights import load_weights
 from llmctl_torch.attention import LayerCache, attention_ops
 from llmctl_torch.linear import quantize_linears
 from llmctl_torch.lora import apply_lora_adapters

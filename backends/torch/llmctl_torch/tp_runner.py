@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from llmctl.engine.assemble import engine_dtype
-from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.runner import StepBatch
 from llmctl.errors import EngineDead
+from llmctl.model.config import ModelConfig
 from llmctl_torch.config import TorchConfig
 from llmctl_torch.distributed import STOP, HeadRanks, Topology, WorkerLink, run_worker_node
 from llmctl_torch.parallel import ParallelLlamaForCausalLM, Shard, load_shard, local_config

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.rope import rope_inv_freq
+from llmctl.model.config import ModelConfig
 
 
 def cos_sin_cache(frequencies: torch.Tensor, max_positions: int) -> torch.Tensor:

@@ -20,7 +20,6 @@ import torch
 from rich.progress import track
 
 from llmctl.engine.cuda_graphs import DecodeGraphs, decode_graphs
-from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.quant import (
     SCALE_DTYPE,
     QuantizationReport,
@@ -29,8 +28,9 @@ from llmctl.engine.quant import (
     tensor_bytes,
 )
 from llmctl.engine.runner import PagedRunner, StepBatch, StepInputs, stage_step
-from llmctl.engine.weights import load_weights
 from llmctl.errors import ModelError
+from llmctl.model.config import ModelConfig
+from llmctl.model.weights import load_weights
 from llmctl_turbo.build import load_ops
 from llmctl_turbo.config import LLAMA_FAMILY, int8_weights_problem, quantized_kv_problem
 from llmctl_turbo.rope import model_cos_sin_cache

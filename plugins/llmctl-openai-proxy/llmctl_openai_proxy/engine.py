@@ -16,7 +16,7 @@ import httpx
 
 from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest
 from llmctl.errors import InvalidRequest, UpstreamError
-from llmctl.model_info import DEMO_NAME
+from llmctl.model.info import DEMO_NAME
 from llmctl_openai_proxy.config import ProxyConfig
 from llmctl_openai_proxy.protocol import StreamTranslator, sse_data, upstream_request
 from llmctl_openai_proxy.upstream import list_models, status_error, transport_error

@@ -37,9 +37,9 @@ from llmctl.engine.detokenizer import IncrementalDetokenizer
 from llmctl.engine.kv_cache import KVPlan, plan_kv_cache
 from llmctl.engine.request_rules import finish_reason, stop_token_ids, validate_request
 from llmctl.engine.sampling_params import SamplingParams
-from llmctl.engine.tokenizer import Tokenizer
 from llmctl.errors import BackendError, InvalidRequest, OptionError
 from llmctl.kv_budget import format_bytes
+from llmctl.model.tokenizer import Tokenizer
 from llmctl_transformers.config import TransformersConfig
 from llmctl_transformers.sampling import ENGINE_SAMPLING, processor_kwargs, unsupported
 

@@ -24,7 +24,7 @@ from llmctl_torch.runner import TorchModelRunner
 
 from llmctl import LLM
 from llmctl.engine.cuda_graphs import DecodeGraphs, replay_eagerly
-from llmctl.engine.model_config import ModelConfig
+from llmctl.model.config import ModelConfig
 from tests.backends.torch.tiny_models import PagedSequences, greedy, hf_greedy, load_hf_model
 from tests.conftest import STORIES
 from tests.helpers.cuda_graphs import greedy_rounds

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from llmctl_torch.runner import TorchModelRunner
 
-from llmctl.engine.demo import demo_model_dir
-from llmctl.engine.model_config import ModelConfig
+from llmctl.model.config import ModelConfig
+from llmctl.model.demo import demo_model_dir
 from tests.backends.torch.tiny_models import PagedSequences, load_hf_model
 
 

@@ -22,9 +22,9 @@ from llmctl_torch import linear
 from llmctl_torch.linear import INT8_WEIGHTS, Linear, int8_matmul, quantize_linears
 from llmctl_torch.model import build_model
 
-from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.quant import dequantize_weight_int8, quantize_weight_int8
-from llmctl.engine.weights import load_weights
+from llmctl.model.config import ModelConfig
+from llmctl.model.weights import load_weights
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -10,8 +10,8 @@ import torch
 from llmctl_torch.runner import TorchModelRunner
 from safetensors.torch import save_file
 
-from llmctl.engine.model_config import ModelConfig
 from llmctl.errors import ModelError, OptionError
+from llmctl.model.config import ModelConfig
 from tests.backends.torch.tiny_models import PagedSequences, load_hf_model
 
 TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from llmctl_torch.runner import TorchModelRunner
 
-from llmctl.engine.model_config import ModelConfig
+from llmctl.model.config import ModelConfig
 from tests.backends.torch.tiny_models import TINY_MODELS, PagedSequences, load_hf_model
 
 ATOL = 1e-4

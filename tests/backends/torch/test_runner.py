@@ -11,9 +11,9 @@ import torch
 from llmctl_torch.attention import native_problem
 from llmctl_torch.runner import TorchModelRunner
 
-from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.runner import StepBatch
 from llmctl.errors import ModelError, OptionError
+from llmctl.model.config import ModelConfig
 from tests.backends.torch.tiny_models import PagedSequences, greedy
 
 

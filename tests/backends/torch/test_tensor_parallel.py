@@ -19,8 +19,8 @@ from llmctl_torch.runner import TorchModelRunner
 from llmctl_torch.tp_runner import TensorParallelRunner, with_host_tokens
 
 from llmctl import LLM, SamplingParams
-from llmctl.engine.model_config import ModelConfig
 from llmctl.engine.runner import SampledTokenFill, StepBatch
+from llmctl.model.config import ModelConfig
 from tests.backends.torch.tiny_models import (
     PagedSequences,
     hf_greedy,

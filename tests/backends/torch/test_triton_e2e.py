@@ -19,7 +19,7 @@ import torch
 from llmctl_torch import triton_attention  # noqa: F401  (switches the interpreter on early)
 from llmctl_torch.runner import TorchModelRunner
 
-from llmctl.engine.model_config import ModelConfig
+from llmctl.model.config import ModelConfig
 from tests.backends.torch.tiny_models import PagedSequences
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from llmctl.engine.weights import load_weights, safetensors_files
 from llmctl.errors import ModelError
+from llmctl.model.weights import load_weights, safetensors_files
 from tests.backends.torch.tiny_models import load_hf_model, make_tiny_model
 
 

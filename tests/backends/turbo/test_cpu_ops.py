@@ -113,7 +113,7 @@ def test_silu_and_mul(turbo_ops, dtype):
     ids=["default", "llama3"],
 )
 def test_rotary_embedding_on_strided_qkv_views(turbo_ops, dtype, scaling):
-    from llmctl.engine.model_config import RopeScaling
+    from llmctl.model.config import RopeScaling
 
     torch.manual_seed(4)
     heads, kv_heads, head_dim, tokens = 6, 2, 32, 29

@@ -23,7 +23,7 @@ import torch
 from llmctl_turbo.runner import TurboModelRunner
 
 from llmctl import LLM
-from llmctl.engine.model_config import ModelConfig
+from llmctl.model.config import ModelConfig
 from tests.backends.torch.tiny_models import PagedSequences, hf_greedy, load_hf_model
 from tests.conftest import STORIES
 from tests.helpers.cuda_graphs import greedy_rounds

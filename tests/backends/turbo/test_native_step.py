@@ -12,7 +12,7 @@ import torch
 from llmctl_turbo.plugin import LLAMA_FAMILY
 from llmctl_turbo.runner import TurboModelRunner
 
-from llmctl.engine.model_config import ModelConfig
+from llmctl.model.config import ModelConfig
 from tests.backends.torch.tiny_models import TINY_MODELS, PagedSequences
 
 TOLERANCE = dict(atol=1e-4, rtol=1e-4)

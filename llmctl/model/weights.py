@@ -3,7 +3,7 @@
 A safetensors file is an 8-byte little-endian header length, a JSON header (tensor name →
 dtype, shape, byte offsets) and the raw data. ``read_header`` parses that header by hand,
 so a checkpoint can be described and checked against config.json without torch and
-before anything is allocated (``llmctl.engine.model_check`` does, for ``serve`` and ``backends
+before anything is allocated (``llmctl.model.check`` does, for ``serve`` and ``backends
 check``). Loading reads tensors through ``safe_open`` (memory-mapped), one at a time,
 converted to the dtype asked for.
 """
@@ -52,7 +52,7 @@ class TensorEntry:
 
 def safetensors_files(model_dir: str | Path) -> list[Path]:
     """The weight files of ``model_dir``, in shard order."""
-    from llmctl.engine.demo import ensure_demo_materialized
+    from llmctl.model.demo import ensure_demo_materialized
 
     model_dir = Path(model_dir)
     ensure_demo_materialized(model_dir)

@@ -1,14 +1,13 @@
 """Turn a model argument (``demo``, a local directory, a cached hub id) into facts backends check.
 
 Resolving reads only ``config.json``. A directory the user named is checked further on
-first use of ``problems``, once per command: ``llmctl.engine.model_check`` reads the
+first use of ``problems``, once per command: ``llmctl.model.check`` reads the
 config values, the safetensors headers and the tokenizer files (no torch, no weights).
 Loading happens in the engine.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -16,9 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmctl.errors import ModelError
+from llmctl.model.files import read_architecture, read_json_object
 
 if TYPE_CHECKING:
-    from llmctl.engine.model_check import ModelReport
+    from llmctl.model.check import ModelReport
 
 DEMO_NAME = "demo"
 
@@ -57,9 +57,9 @@ class ModelInfo:
     def report(self) -> ModelReport:
         """What llmctl reads from the directory and what is wrong with it (checked once).
 
-        The one import up a layer besides the demo's: the check is the engine's knowledge
-        of the files it loads, and selection must have it before any backend is tried."""
-        from llmctl.engine.model_check import check_model_dir
+        Imported here, not at the top: the check reads weights and tokenizer files, which
+        resolving a model name must not pay for."""
+        from llmctl.model.check import check_model_dir
 
         return check_model_dir(self.path, self.chat_template)
 
@@ -81,7 +81,7 @@ def resolve_model(arg: str) -> ModelInfo:
     or a Hugging Face hub id already in the local cache (nothing is downloaded).
     """
     if arg == DEMO_NAME:
-        from llmctl.engine.demo import DEMO_CONFIG, demo_model_dir
+        from llmctl.model.demo import DEMO_CONFIG, demo_model_dir
 
         return ModelInfo(name=DEMO_NAME, path=demo_model_dir(), config=DEMO_CONFIG, is_demo=True)
     path = Path(arg).expanduser()
@@ -111,53 +111,6 @@ def resolve_model(arg: str) -> ModelInfo:
 
 def _read_config(path: Path) -> dict[str, Any]:
     return read_json_object(path / "config.json", required=True)
-
-
-def read_json_object(path: Path, *, required: bool) -> dict[str, Any]:
-    """A JSON file that must hold an object; a missing optional file reads as ``{}``."""
-    if not path.is_file():
-        if required:
-            raise ModelError(
-                f"{path.parent} has no {path.name}: give a Hugging Face model directory "
-                "(config.json + *.safetensors + tokenizer files)"
-            )
-        return {}
-    try:
-        content = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelError(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(content, dict):
-        raise ModelError(f"{path} must hold a JSON object {{...}}, not {describe(content)}")
-    return content
-
-
-def read_architecture(config: dict[str, Any], source: str) -> str:
-    """The model class config.json names (``architectures[0]``)."""
-    architectures = config.get("architectures")
-    if (
-        not isinstance(architectures, list)
-        or not architectures
-        or not isinstance(architectures[0], str)
-    ):
-        raise ModelError(
-            f"{source}: 'architectures' must name the model class, e.g. "
-            f'["LlamaForCausalLM"], got {describe(architectures)}'
-        )
-    return architectures[0]
-
-
-def describe(value: Any) -> str:
-    """A JSON value as an error message shows it: ``the string '1e4'``, ``null``, ``-3``."""
-    if value is None:
-        return "null (or nothing)"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return f"the string {value!r}"
-    if isinstance(value, (list, dict)):
-        kind = "a list" if isinstance(value, list) else "an object"
-        return f"{kind} ({json.dumps(value)[:40]})"
-    return repr(value)
 
 
 def hf_hub_cache() -> Path:

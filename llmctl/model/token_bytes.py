@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from llmctl.engine.tokenizer import Tokenizer
+from llmctl.model.tokenizer import Tokenizer
 
 # Text whose every character the checks below must reproduce: spaces, punctuation and
 # 2-, 3- and 4-byte UTF-8 characters, which byte-fallback tokenizers spell byte by byte.

@@ -19,9 +19,9 @@ import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
-from llmctl.engine.model_config import token_ids
 from llmctl.errors import InvalidRequest, ModelError, OptionError
-from llmctl.model_info import describe, read_json_object
+from llmctl.model.config import token_ids
+from llmctl.model.files import describe, read_json_object
 
 
 class Tokenizer:

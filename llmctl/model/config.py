@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from llmctl.errors import ModelError, OptionError
-from llmctl.model_info import describe, read_architecture, read_json_object
+from llmctl.model.files import describe, read_architecture, read_json_object
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -87,7 +87,7 @@ class ModelConfig:
 
         The ``demo`` model's directory is generated on first use.
         """
-        from llmctl.engine.demo import ensure_demo_materialized
+        from llmctl.model.demo import ensure_demo_materialized
 
         path = Path(path)
         ensure_demo_materialized(path)

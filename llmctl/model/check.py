@@ -19,17 +19,17 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llmctl.engine.model_config import SUPPORTED_ARCHITECTURES, ModelConfig
-from llmctl.engine.tokenizer import Tokenizer
-from llmctl.engine.weights import (
+from llmctl.errors import LlmctlError, ModelError
+from llmctl.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from llmctl.model.files import read_architecture, read_json_object
+from llmctl.model.tokenizer import Tokenizer
+from llmctl.model.weights import (
     INDEX_FILE,
     TensorEntry,
     read_header,
     read_index,
     safetensors_files,
 )
-from llmctl.errors import LlmctlError, ModelError
-from llmctl.model_info import read_architecture, read_json_object
 
 # Float dtypes the loader converts to the engine's dtype; anything else (int8, fp8 with
 # scales, ...) is a quantized checkpoint the engines do not run.
@@ -73,7 +73,7 @@ def check_model_dir(path: str | Path, chat_template: str | None = None) -> Model
 
     ``chat_template`` (the option) replaces the model's own template: then that one is
     checked, and a broken template of the model's does not count."""
-    from llmctl.engine.demo import ensure_demo_materialized
+    from llmctl.model.demo import ensure_demo_materialized
 
     ensure_demo_materialized(path)
     report = ModelReport(Path(path), chat_template=chat_template)
