@@ -102,3 +102,5 @@ def _print_banner(choice: Choice, engine: Engine, url: str) -> None:
         f"{options['max_queued_requests']} queued; auth: {auth}"
     )
     console.print(f"[bold green]Serving on {url}[/]  (OpenAI base URL: {url}/v1)")
+    if options["web_ui"]:
+        console.print(f"[bold]Chat page:[/] {url}/  (API docs: {url}/docs)")
