@@ -54,6 +54,7 @@ function askForKey() {
         const key = $("key-input").value.trim();
         if (key) sessionStorage.setItem(KEY_STORAGE, key);
         keyPrompt = null;
+        refreshStats(); // the panel needs the key too: do not wait for the next tick
         resolve();
       });
       dialog.showModal();
@@ -294,8 +295,9 @@ function plot(id, lists, labels) {
   const lines = figure.querySelectorAll("polyline");
   const top = Math.max(1e-9, ...lists.flat().filter((v) => v !== null));
   lists.forEach((values, index) => {
+    const offset = PLOT_POINTS - values.length; // the newest reading at the right edge
     const points = values.map((v, i) => {
-      const x = (i / (PLOT_POINTS - 1)) * 120;
+      const x = ((offset + i) / (PLOT_POINTS - 1)) * 120;
       const y = 34 - ((v || 0) / top) * 32;
       return x.toFixed(1) + "," + y.toFixed(1);
     });
