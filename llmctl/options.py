@@ -420,7 +420,8 @@ CORE_OPTIONS: tuple[Option, ...] = (
         "ssl_keyfile_password",
         "str",
         None,
-        "Password of an encrypted ssl_keyfile.",
+        "Password of an encrypted ssl_keyfile (better set in the environment or a profile "
+        "than as a flag, which other users see in `ps`).",
         commands=SERVER_COMMANDS,
         metavar="PASSWORD",
         secret=True,

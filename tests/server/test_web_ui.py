@@ -194,6 +194,23 @@ def test_stop_aborts_the_answer_on_the_server(tab: Page, server: ServerProcess) 
     tab.check_only_the_server_was_asked()
 
 
+def test_a_refused_request_shows_the_servers_reason(tab: Page) -> None:
+    tab.open_with_key()
+    page = tab.page
+    page.fill("#max_tokens", "100000")  # beyond demo's session of 2048 tokens
+    page.fill("#prompt", "too long")
+    page.press("#prompt", "Enter")
+    page.wait_for_selector(".msg.assistant.error .meta", timeout=30_000)
+    text = page.inner_text(".msg.assistant.error .body")
+    assert "max_tokens" in text and "2048" in text, text
+    assert page.is_visible("#send")  # ready for the next message
+    page.fill("#max_tokens", "8")
+    page.fill("#prompt", "shorter")
+    page.press("#prompt", "Enter")
+    page.wait_for_selector(".msg.assistant:not(.error) .meta", timeout=30_000)
+    tab.check_only_the_server_was_asked()
+
+
 def _load(server: ServerProcess, stop: threading.Event) -> None:
     """Requests of 600 tokens, 4 at a time, until ``stop`` (bounded: 40 at most)."""
     headers = {"Authorization": f"Bearer {API_KEY}"}

@@ -238,7 +238,8 @@ async function send(text) {
     setBusy(false);
   }
   draw();
-  if (finish !== "error") state.history.push({ role: "assistant", content: answer });
+  if (finish === "error") state.history.pop(); // the failed question is not part of the chat
+  else state.history.push({ role: "assistant", content: answer }); // a stopped one is, so far
   const seconds = (performance.now() - started) / 1000;
   const parts = [];
   if (usage) parts.push(usage.completion_tokens + " tokens");
