@@ -205,9 +205,15 @@ def test_a_refused_request_shows_the_servers_reason(tab: Page) -> None:
     assert "max_tokens" in text and "2048" in text, text
     assert page.is_visible("#send")  # ready for the next message
     page.fill("#max_tokens", "8")
+    page.fill("#seed", "7")
     page.fill("#prompt", "shorter")
-    page.press("#prompt", "Enter")
+    with page.expect_request(lambda r: r.url.endswith("/v1/chat/completions")) as sent:
+        page.press("#prompt", "Enter")
     page.wait_for_selector(".msg.assistant:not(.error) .meta", timeout=30_000)
+    body = json.loads(sent.value.post_data)
+    # The refused question is not part of the chat any more; the controls are sent.
+    assert body["messages"] == [{"role": "user", "content": "shorter"}]
+    assert (body["max_tokens"], body["seed"], body["stream"]) == (8, 7, True)
     tab.check_only_the_server_was_asked()
 
 
