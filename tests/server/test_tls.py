@@ -148,68 +148,78 @@ def test_with_ssl_ca_certs_a_client_needs_a_certificate(pki: Pki) -> None:
         process.stop()
 
 
-def _serve_error(*args: str) -> str:
-    result = run_llmctl("serve", *SERVE, "--port", "0", *args, timeout=120)
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert "Traceback" not in result.stderr
-    assert "Error" in result.stderr
-    return " ".join(result.stderr.split())  # rich wraps long lines
+def _refusal(**options: str) -> str:
+    """The message ``llmctl serve``'s TLS check gives for these options."""
+    from llmctl.errors import OptionError
+    from llmctl.server.tls import tls_settings
+
+    with pytest.raises(OptionError) as refused:
+        tls_settings(options)
+    return str(refused.value)
 
 
-def test_bad_key_or_certificate_files_are_clear_errors(pki: Pki, tmp_path: Path) -> None:
-    missing = tmp_path / "nope.pem"
-    message = _serve_error("--ssl-certfile", str(missing), "--ssl-keyfile", str(pki.key_file))
-    assert "ssl_certfile" in message and "no such file" in message
-
-    message = _serve_error("--ssl-certfile", str(pki.cert_file))
-    assert "ssl_keyfile is not" in message
-
-    message = _serve_error("--ssl-ca-certs", str(pki.ca_file))
-    assert "ssl_certfile and ssl_keyfile are not" in message
-
-    other_key = tmp_path / "other.key"
-    pki.ca.issue_cert("other.test").private_key_pem.write_to_path(str(other_key))
-    message = _serve_error(*_tls_args(pki)[:2], "--ssl-keyfile", str(other_key))
-    assert "is not the private key of ssl_certfile" in message
-
-    junk = tmp_path / "junk.pem"
-    junk.write_text("not a certificate\n")
-    message = _serve_error("--ssl-certfile", str(junk), "--ssl-keyfile", str(pki.key_file))
-    assert "not a PEM certificate" in message
-
-    unreadable = tmp_path / "dir.pem"
-    unreadable.mkdir()
-    message = _serve_error("--ssl-certfile", str(pki.cert_file), "--ssl-keyfile", str(unreadable))
-    assert "not a file" in message
-
-    key = serialization.load_pem_private_key(pki.key_file.read_bytes(), password=None)
-    encrypted = tmp_path / "encrypted.key"
+def _encrypted_copy(key_file: Path, folder: Path, password: bytes) -> Path:
+    key = serialization.load_pem_private_key(key_file.read_bytes(), password=None)
+    encrypted = folder / "encrypted.key"
     encrypted.write_bytes(
         key.private_bytes(
             serialization.Encoding.PEM,
             serialization.PrivateFormat.PKCS8,
-            serialization.BestAvailableEncryption(b"right"),
+            serialization.BestAvailableEncryption(password),
         )
     )
-    tls = ["--ssl-certfile", str(pki.cert_file), "--ssl-keyfile", str(encrypted)]
-    message = _serve_error(*tls)
+    return encrypted
+
+
+def test_bad_key_or_certificate_files_are_refused_by_name(pki: Pki, tmp_path: Path) -> None:
+    cert, key = str(pki.cert_file), str(pki.key_file)
+    missing = str(tmp_path / "nope.pem")
+    message = _refusal(ssl_certfile=missing, ssl_keyfile=key)
+    assert f"ssl_certfile {missing}: no such file" in message
+
+    assert "ssl_keyfile is not" in _refusal(ssl_certfile=cert)
+    assert "ssl_certfile and ssl_keyfile are not" in _refusal(ssl_ca_certs=str(pki.ca_file))
+
+    other_key = tmp_path / "other.key"
+    pki.ca.issue_cert("other.test").private_key_pem.write_to_path(str(other_key))
+    message = _refusal(ssl_certfile=cert, ssl_keyfile=str(other_key))
+    assert "is not the private key of ssl_certfile" in message
+
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate\n")
+    assert "not a PEM certificate" in _refusal(ssl_certfile=str(junk), ssl_keyfile=key)
+    assert "not a PEM private key" in _refusal(ssl_certfile=cert, ssl_keyfile=str(junk))
+    message = _refusal(ssl_certfile=cert, ssl_keyfile=key, ssl_ca_certs=str(junk))
+    assert "ssl_ca_certs" in message and "not PEM CA certificates" in message
+
+    folder = tmp_path / "dir.pem"
+    folder.mkdir()
+    assert "not a file" in _refusal(ssl_certfile=cert, ssl_keyfile=str(folder))
+
+    encrypted = str(_encrypted_copy(pki.key_file, tmp_path, b"right"))
+    message = _refusal(ssl_certfile=cert, ssl_keyfile=encrypted)
     assert "is encrypted" in message and "--ssl-keyfile-password" in message
-    message = _serve_error(*tls, "--ssl-keyfile-password", "wrong")
+    message = _refusal(ssl_certfile=cert, ssl_keyfile=encrypted, ssl_keyfile_password="wrong")
     assert "does not load with the ssl_keyfile_password" in message
+
+
+def test_serve_with_a_bad_key_says_so_before_loading_the_model(pki: Pki, tmp_path: Path) -> None:
+    other_key = tmp_path / "other.key"
+    pki.ca.issue_cert("other.test").private_key_pem.write_to_path(str(other_key))
+    args = ["--ssl-certfile", str(pki.cert_file), "--ssl-keyfile", str(other_key)]
+    result = run_llmctl("serve", *SERVE, "--port", "0", *args, timeout=120)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    message = " ".join(result.stderr.split())  # rich wraps long lines
+    assert "Error: ssl_keyfile" in message
+    assert "is not the private key of ssl_certfile" in message
+    assert "KV cache" not in result.stderr + result.stdout  # no engine was built
 
 
 def test_an_encrypted_key_with_its_password_passes_the_check(pki: Pki, tmp_path: Path) -> None:
     from llmctl.server.tls import tls_settings
 
-    key = serialization.load_pem_private_key(pki.key_file.read_bytes(), password=None)
-    encrypted = tmp_path / "encrypted.key"
-    encrypted.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.TraditionalOpenSSL,
-            serialization.BestAvailableEncryption(b"right"),
-        )
-    )
+    encrypted = _encrypted_copy(pki.key_file, tmp_path, b"right")
     options = {
         "ssl_certfile": str(pki.cert_file),
         "ssl_keyfile": str(encrypted),
