@@ -125,6 +125,9 @@ def test_chat_reaches_an_https_server_with_ca_cert(https_server: ServerProcess, 
     assert untrusted.returncode == 1
     assert "not trusted" in untrusted.stderr and "--ca-cert" in untrusted.stderr
     assert "Traceback" not in untrusted.stderr
+    not_a_ca = run_llmctl("chat", "--url", url, "--ca-cert", str(pki.key_file), stdin="hi\n")
+    assert not_a_ca.returncode == 1
+    assert "not a readable PEM CA certificate" in not_a_ca.stderr
 
 
 def test_with_ssl_ca_certs_a_client_needs_a_certificate(pki: Pki) -> None:
