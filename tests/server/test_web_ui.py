@@ -265,6 +265,22 @@ def test_the_plots_move_while_a_load_runs(tab: Page, server: ServerProcess) -> N
     tab.check_only_the_server_was_asked()
 
 
+def test_a_wrong_or_no_key_is_asked_again_or_refused(tab: Page) -> None:
+    page = tab.page
+    page.goto(tab.server.url + "/")
+    page.wait_for_selector("#key-dialog[open]", timeout=10_000)
+    page.fill("#key-input", "wrong-key")
+    page.click("#key-form button")
+    page.wait_for_selector("#key-dialog[open]", timeout=10_000)  # 401 again: asked again
+    page.fill("#key-input", "")
+    page.click("#key-form button")  # given up
+    page.wait_for_function(
+        "() => document.querySelector('#server-status').textContent.includes('API key')"
+    )
+    assert page.locator("#model option").count() == 0
+    tab.check_only_the_server_was_asked()
+
+
 def test_first_paint_within_a_second(tab: Page) -> None:
     tab.page.goto(tab.server.url + "/")
     first_paint = tab.page.evaluate(

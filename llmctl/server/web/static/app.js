@@ -42,7 +42,7 @@ async function errorText(response) {
   }
 }
 
-// Ask for a key (once at a time); resolves when one was given.
+// Ask for a key (once at a time); resolves to whether one was given.
 let keyPrompt = null;
 function askForKey() {
   if (!keyPrompt) {
@@ -54,8 +54,8 @@ function askForKey() {
         const key = $("key-input").value.trim();
         if (key) sessionStorage.setItem(KEY_STORAGE, key);
         keyPrompt = null;
-        refreshStats(); // the panel needs the key too: do not wait for the next tick
-        resolve();
+        if (key) refreshStats(); // the panel needs the key too: do not wait for the next tick
+        resolve(Boolean(key));
       });
       dialog.showModal();
     });
@@ -70,7 +70,7 @@ async function withKey(fn) {
       return await fn();
     } catch (error) {
       if (!(error instanceof Unauthorized)) throw error;
-      await askForKey();
+      if (!(await askForKey())) throw new Error("this server needs an API key");
     }
   }
 }
