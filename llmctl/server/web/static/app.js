@@ -70,7 +70,7 @@ async function withKey(fn) {
       return await fn();
     } catch (error) {
       if (!(error instanceof Unauthorized)) throw error;
-      if (!(await askForKey())) throw new Error("this server needs an API key");
+      if (!(await askForKey())) throw new Error("this server needs an API key (reload the page to give one)");
     }
   }
 }
