@@ -393,6 +393,48 @@ CORE_OPTIONS: tuple[Option, ...] = (
         "Write prompts and generated text to the server log (off: only sizes are logged).",
         commands=SERVER_COMMANDS,
     ),
+    Option(
+        "web_ui",
+        "bool",
+        True,
+        "Serve the chat page at `/` (off: an API-only server, `/` answers 404).",
+        commands=SERVER_COMMANDS,
+    ),
+    Option(
+        "ssl_certfile",
+        "str",
+        None,
+        "TLS certificate (PEM; the chain after it) to serve HTTPS; needs ssl_keyfile.",
+        commands=SERVER_COMMANDS,
+        metavar="FILE",
+    ),
+    Option(
+        "ssl_keyfile",
+        "str",
+        None,
+        "Private key (PEM) of ssl_certfile.",
+        commands=SERVER_COMMANDS,
+        metavar="FILE",
+    ),
+    Option(
+        "ssl_keyfile_password",
+        "str",
+        None,
+        "Password of an encrypted ssl_keyfile (better set in the environment or a profile "
+        "than as a flag, which other users see in `ps`).",
+        commands=SERVER_COMMANDS,
+        metavar="PASSWORD",
+        secret=True,
+    ),
+    Option(
+        "ssl_ca_certs",
+        "str",
+        None,
+        "CA certificates (PEM): with it, clients must present a certificate signed by one "
+        "of them (mutual TLS).",
+        commands=SERVER_COMMANDS,
+        metavar="FILE",
+    ),
 )
 
 

@@ -20,3 +20,14 @@ if [ -d plugins/llmctl-transformers ]; then
 fi
 # Build turbo's native ops ahead of time (cached; otherwise they build on first use).
 llmctl backends build turbo || echo "turbo could not be built; llmctl falls back to torch"
+# The browser tests of the chat page drive Debian's chromium through Playwright (which
+# then downloads no browser of its own). Installed where root and apt are at hand;
+# elsewhere those tests skip and say how to install it.
+if ! command -v chromium >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
+            || echo "chromium could not be installed; the browser tests will skip"
+    else
+        echo "chromium is not installed (apt-get install chromium, as root): the browser tests will skip"
+    fi
+fi

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -24,13 +25,25 @@ class RemoteConnection:
     # Unknown until the server refuses chat messages; see ChatSession.ask.
     has_chat_template = True
 
-    def __init__(self, url: str, api_key: str | None = None, model: str | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        api_key: str | None = None,
+        model: str | None = None,
+        ca_cert: str | None = None,
+    ) -> None:
+        """``ca_cert``: a PEM file of the CA that signed an https server's certificate
+        (a private CA); without it the system's CAs are trusted."""
         self.base_url = check_url(url)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.model_name = model or _only_model(self.base_url, headers)
+        verify = tls_context(ca_cert)
+        self.model_name = model or _only_model(self.base_url, headers, verify)
         # No read timeout: an answer may wait in the server's queue before its first token.
         self.client = httpx.AsyncClient(
-            base_url=self.base_url, headers=headers, timeout=httpx.Timeout(30.0, read=None)
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(30.0, read=None),
+            verify=verify,
         )
 
     async def stream(
@@ -91,11 +104,29 @@ def check_url(url: str) -> str:
     return base.removesuffix("/v1")
 
 
-def _only_model(base_url: str, headers: dict[str, str]) -> str:
+def tls_context(ca_cert: str | None) -> ssl.SSLContext | bool:
+    """What httpx verifies an https server with: the CA in ``ca_cert``, else the system's."""
+    if ca_cert is None:
+        return True
+    try:
+        return ssl.create_default_context(cafile=ca_cert)
+    except (OSError, ssl.SSLError) as exc:
+        reason = getattr(exc, "strerror", None) or getattr(exc, "reason", None) or exc
+        raise ServerError(
+            f"--ca-cert {ca_cert}: not a readable PEM CA certificate ({reason})"
+        ) from None
+
+
+def _only_model(base_url: str, headers: dict[str, str], verify: ssl.SSLContext | bool) -> str:
     """The model the server serves, when it serves exactly one (else ask for --model)."""
     try:
-        response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30.0)
+        response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30.0, verify=verify)
     except httpx.HTTPError as exc:
+        if "CERTIFICATE_VERIFY_FAILED" in str(exc):
+            raise ServerError(
+                f"{base_url}'s certificate is not trusted here ({exc}): pass the CA that "
+                "signed it with --ca-cert FILE"
+            ) from None
         raise ServerError(
             f"cannot reach {base_url}: {exc}. Is the server running (`llmctl serve`)?"
         ) from None

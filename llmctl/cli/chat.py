@@ -37,6 +37,13 @@ def chat(
     api_key: str | None = typer.Option(
         None, "--api-key", envvar="LLMCTL_API_KEY", help="With --url: the server's API key."
     ),
+    ca_cert: str | None = typer.Option(
+        None,
+        "--ca-cert",
+        help="With an https:// --url: the PEM file of the CA that signed the server's "
+        "certificate (a private CA) \\[default: the system's CAs].",
+        show_default=False,
+    ),
     remote_model: str | None = typer.Option(
         None,
         "--model",
@@ -81,12 +88,16 @@ def chat(
         raise OptionError(f"{exc}: fix --temperature or --max-tokens") from None
     api_key_flag = ctx.get_parameter_source("api_key").name == "COMMANDLINE"  # not the env var
     _check_local_or_remote(url, model, remote_model, api_key_flag, flags, profile)
+    if ca_cert is not None and not (url or "").startswith("https://"):
+        raise OptionError("--ca-cert is for a server given with an https:// --url")
 
     piped_text = None if interactive else sys.stdin.read().rstrip("\r\n")
     if piped_text is not None and not piped_text.strip():  # say so before loading a model
         raise OptionError("nothing to answer: standard input was empty")
 
-    connection, intro, warnings = _connect(url, api_key, model, remote_model, flags, profile)
+    connection, intro, warnings = _connect(
+        url, api_key, model, remote_model, flags, profile, ca_cert
+    )
     notes = console if interactive else err_console
     session = ChatSession(connection, sampling, system=system, notes=notes)
     if not session.chat_mode:
@@ -139,6 +150,7 @@ def _connect(
     remote_model: str | None,
     flags: dict[str, Any],
     profile: str | None,
+    ca_cert: str | None = None,
 ) -> tuple[Any, str, list[str]]:
     """The connection to chat through, a line introducing it and warnings about it."""
     from llmctl.chat.connection import LocalConnection
@@ -146,7 +158,7 @@ def _connect(
 
     tail = "/help lists the commands; Ctrl-C stops an answer; Ctrl-D or /exit leaves."
     if url is not None:
-        connection = RemoteConnection(url, api_key=api_key, model=remote_model)
+        connection = RemoteConnection(url, api_key=api_key, model=remote_model, ca_cert=ca_cert)
         where = f"{connection.model_name} at {connection.base_url}"
         return connection, f"[bold]Chatting with {escape(where)}.[/] {tail}", []
     from llmctl.model.demo import DEMO_LABEL

@@ -33,7 +33,9 @@ def serve(
 ) -> None:
     """Serve MODEL over the OpenAI API (/v1/completions, /v1/chat/completions, /v1/models).
 
-    Also /health, /metrics (Prometheus) and /version, which need no API key.
+    Also a chat page at / (--no-web-ui turns it off), /docs, /health, /metrics
+    (Prometheus) and /version, which need no API key. HTTPS with --ssl-certfile and
+    --ssl-keyfile.
 
     SIGINT/SIGTERM: new requests get 503, running ones finish (up to --shutdown-timeout).
 
@@ -43,13 +45,17 @@ def serve(
     from llmctl.selection import select
     from llmctl.server.app import create_app
     from llmctl.server.run import bind_socket, run_server, url_of
+    from llmctl.server.stats import served_settings
+    from llmctl.server.tls import tls_settings
 
     choice = select(model, flags, profile=profile)
     options = choice.values
     if options["node_rank"] > 0:  # a worker machine of a multi-node engine: no HTTP here
         choice.backend.run_worker_node(choice.model, options, choice.hardware)
         return
-    # Take the port before loading the model, so a port in use fails in a second.
+    # Check the TLS files and take the port before loading the model, so a bad
+    # certificate or a port in use fails in a second.
+    tls = tls_settings(options)
     sock = bind_socket(options["host"], options["port"])
     with err_console.status("Loading the model…"):
         engine = choice.create_engine()
@@ -61,9 +67,11 @@ def serve(
         max_queued_requests=options["max_queued_requests"],
         log_prompts=options["log_prompts"],
         client_timeout=options["client_timeout"],
+        web_ui=options["web_ui"],
+        settings=served_settings(options),
     )
-    _print_banner(choice, engine, url_of(sock))
-    run_server(app, sock, shutdown_timeout=options["shutdown_timeout"])
+    _print_banner(choice, engine, url_of(sock, "https" if tls else "http"))
+    run_server(app, sock, shutdown_timeout=options["shutdown_timeout"], tls=tls)
 
 
 def _print_banner(choice: Choice, engine: Engine, url: str) -> None:
@@ -94,3 +102,5 @@ def _print_banner(choice: Choice, engine: Engine, url: str) -> None:
         f"{options['max_queued_requests']} queued; auth: {auth}"
     )
     console.print(f"[bold green]Serving on {url}[/]  (OpenAI base URL: {url}/v1)")
+    if options["web_ui"]:
+        console.print(f"[bold]Chat page:[/] {url}/  (API docs: {url}/docs)")

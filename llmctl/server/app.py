@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi_offline import FastAPIOffline
 
 from llmctl import __version__
 from llmctl.backend import Engine
 from llmctl.server.auth import ApiKeys
+from llmctl.server.docs import install_redoc
 from llmctl.server.errors import install_error_handlers
 from llmctl.server.guard import Guard
 from llmctl.server.limits import Admission
@@ -18,6 +21,9 @@ from llmctl.server.metrics import CONTENT_TYPE, ServerMetrics
 from llmctl.server.openapi import Health, Version, install_openapi
 from llmctl.server.routes_openai import router
 from llmctl.server.state import DEFAULT_CLIENT_TIMEOUT, DEFAULT_MAX_BODY_BYTES, ServerState
+from llmctl.server.stats import router as stats_router
+from llmctl.server.web import install_web_ui
+from llmctl.server.web.csp import ContentSecurityPolicy
 
 
 def create_app(
@@ -30,8 +36,13 @@ def create_app(
     log_prompts: bool = False,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     client_timeout: float = DEFAULT_CLIENT_TIMEOUT,
+    web_ui: bool = True,
+    settings: dict[str, Any] | None = None,
 ) -> FastAPI:
-    """Build the app. The engine is shut down when the app's lifespan ends."""
+    """Build the app. The engine is shut down when the app's lifespan ends.
+
+    ``web_ui``: serve the chat page at ``/``; ``settings``: the options ``/stats`` shows.
+    """
     admission = Admission(max_concurrent_requests, max_queued_requests)
     state = ServerState(
         engine=engine,
@@ -42,6 +53,7 @@ def create_app(
         log_prompts=log_prompts,
         max_body_bytes=max_body_bytes,
         client_timeout=client_timeout,
+        settings=dict(settings or {}),
     )
 
     @asynccontextmanager
@@ -49,11 +61,15 @@ def create_app(
         yield
         await engine.shutdown()
 
-    app = FastAPI(title="llmctl", version=__version__, lifespan=lifespan)
+    # /docs and /redoc load Swagger UI and ReDoc from the package, not from a CDN.
+    app = FastAPIOffline(title="llmctl", version=__version__, lifespan=lifespan, redoc_url=None)
+    install_redoc(app)
     app.state.llmctl = state
     app.add_middleware(Guard, state=state)
+    app.add_middleware(ContentSecurityPolicy)
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(stats_router)
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health() -> Response:
@@ -73,5 +89,7 @@ def create_app(
         """Prometheus text format."""
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
+    if web_ui:
+        install_web_ui(app)
     install_openapi(app, state)
     return app

@@ -117,6 +117,10 @@ class GenerationStream:
             progress.logprobs.extend(output.logprobs)
         progress.prompt_tokens = output.prompt_tokens
         if output.completion_tokens > progress.completion_tokens:
+            # Counted as they come, so a rate read from /metrics or /stats is live.
+            self.metrics.generation_tokens.inc(
+                output.completion_tokens - progress.completion_tokens
+            )
             if progress.first_token_at is None:
                 progress.first_token_at = now
                 self.metrics.time_to_first_token.observe(now - self.arrived_at)
@@ -128,7 +132,6 @@ class GenerationStream:
 
     def _record_finished(self, progress: ChoiceProgress) -> None:
         self.metrics.prompt_tokens.inc(progress.prompt_tokens)
-        self.metrics.generation_tokens.inc(progress.completion_tokens)
         self.metrics.finished.labels(reason=progress.finish_reason or "unknown").inc()
         if progress.completion_tokens > 1:
             decode_time = progress.last_token_at - progress.first_token_at

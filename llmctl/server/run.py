@@ -112,15 +112,23 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def url_of(sock: socket.socket) -> str:
+def url_of(sock: socket.socket, scheme: str = "http") -> str:
     host, port = sock.getsockname()[:2]
     if host in ("0.0.0.0", "::"):
         host = "127.0.0.1" if host == "0.0.0.0" else "::1"
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
-def run_server(app: FastAPI, sock: socket.socket, *, shutdown_timeout: float) -> None:
+def run_server(
+    app: FastAPI,
+    sock: socket.socket,
+    *,
+    shutdown_timeout: float,
+    tls: dict[str, Any] | None = None,
+) -> None:
     """Serve until SIGINT/SIGTERM; returns after the graceful shutdown.
+
+    ``tls``: uvicorn's ``ssl_*`` settings (from ``tls.tls_settings``), to serve HTTPS.
 
     Raises ``EngineError`` when the server stopped because its engine did.
     """
@@ -132,6 +140,7 @@ def run_server(app: FastAPI, sock: socket.socket, *, shutdown_timeout: float) ->
         log_level="info",
         lifespan="on",
         server_header=False,
+        **(tls or {}),
     )
     _DrainingServer(config, state).run(sockets=[sock])
     if state.engine_failed:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from llmctl.backend import Engine
 from llmctl.server.auth import ApiKeys
@@ -31,6 +32,7 @@ class ServerState:
     log_prompts: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     client_timeout: float = DEFAULT_CLIENT_TIMEOUT
+    settings: dict[str, Any] = field(default_factory=dict)  # the options /stats shows
     draining: bool = False
     engine_failed: bool = False
     started_at: int = field(default_factory=lambda: int(time.time()))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -32,10 +33,17 @@ def free_port() -> int:
 class ServerProcess:
     """A running ``python -m llmctl serve`` with its URL and log file."""
 
-    def __init__(self, process: subprocess.Popen, url: str, log_path: Path) -> None:
+    def __init__(
+        self,
+        process: subprocess.Popen,
+        url: str,
+        log_path: Path,
+        verify: ssl.SSLContext | bool = True,
+    ) -> None:
         self.process = process
         self.url = url
         self.log_path = log_path
+        self.verify = verify  # how an https server's certificate is checked
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -49,7 +57,8 @@ class ServerProcess:
                     f"answered /health. Its log:\n{self.log()}"
                 )
             try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                health = httpx.get(f"{self.url}/health", timeout=2, verify=self.verify)
+                if health.status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -73,11 +82,14 @@ def start_server(
     env: Mapping[str, str] | None = None,
     timeout: float = 180,
     cwd: Path | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> ServerProcess:
     """Start ``llmctl serve ARGS --port P`` on a free port and wait for /health.
 
     The environment is the test's minus LLMCTL_* variables (the cache dir stays), plus
     ``env``. ``cwd`` defaults to a fresh temporary directory, so no ./llmctl.toml is read.
+    ``tls``: the server serves HTTPS (ARGS give its certificate); this client context
+    checks it.
     """
     port = free_port()
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("LLMCTL_")}
@@ -95,7 +107,8 @@ def start_server(
             stdout=log_file,
             stderr=subprocess.STDOUT,
         )
-    server = ServerProcess(process, f"http://127.0.0.1:{port}", log_path)
+    scheme = "https" if tls is not None else "http"
+    server = ServerProcess(process, f"{scheme}://127.0.0.1:{port}", log_path, tls or True)
     try:
         server.wait_until_healthy(timeout)
     except BaseException:
