@@ -26,6 +26,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from time import perf_counter
 
@@ -182,6 +183,9 @@ class AsyncEngine:
         request, which frees its KV blocks.
         """
         stream = _Stream(asyncio.get_running_loop())
+        grammar = self._compile(request)
+        if grammar is not None:  # compiled on the grammar thread; errors are refusals
+            await asyncio.wrap_future(grammar)
         self._register([request], stream)
         finished = False
         try:
@@ -207,6 +211,9 @@ class AsyncEngine:
         (to show progress; it must be quick). ``InvalidRequest`` before anything runs if
         one is refused; an error, or an interrupt, aborts the requests still running."""
         collector = _Collector([request.request_id for request in requests], on_outputs)
+        for grammar in [self._compile(request) for request in requests]:
+            if grammar is not None:
+                grammar.result()
         self._register(requests, collector)
         try:
             collector.done.wait()
@@ -217,6 +224,12 @@ class AsyncEngine:
         if collector.error is not None:
             raise collector.error
         return [collector.result(request.request_id) for request in requests]
+
+    def _compile(self, request: GenerationRequest) -> Future | None:
+        """Start compiling the request's grammar (cached by spec), so that it never
+        compiles in the step loop and a bad one is refused before the request runs."""
+        spec = request.sampling.structured
+        return None if spec is None else self.engine.grammars.compile(spec)
 
     def _register(
         self, requests: Sequence[GenerationRequest], target: _Stream | _Collector
