@@ -115,8 +115,8 @@ class GrammarCompiler:
             info = tokenizer_info(self._tokenizer, self._vocab_size, self._stop_ids, for_json)
             compiler = self._compilers[for_json] = xgr.GrammarCompiler(info, max_threads=1)
         try:
-            if kind == "json":
-                return compiler.compile_builtin_json_grammar()
+            if kind == "json":  # OpenAI's json_object: an object, not any JSON value
+                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if kind == "json_schema":
                 _check_schema(value)
                 # No free whitespace: a model that likes spaces could otherwise fill

@@ -272,6 +272,27 @@ def _publish_engine_facts(components: dict[str, Any], state: ServerState) -> Non
             items = items.get("items", items)  # a list of token-id lists
             if items.get("type") == "integer":
                 items["maximum"] = vocab_size - 1
+        for name in ("CompletionRequest", "ChatCompletionRequest"):
+            for bias in _choices(components[name]["properties"]["logit_bias"]):
+                if bias.get("type") == "object":
+                    bias["propertyNames"] = {"pattern": _below_pattern(vocab_size)}
+
+
+def _below_pattern(limit: int) -> str:
+    """A regex of the decimal numbers 0 .. limit - 1, without leading zeros (logit_bias
+    keys are token ids as strings, so their bound can only be stated as a pattern)."""
+    top = str(limit - 1)
+    parts = ["0"]
+    if len(top) > 1:
+        parts.append("[1-9]" + (f"[0-9]{{0,{len(top) - 2}}}" if len(top) > 2 else ""))
+    for i, digit in enumerate(top):
+        low = 1 if i == 0 else 0
+        if int(digit) > low:
+            rest = len(top) - i - 1
+            tail = f"[0-9]{{{rest}}}" if rest else ""
+            parts.append(f"{top[:i]}[{low}-{int(digit) - 1}]{tail}")
+    parts.append(top)
+    return "^(" + "|".join(parts) + ")$"
 
 
 def _choices(prop: dict[str, Any]) -> list[dict[str, Any]]:

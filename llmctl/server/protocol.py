@@ -15,16 +15,24 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from llmctl.engine.sampling_params import BOUNDS, SamplingParams
+from llmctl.engine.sampling_params import (
+    BOUNDS,
+    LOGIT_BIAS_BOUNDS,
+    SamplingParams,
+    StructuredOutput,
+)
 from llmctl.errors import InvalidRequest
+from llmctl.server.protocol_base import Strict
+from llmctl.server.structured_output import ResponseFormat, StructuredOutputs
 
 MAX_N = 16  # choices per request: each one is a full engine request
 MAX_CHOICES = 256  # prompts x n of one batched completion
 MAX_STOP_STRINGS = 16  # each is searched for after every generated token
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 # OpenAI's defaults: completions stop after 16 tokens; chat runs until the session is full
 # (None: the engine fills in what is left of session_len).
 DEFAULT_COMPLETION_TOKENS = 16
@@ -64,45 +72,11 @@ Prompt = (
 )
 
 
-def _optional_fields_take_null(schema: dict[str, Any]) -> None:
-    """Publish what ``_null_means_default`` accepts: null for every optional field."""
-    required = set(schema.get("required", ()))
-    for name, prop in schema.get("properties", {}).items():
-        choices = prop.get("anyOf", [prop])
-        if name not in required and not any(c.get("type") == "null" for c in choices):
-            about = {
-                key: prop.pop(key) for key in ("title", "description", "default") if key in prop
-            }
-            schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **about}
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid",
-        strict=True,
-        allow_inf_nan=False,
-        json_schema_extra=_optional_fields_take_null,
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        """OpenAI accepts ``null`` for any optional field, and some clients send it. An
-        unknown field stays, even as ``null``, to be refused by name."""
-        if isinstance(data, dict):
-            return {
-                key: value
-                for key, value in data.items()
-                if value is not None or key not in cls.model_fields
-            }
-        return data
-
-
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class _GenerationFields(_Strict):
+class _GenerationFields(Strict):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM-style extras)."""
 
     model: str | None = Field(None, description="The served model's name (GET /v1/models).")
@@ -129,10 +103,46 @@ class _GenerationFields(_Strict):
     skip_special_tokens: bool = True
     min_tokens: _bounded(int, "min_tokens") = Field(0, description="At most max_tokens.")
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    logit_bias: (
+        Annotated[
+            dict[
+                Annotated[str, Field(pattern=r"^(0|[1-9][0-9]*)$")],
+                Annotated[float, LOGIT_BIAS_BOUNDS],
+            ],
+            Field(max_length=MAX_LOGIT_BIAS),
+        ]
+        | None
+    ) = Field(None, description="Token id (as a string) -> a value added to its logit.")
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object or json_schema: the output follows it exactly."
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's: one of json (a schema), regex, choice, grammar, json_object."
+    )
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def structured_spec(self) -> StructuredOutput | None:
+        """The grammar the output must follow (``None``: free text)."""
+        if self.response_format is not None and self.structured_outputs is not None:
+            if self.response_format.type != "text":
+                raise InvalidRequest(
+                    "give response_format or structured_outputs, not both",
+                    param="structured_outputs",
+                    code="invalid_combination",
+                )
+        if self.structured_outputs is not None:
+            return self.structured_outputs.spec()
+        if self.response_format is not None:
+            return self.response_format.spec()
+        return None
+
+    @property
+    def structured_param(self) -> str:
+        """The field a grammar came from, for the ``param`` of its compile error."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
 
     def _sampling(self, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> dict:
         return dict(
@@ -152,6 +162,8 @@ class _GenerationFields(_Strict):
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            structured=self.structured_spec(),
         )
 
 
@@ -195,7 +207,7 @@ class CompletionRequest(_GenerationFields):
         return SamplingParams(**self._sampling(max_tokens, wanted, self.logprobs or 0))
 
 
-class TextPart(_Strict):
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 

@@ -79,7 +79,15 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     formatter = CompletionFormatter(
         response_id, state.engine.model_name, body.include_usage, len(requests)
     )
-    return await _respond(request, state, requests, formatter, stream=body.stream, n=body.n)
+    return await _respond(
+        request,
+        state,
+        requests,
+        formatter,
+        stream=body.stream,
+        n=body.n,
+        grammar_param=body.structured_param,
+    )
 
 
 @router.post(
@@ -97,7 +105,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     formatter = ChatFormatter(
         response_id, state.engine.model_name, body.include_usage, len(requests)
     )
-    return await _respond(request, state, requests, formatter, stream=body.stream, n=body.n)
+    return await _respond(
+        request,
+        state,
+        requests,
+        formatter,
+        stream=body.stream,
+        n=body.n,
+        grammar_param=body.structured_param,
+    )
 
 
 def _check_session_bounds(state: ServerState, body: CompletionRequest | ChatCompletionRequest):
@@ -141,11 +157,14 @@ async def _respond(
     *,
     stream: bool,
     n: int,
+    grammar_param: str | None = None,
 ) -> Response:
     arrived_at = time.monotonic()
     _log_start(state, formatter.id, requests)
     try:
-        generation = await unless_disconnected(request, _begin(state, requests, arrived_at))
+        generation = await unless_disconnected(
+            request, _begin(state, requests, arrived_at, grammar_param)
+        )
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
@@ -167,13 +186,25 @@ async def _respond(
     return JSONResponse(result)
 
 
+# The codes of the engine's refusals of a grammar (engine/grammar.py).
+GRAMMAR_ERRORS = ("invalid_grammar", "unsupported_grammar")
+
+
 async def _begin(
-    state: ServerState, requests: list[GenerationRequest], arrived_at: float
+    state: ServerState,
+    requests: list[GenerationRequest],
+    arrived_at: float,
+    grammar_param: str | None = None,
 ) -> GenerationStream:
     """Take a generation slot (or 429), then start the engine requests (or their error)."""
     await state.admission.acquire()
     try:
         return await GenerationStream.start(state.engine, requests, state.metrics, arrived_at)
+    except InvalidRequest as exc:
+        state.admission.release()
+        if exc.param is None and exc.code in GRAMMAR_ERRORS:
+            exc.param = grammar_param
+        raise
     except BaseException:
         state.admission.release()
         raise
