@@ -61,6 +61,7 @@ def serve(
         max_queued_requests=options["max_queued_requests"],
         log_prompts=options["log_prompts"],
         client_timeout=options["client_timeout"],
+        tool_call_parser=options["tool_call_parser"],
     )
     _print_banner(choice, engine, url_of(sock))
     run_server(app, sock, shutdown_timeout=options["shutdown_timeout"])

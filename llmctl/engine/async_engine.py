@@ -318,7 +318,9 @@ class AsyncEngine:
             return list(request.prompt_token_ids)
         if request.prompt is not None:
             return self.tokenizer.encode(request.prompt)
-        return self.tokenizer.encode_chat(request.messages)
+        return self.tokenizer.encode_chat(
+            request.messages, tools=request.tools, template_kwargs=request.chat_template_kwargs
+        )
 
     def _submit(self, *commands: Command) -> None:
         with self._lock:

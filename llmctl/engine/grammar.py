@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 _UNSUPPORTED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas")
 
 
+_LINE_BREAKS = b"\r\n"
+
+
 def tokenizer_info(
     tokenizer: Tokenizer, vocab_size: int, stop_ids: tuple[int, ...], for_json: bool = False
 ):
@@ -52,8 +55,8 @@ def tokenizer_info(
     Special tokens (BOS, EOS...) get no bytes, so a grammar never produces them; the
     stop ids are what a finished grammar allows. ``vocab_size`` is the model's (its
     logits may be wider than the tokenizer's vocabulary; the extra ids get no bytes).
-    ``for_json``: tokens holding a control character (below 0x20) get no bytes either.
-    Compact JSON never needs one raw, and xgrammar's rule for a string with
+    ``for_json``: tokens holding a control character other than a line break get no
+    bytes either. JSON never needs one raw, and xgrammar's rule for a string with
     ``maxLength`` (``[^"\\\r\n]``) would let NUL or a tab through, which no JSON parser takes.
     """
     pieces = token_pieces(tokenizer)
@@ -66,7 +69,9 @@ def tokenizer_info(
         )
     encoded = [b""] * vocab_size
     for token_id, piece in enumerate(pieces.pieces[:vocab_size]):
-        if token_id in pieces.special or (for_json and any(b < 0x20 for b in piece)):
+        if token_id in pieces.special or (
+            for_json and any(b < 0x20 and b not in _LINE_BREAKS for b in piece)
+        ):
             continue
         encoded[token_id] = piece
     return xgr.TokenizerInfo(
@@ -109,7 +114,7 @@ class GrammarCompiler:
 
     def _compile(self, spec: StructuredOutput) -> xgr.CompiledGrammar:
         kind, value = spec.kind, spec.value
-        for_json = kind in ("json", "json_schema")
+        for_json = kind in ("json", "json_schema", "structural_tag")
         compiler = self._compilers.get(for_json)
         if compiler is None:
             info = tokenizer_info(self._tokenizer, self._vocab_size, self._stop_ids, for_json)
@@ -126,6 +131,10 @@ class GrammarCompiler:
                 return compiler.compile_regex(value)
             if kind == "choice":
                 return compiler.compile_grammar(_choice_grammar(value))
+            if kind == "structural_tag":
+                for tag in json.loads(value)["format"]["tags"]:
+                    _check_schema(json.dumps(tag["content"]["json_schema"]))
+                return compiler.compile_structural_tag(value)
             return compiler.compile_grammar(value)
         except InvalidRequest:
             raise
@@ -146,6 +155,7 @@ _NAMES = {
     "regex": "regex",
     "choice": "choice list",
     "ebnf": "grammar",
+    "structural_tag": "tool-call grammar",
 }
 
 

@@ -30,6 +30,7 @@ def create_app(
     log_prompts: bool = False,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     client_timeout: float = DEFAULT_CLIENT_TIMEOUT,
+    tool_call_parser: str = "auto",
 ) -> FastAPI:
     """Build the app. The engine is shut down when the app's lifespan ends."""
     admission = Admission(max_concurrent_requests, max_queued_requests)
@@ -42,6 +43,7 @@ def create_app(
         log_prompts=log_prompts,
         max_body_bytes=max_body_bytes,
         client_timeout=client_timeout,
+        tool_call_parser=tool_call_parser,
     )
 
     @asynccontextmanager

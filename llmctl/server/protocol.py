@@ -13,6 +13,8 @@ believes a field it sent (say ``logit_bias``) had an effect.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -26,6 +28,15 @@ from llmctl.engine.sampling_params import (
 from llmctl.errors import InvalidRequest
 from llmctl.server.protocol_base import Strict
 from llmctl.server.structured_output import ResponseFormat, StructuredOutputs
+from llmctl.server.tools import (
+    MAX_TOOLS,
+    NamedToolChoice,
+    Tool,
+    ToolChoice,
+    call_grammar,
+    forced_tools,
+    template_tools,
+)
 
 MAX_N = 16  # choices per request: each one is a full engine request
 MAX_CHOICES = 256  # prompts x n of one batched completion
@@ -229,7 +240,27 @@ class ChatMessage(BaseModel):
             message["content"] = "".join(part.text for part in self.content)
         elif self.content is None:
             message["content"] = ""
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):
+            message["tool_calls"] = [_template_call(call) for call in calls]
         return message
+
+
+def _template_call(call: Any) -> Any:
+    """An assistant's tool call as templates read it: OpenAI sends the arguments as JSON
+    text, Hugging Face templates expect them as a mapping (they write ``| tojson``)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            arguments = json.loads(function["arguments"])
+        except json.JSONDecodeError:
+            raise InvalidRequest(
+                f"the arguments of tool call {call.get('id')!r} are not JSON: "
+                f"{function['arguments'][:80]!r}",
+                param="messages",
+            ) from None
+        return {**call, "function": {**function, "arguments": arguments}}
+    return call
 
 
 class ChatCompletionRequest(_GenerationFields):
@@ -243,6 +274,76 @@ class ChatCompletionRequest(_GenerationFields):
     top_logprobs: _bounded(int, "top_logprobs") | None = Field(
         None, description="Needs logprobs: true."
     )
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="Functions the model may call; the chat template receives them."
+    )
+    tool_choice: ToolChoice | None = Field(
+        None,
+        description="none, auto (the default with tools), required, or a named function; "
+        "required and named are enforced by a grammar.",
+    )
+    parallel_tool_calls: bool = Field(True, description="Allow more than one call.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables for the chat template (enable_thinking, ...)."
+    )
+
+    @property
+    def tool_choice_value(self) -> ToolChoice:
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def check_tools(self) -> None:
+        """Refuse tool fields that do not go together."""
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise InvalidRequest(
+                "tool_choice needs tools: give the functions the model may call",
+                param="tool_choice",
+                code="invalid_combination",
+            )
+        if self.tools and self.n > 1:
+            raise InvalidRequest(
+                "tools take n = 1: each choice's calls would need ids of their own, which "
+                "this server does not give yet; send one request per choice",
+                param="n",
+                code="invalid_combination",
+            )
+        if self.forced_tools() and self.structured_spec() is not None:
+            raise InvalidRequest(
+                "tool_choice required or named sets the output's grammar itself; drop "
+                "response_format / structured_outputs",
+                param="tool_choice",
+                code="invalid_combination",
+            )
+        reserved = {"messages", "tools", "add_generation_prompt"} & set(
+            self.chat_template_kwargs or {}
+        )
+        if reserved:
+            raise InvalidRequest(
+                f"chat_template_kwargs must not set {', '.join(sorted(reserved))}: the "
+                "server passes those itself",
+                param="chat_template_kwargs",
+                code="invalid_combination",
+            )
+
+    def forced_tools(self) -> list[Tool]:
+        return forced_tools(self.tools or [], self.tool_choice_value)
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """What the chat template gets as ``tools`` (with tool_choice none too, as vLLM:
+        the conversation may still refer to them)."""
+        return template_tools(self.tools) if self.tools else None
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer is read for tool calls."""
+        return bool(self.tools) and self.tool_choice_value != "none"
+
+    @property
+    def structured_param(self) -> str:
+        if self.forced_tools():
+            return "tool_choice" if isinstance(self.tool_choice, NamedToolChoice) else "tools"
+        return super().structured_param
 
     def sampling_params(self) -> SamplingParams:
         """Raises ``InvalidRequest`` naming the field when values do not go together."""
@@ -257,7 +358,20 @@ class ChatCompletionRequest(_GenerationFields):
             if self.max_completion_tokens is not None
             else self.max_tokens
         )
-        return SamplingParams(**self._sampling(max_tokens, self.logprobs, self.top_logprobs or 0))
+        self.check_tools()
+        fields = self._sampling(max_tokens, self.logprobs, self.top_logprobs or 0)
+        return SamplingParams(**fields)
+
+    def tool_sampling(self, sampling: SamplingParams, family: str) -> SamplingParams:
+        """``sampling`` with the grammar of a forced call in ``family``'s format, and the
+        special tokens kept when the family marks calls with one ([TOOL_CALLS])."""
+        forced = self.forced_tools()
+        if forced:
+            grammar = call_grammar(forced, family, self.parallel_tool_calls)
+            sampling = dataclasses.replace(sampling, structured=grammar)
+        if self.calls_tools and family == "mistral":
+            sampling = dataclasses.replace(sampling, skip_special_tokens=False)
+        return sampling
 
     def engine_messages(self) -> list[dict[str, Any]]:
         return [message.for_engine() for message in self.messages]

@@ -36,8 +36,10 @@ from llmctl.server.openapi import (
     streamed_or_whole,
 )
 from llmctl.server.protocol import ChatCompletionRequest, CompletionRequest
+from llmctl.server.reasoning import CLOSE as REASONING_CLOSE
 from llmctl.server.state import ServerState
 from llmctl.server.streaming import ClientGone, EventStreamResponse, sse_event, unless_disconnected
+from llmctl.server.tool_parsers import family_for_template
 
 log = logging.getLogger("llmctl.server")
 
@@ -100,10 +102,27 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state.check_model(body.model)
     _check_session_bounds(state, body)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    prompts = [{"messages": body.engine_messages()}]
-    requests = _engine_requests(response_id, prompts, body.sampling_params(), body.n)
+    prompt = {
+        "messages": body.engine_messages(),
+        "tools": body.template_tools(),
+        "chat_template_kwargs": body.chat_template_kwargs,
+    }
+    sampling = body.sampling_params()
+    template = state.chat_template()
+    family = None
+    if body.calls_tools:
+        family = state.tool_call_parser
+        if family == "auto":
+            family = family_for_template(template)
+        sampling = body.tool_sampling(sampling, family)
+    requests = _engine_requests(response_id, [prompt], sampling, body.n)
     formatter = ChatFormatter(
-        response_id, state.engine.model_name, body.include_usage, len(requests)
+        response_id,
+        state.engine.model_name,
+        body.include_usage,
+        len(requests),
+        tool_family=family,
+        reasoning=template is not None and REASONING_CLOSE in template,
     )
     return await _respond(
         request,

@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 
 import jsonschema
 import openai
@@ -16,21 +14,11 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.helpers.json_schemas import SCHEMAS
-from tests.helpers.server_process import start_server
-from tests.server.conftest import QUIET_THREADS
-
-TEMPLATE = Path(__file__).parents[1] / "data" / "hermes_tools_template.jinja"
 
 
-@pytest.fixture(scope="module")
-def url() -> Iterator[str]:
-    process = start_server(
-        ["demo", "--backend", "torch", "--chat-template", str(TEMPLATE)], env=QUIET_THREADS
-    )
-    try:
-        yield f"{process.url}/v1"
-    finally:
-        process.stop()
+@pytest.fixture
+def url(demo_url) -> str:
+    return demo_url
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from typing import Any
 
 from llmctl.backend import GenerationOutput, GenerationRequest, SamplingParams, TokenLogprob
 from llmctl.engine.sampling_params import StructuredOutput
-from llmctl.errors import UpstreamError
+from llmctl.errors import InvalidRequest, UpstreamError
 
 # The upstream speaks text, not this process's token ids: they are unknown here.
 UNKNOWN_TOKEN_ID = -1
@@ -42,6 +42,13 @@ _NEUTRAL = SamplingParams()
 def upstream_request(request: GenerationRequest, model: str) -> tuple[str, dict[str, Any]]:
     """The path (under ``/v1``) and JSON body that ask the upstream for ``request``."""
     sampling = request.sampling
+    if request.tools or (sampling.structured and sampling.structured.kind == "structural_tag"):
+        raise InvalidRequest(
+            "the openai-proxy backend does not forward tools yet (their calls would come "
+            "back unread); send the request to the upstream server itself",
+            param="tools",
+            code="invalid_combination",
+        )
     body: dict[str, Any] = {
         "model": model,
         "stream": True,
@@ -58,6 +65,8 @@ def upstream_request(request: GenerationRequest, model: str) -> tuple[str, dict[
         body.update(_structured_fields(sampling.structured))
     if request.messages is not None:
         body["messages"] = request.messages
+        if request.chat_template_kwargs:
+            body["chat_template_kwargs"] = request.chat_template_kwargs
         if sampling.logprobs:
             body["logprobs"] = True
             body["top_logprobs"] = sampling.top_logprobs
