@@ -80,6 +80,9 @@ class GenerationOutput:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     prompt_token_ids: list[int] | None = None  # the tokenized prompt, on the first output only
+    # Prompt tokens whose KV came from the prefix cache, on the first output only
+    # (None: the engine does not say).
+    cached_tokens: int | None = None
 
     @classmethod
     def aborted(

@@ -93,6 +93,7 @@ class _Collector:
         self._token_ids: dict[str, list[int]] = {rid: [] for rid in request_ids}
         self._logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid in request_ids}
         self._prompt_ids: dict[str, list[int] | None] = dict.fromkeys(request_ids)
+        self._cached: dict[str, int | None] = dict.fromkeys(request_ids)
         self._last: dict[str, GenerationOutput] = {}
 
     def receive(self, batch: list[tuple[_Collector, Item]]) -> None:
@@ -109,6 +110,8 @@ class _Collector:
                 self._logprobs[request_id] += item.logprobs
             if item.prompt_token_ids is not None:
                 self._prompt_ids[request_id] = item.prompt_token_ids
+            if item.cached_tokens is not None:
+                self._cached[request_id] = item.cached_tokens
             self._last[request_id] = item
             received.append(item)
             if item.finished:
@@ -131,6 +134,7 @@ class _Collector:
             finish_reason=last.finish_reason,
             logprobs=self._logprobs[request_id] or None,
             prompt_token_ids=self._prompt_ids[request_id],
+            cached_tokens=self._cached[request_id],
         )
 
 

@@ -293,6 +293,7 @@ class LLMEngine:
                     reason,
                     None if sampled_token is None else [self._token_logprob(sampled_token)],
                     seq.prompt_token_ids if num_output == 1 else None,
+                    seq.num_cached_tokens if num_output == 1 else None,
                 )
             )
             if done:

@@ -56,6 +56,7 @@ class Sequence:
         "num_pending_tokens",
         "pending",
         "grammar",
+        "num_cached_tokens",
     )
 
     def __init__(
@@ -96,6 +97,8 @@ class Sequence:
         self.pending: tuple[SampledBatch, int] | None = None
         # The matcher of a request with structured output: it has seen every output token.
         self.grammar = grammar
+        # Prompt tokens the prefix cache held at first admission (None until admitted).
+        self.num_cached_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:
