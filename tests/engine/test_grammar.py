@@ -169,3 +169,12 @@ def test_choice_ebnf_and_logit_bias(stories_tokenizer) -> None:
     assert stories_tokenizer.decode(results["choice"][0]) in ("left", "right")
     assert stories_tokenizer.decode(results["ebnf"][0]) in ("yes", "no", "n/a")
     assert results["bias"][0] == [77] * 5
+
+
+def test_stop_strings_end_a_constrained_request(stories_tokenizer) -> None:
+    engine = make_engine(stories_tokenizer, vocab_size=512, eos_token_ids=(2,), max_model_len=256)
+    spec = StructuredOutput("regex", "ab(c|d)+x[0-9]{3}")
+    params = constrained(spec, 0, stop=["x"])
+    tokens, reason = run(engine, [("r", [1, 3], params)])["r"]
+    assert reason == "stop"
+    assert re.fullmatch("ab(c|d)+", engine.tokenizer.decode(tokens).split("x")[0])

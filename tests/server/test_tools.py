@@ -184,3 +184,27 @@ def test_chat_template_kwargs_reach_the_template(client) -> None:
     )
     # The template adds an empty <think></think> block when thinking is off.
     assert no_thinking.usage.prompt_tokens > plain.usage.prompt_tokens
+
+
+def test_auto_reads_a_call_out_of_the_content_streamed_and_whole(client) -> None:
+    # The random model is made to write a Hermes call by a choice grammar; with
+    # tool_choice auto the server must read it out of the text, never leave it there.
+    text = 'Sure.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+    ask = dict(
+        model="demo",
+        messages=QUESTION,
+        tools=TOOLS,
+        max_tokens=120,
+        extra_body={"structured_outputs": {"choice": [text]}},
+    )
+    whole = client.chat.completions.create(**ask).choices[0]
+    assert whole.message.content == "Sure."
+    assert whole.finish_reason == "tool_calls"
+    [call] = whole.message.tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == (
+        "get_time",
+        {"zone": "CET"},
+    )
+    calls, content, reason = streamed_calls(client.chat.completions.create(**ask, stream=True))
+    assert (content, reason) == ("Sure.", "tool_calls")
+    assert [(c["name"], c["arguments"]) for c in calls] == [("get_time", call.function.arguments)]
