@@ -39,17 +39,30 @@ from llmctl.model.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from llmctl.engine.sequence import Sequence
 
-# JSON keywords xgrammar accepts in a schema but cannot enforce; a schema using one is
-# refused by name rather than followed only partly.
-_UNSUPPORTED_KEYWORDS = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas")
-
+# JSON Schema keywords xgrammar accepts but does not enforce (checked on its output): a
+# schema using one is refused by name rather than followed only partly. ``allOf`` of
+# more than one schema and ``uniqueItems: true`` are refused the same way (see
+# ``_unenforced``); ``format`` is let through, unenforced (pydantic writes it for
+# dates and URLs, and a plain string is still valid JSON for it).
+_UNSUPPORTED_KEYWORDS = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "dependentRequired",
+    "dependentSchemas",
+    "multipleOf",
+    "contains",
+    "minContains",
+    "maxContains",
+)
 
 _LINE_BREAKS = b"\r\n"
 
 
 def tokenizer_info(
     tokenizer: Tokenizer, vocab_size: int, stop_ids: tuple[int, ...], for_json: bool = False
-):
+) -> xgr.TokenizerInfo:
     """xgrammar's view of the vocabulary: each token id's bytes in decoded text.
 
     Special tokens (BOS, EOS...) get no bytes, so a grammar never produces them; the
@@ -145,9 +158,6 @@ class GrammarCompiler:
                 code="invalid_grammar",
             ) from None
 
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
 
 _NAMES = {
     "json": "JSON grammar",
@@ -173,7 +183,7 @@ def _check_schema(text: str) -> None:
     def walk(node: object, path: str) -> None:
         if isinstance(node, dict):
             for key, child in node.items():
-                if key in _UNSUPPORTED_KEYWORDS and path.rsplit("/", 1)[-1] != "properties":
+                if _unenforced(key, child) and path.rsplit("/", 1)[-1] != "properties":
                     raise InvalidRequest(
                         f"the JSON schema uses {key!r} at {path or '/'}, which structured "
                         f"output cannot enforce; rewrite it without {key!r}",
@@ -185,6 +195,14 @@ def _check_schema(text: str) -> None:
                 walk(child, f"{path}/{index}")
 
     walk(schema, "")
+
+
+def _unenforced(key: str, value: object) -> bool:
+    if key == "allOf":
+        return isinstance(value, list) and len(value) > 1
+    if key == "uniqueItems":
+        return value is True
+    return key in _UNSUPPORTED_KEYWORDS
 
 
 def _choice_grammar(value: str) -> str:
@@ -243,9 +261,6 @@ class GrammarMasks:
         for row, state in zip(rows, states):
             state.fill(bitmask, row)
         return bitmask, rows
-
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 def apply_masks(logits: torch.Tensor, masks: tuple[torch.Tensor, list[int]]) -> None:

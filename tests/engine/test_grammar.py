@@ -83,6 +83,8 @@ def test_compiles_are_cached_by_spec(stories_tokenizer) -> None:
         (StructuredOutput("json_schema", '{"type": "object"'), "not JSON"),
         (StructuredOutput("json_schema", '{"type": "strange"}'), "does not compile"),
         (json_schema({"type": "object", "not": {"required": ["a"]}}), "'not' at /"),
+        (json_schema({"type": "array", "uniqueItems": True}), "'uniqueItems' at /"),
+        (json_schema({"properties": {"n": {"multipleOf": 3}}}), "'multipleOf' at /properties/n"),
         (StructuredOutput("regex", "[a-"), "regex does not compile"),
         (StructuredOutput("ebnf", "root ::= missing_rule"), "grammar does not compile"),
         (StructuredOutput("choice", "[]"), "non-empty strings"),
