@@ -62,16 +62,27 @@ class CompletionFormatter(_Formatter):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
-    def __init__(self, response_id: str, model: str, include_usage: bool, num_choices: int):
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        include_usage: bool,
+        num_choices: int,
+        echoes: list[str] | None = None,
+    ):
         super().__init__(response_id, model, include_usage)
         self._text_offsets = [0] * num_choices
+        # ``echo``: each choice's prompt text, sent before its first generated text.
+        self._echoes = list(echoes) if echoes else [""] * num_choices
 
     def stream_chunk(self, index: int, output: GenerationOutput) -> dict[str, Any] | None:
-        if not (output.text or output.finished or output.logprobs):
+        echo, self._echoes[index] = self._echoes[index], ""
+        text = echo + output.text
+        if not (text or output.finished or output.logprobs):
             return None
         choice = {
             "index": index,
-            "text": output.text,
+            "text": text,
             "logprobs": self._logprobs(index, output.logprobs),
             "finish_reason": output.finish_reason if output.finished else None,
         }
@@ -87,7 +98,7 @@ class CompletionFormatter(_Formatter):
         choices = [
             {
                 "index": index,
-                "text": texts[index],
+                "text": self._echoes[index] + texts[index],
                 "logprobs": self._logprobs(index, logprobs[index]),
                 "finish_reason": progress[index].finish_reason,
             }

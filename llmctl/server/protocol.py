@@ -186,6 +186,7 @@ class CompletionRequest(_GenerationFields):
         f"lists; prompts x n at most {MAX_CHOICES}."
     )
     logprobs: _bounded(int, "top_logprobs") | None = None
+    echo: bool = Field(False, description="Start each choice's text with its prompt.")
 
     def prompts(self) -> list[dict[str, Any]]:
         """One engine prompt per entry: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``.
@@ -214,6 +215,13 @@ class CompletionRequest(_GenerationFields):
     def sampling_params(self) -> SamplingParams:
         """Raises ``InvalidRequest`` naming the field when values do not go together."""
         wanted = self.logprobs is not None
+        if self.echo and wanted:
+            raise InvalidRequest(
+                "echo with logprobs would need the prompt's own logprobs, which the "
+                "engine does not compute yet; drop logprobs (or echo)",
+                param="echo",
+                code="invalid_combination",
+            )
         max_tokens = DEFAULT_COMPLETION_TOKENS if self.max_tokens is None else self.max_tokens
         return SamplingParams(**self._sampling(max_tokens, wanted, self.logprobs or 0))
 

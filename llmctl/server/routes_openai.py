@@ -78,8 +78,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     prompts = body.prompts()
     response_id = f"cmpl-{uuid.uuid4().hex}"
     requests = _engine_requests(response_id, prompts, body.sampling_params(), body.n)
+    echoes = [_prompt_text(state, p) for p in prompts for _ in range(body.n)] if body.echo else None
     formatter = CompletionFormatter(
-        response_id, state.engine.model_name, body.include_usage, len(requests)
+        response_id, state.engine.model_name, body.include_usage, len(requests), echoes
     )
     return await _respond(
         request,
@@ -133,6 +134,21 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         n=body.n,
         grammar_param=body.structured_param,
     )
+
+
+def _prompt_text(state: ServerState, prompt: dict[str, Any]) -> str:
+    """A prompt as ``echo`` repeats it: its text, or its token ids decoded."""
+    if "prompt" in prompt:
+        return prompt["prompt"]
+    tokenizer = getattr(state.engine, "tokenizer", None)
+    if tokenizer is None:
+        raise InvalidRequest(
+            "echo of a token-id prompt needs the model's tokenizer, which this backend "
+            "does not have here; send the prompt as text",
+            param="echo",
+            code="invalid_combination",
+        )
+    return tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=False)
 
 
 def _check_session_bounds(state: ServerState, body: CompletionRequest | ChatCompletionRequest):

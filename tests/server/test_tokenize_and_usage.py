@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import httpx
 import openai
+import pytest
 
 from llmctl.model.demo import materialize_demo
 from llmctl.model.tokenizer import Tokenizer
@@ -58,3 +59,19 @@ def test_cached_tokens_count_prefix_cache_hits(demo_url) -> None:
     cached = second.usage.prompt_tokens_details.cached_tokens
     # Whole blocks of the shared prefix (64 tokens each, the default block size).
     assert cached > 0 and cached % 64 == 0 and cached <= first.usage.prompt_tokens
+
+
+def test_echo_starts_each_choice_with_its_prompt(demo_url) -> None:
+    client = openai.OpenAI(base_url=demo_url, api_key="none", max_retries=0)
+    plain = dict(model="demo", max_tokens=5, temperature=0)
+    alone = client.completions.create(prompt="Once upon", **plain).choices[0].text
+    echoed = client.completions.create(prompt=["Once upon", "A"], echo=True, **plain)
+    assert echoed.choices[0].text == "Once upon" + alone
+    assert echoed.choices[1].text.startswith("A")
+    ids = Tokenizer.from_dir(materialize_demo()).encode("Hi there", add_special_tokens=False)
+    by_ids = client.completions.create(prompt=ids, echo=True, **plain).choices[0].text
+    assert by_ids.startswith("Hi there")
+    stream = client.completions.create(prompt="Once upon", echo=True, stream=True, **plain)
+    assert "".join(chunk.choices[0].text for chunk in stream) == "Once upon" + alone
+    with pytest.raises(openai.BadRequestError, match="prompt's own logprobs"):
+        client.completions.create(prompt="x", echo=True, logprobs=1, **plain)
