@@ -187,9 +187,10 @@ class AsyncEngine:
         request, which frees its KV blocks.
         """
         stream = _Stream(asyncio.get_running_loop())
-        grammar = self._compile(request)
-        if grammar is not None:  # compiled on the grammar thread; errors are refusals
-            await asyncio.wrap_future(grammar)
+        if request.sampling.structured is not None:
+            # Compiled on the grammar thread (the first one also imports xgrammar, which
+            # takes a second: off the event loop too); its errors are refusals.
+            await asyncio.wrap_future(await asyncio.to_thread(self._compile, request))
         self._register([request], stream)
         finished = False
         try:
