@@ -35,7 +35,8 @@ class GenerationRequest:
     """One generation: exactly one of ``prompt``, ``prompt_token_ids`` or ``messages``.
 
     ``messages`` are OpenAI-style chat messages; local engines apply the model's chat
-    template to them.
+    template to them, with ``tools`` (OpenAI's function tools, as templates take them)
+    and ``chat_template_kwargs`` (extra template variables, such as ``enable_thinking``).
     """
 
     request_id: str
@@ -43,6 +44,8 @@ class GenerationRequest:
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
@@ -77,6 +80,9 @@ class GenerationOutput:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     prompt_token_ids: list[int] | None = None  # the tokenized prompt, on the first output only
+    # Prompt tokens whose KV came from the prefix cache, on the first output only
+    # (None: the engine does not say).
+    cached_tokens: int | None = None
 
     @classmethod
     def aborted(

@@ -387,6 +387,17 @@ CORE_OPTIONS: tuple[Option, ...] = (
         metavar="SECONDS",
     ),
     Option(
+        "tool_call_parser",
+        "str",
+        "auto",
+        "How tool calls are read out of the model's text (and written under "
+        "tool_choice required): hermes (<tool_call> JSON: Qwen, Hermes), llama3_json, "
+        "mistral ([TOOL_CALLS]), or auto: from the chat template (hermes if it does not say).",
+        commands=SERVER_COMMANDS,
+        choices=("auto", "hermes", "llama3_json", "mistral"),
+        metavar="PARSER",
+    ),
+    Option(
         "log_prompts",
         "bool",
         False,

@@ -32,7 +32,14 @@ import schemathesis
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO.parent / "shared" / "models" / "stories260K"
 # 400 codes for data the schema cannot tell from valid (see the module docstring).
-UNSTATEABLE_RULES = {"context_length_exceeded", "invalid_combination"}
+# A regex or grammar that does not compile, or a schema keyword structured output cannot
+# enforce, is as unstateable in OpenAPI as a prompt's token count.
+UNSTATEABLE_RULES = {
+    "context_length_exceeded",
+    "invalid_combination",
+    "invalid_grammar",
+    "unsupported_grammar",
+}
 CONFIG = """
 [checks.positive_data_acceptance]
 # A 400 is checked by refusals_of_valid_data_name_an_unstateable_rule instead.

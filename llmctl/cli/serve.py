@@ -69,6 +69,7 @@ def serve(
         client_timeout=options["client_timeout"],
         web_ui=options["web_ui"],
         settings=served_settings(options),
+        tool_call_parser=options["tool_call_parser"],
     )
     _print_banner(choice, engine, url_of(sock, "https" if tls else "http"))
     run_server(app, sock, shutdown_timeout=options["shutdown_timeout"], tls=tls)

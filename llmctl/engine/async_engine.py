@@ -26,6 +26,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from time import perf_counter
 
@@ -92,6 +93,7 @@ class _Collector:
         self._token_ids: dict[str, list[int]] = {rid: [] for rid in request_ids}
         self._logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid in request_ids}
         self._prompt_ids: dict[str, list[int] | None] = dict.fromkeys(request_ids)
+        self._cached: dict[str, int | None] = dict.fromkeys(request_ids)
         self._last: dict[str, GenerationOutput] = {}
 
     def receive(self, batch: list[tuple[_Collector, Item]]) -> None:
@@ -108,6 +110,8 @@ class _Collector:
                 self._logprobs[request_id] += item.logprobs
             if item.prompt_token_ids is not None:
                 self._prompt_ids[request_id] = item.prompt_token_ids
+            if item.cached_tokens is not None:
+                self._cached[request_id] = item.cached_tokens
             self._last[request_id] = item
             received.append(item)
             if item.finished:
@@ -130,6 +134,7 @@ class _Collector:
             finish_reason=last.finish_reason,
             logprobs=self._logprobs[request_id] or None,
             prompt_token_ids=self._prompt_ids[request_id],
+            cached_tokens=self._cached[request_id],
         )
 
 
@@ -182,6 +187,10 @@ class AsyncEngine:
         request, which frees its KV blocks.
         """
         stream = _Stream(asyncio.get_running_loop())
+        if request.sampling.structured is not None:
+            # Compiled on the grammar thread (the first one also imports xgrammar, which
+            # takes a second: off the event loop too); its errors are refusals.
+            await asyncio.wrap_future(await asyncio.to_thread(self._compile, request))
         self._register([request], stream)
         finished = False
         try:
@@ -207,6 +216,9 @@ class AsyncEngine:
         (to show progress; it must be quick). ``InvalidRequest`` before anything runs if
         one is refused; an error, or an interrupt, aborts the requests still running."""
         collector = _Collector([request.request_id for request in requests], on_outputs)
+        for grammar in [self._compile(request) for request in requests]:
+            if grammar is not None:
+                grammar.result()
         self._register(requests, collector)
         try:
             collector.done.wait()
@@ -217,6 +229,12 @@ class AsyncEngine:
         if collector.error is not None:
             raise collector.error
         return [collector.result(request.request_id) for request in requests]
+
+    def _compile(self, request: GenerationRequest) -> Future | None:
+        """Start compiling the request's grammar (cached by spec), so that it never
+        compiles in the step loop and a bad one is refused before the request runs."""
+        spec = request.sampling.structured
+        return None if spec is None else self.engine.grammars.compile(spec)
 
     def _register(
         self, requests: Sequence[GenerationRequest], target: _Stream | _Collector
@@ -305,7 +323,9 @@ class AsyncEngine:
             return list(request.prompt_token_ids)
         if request.prompt is not None:
             return self.tokenizer.encode(request.prompt)
-        return self.tokenizer.encode_chat(request.messages)
+        return self.tokenizer.encode_chat(
+            request.messages, tools=request.tools, template_kwargs=request.chat_template_kwargs
+        )
 
     def _submit(self, *commands: Command) -> None:
         with self._lock:

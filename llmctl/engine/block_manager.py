@@ -83,6 +83,8 @@ class BlockManager:
         for _ in range(self.blocks_needed(seq.num_tokens) - len(hits)):
             seq.block_table.append(self._take_fresh_block())
         seq.num_computed_tokens = len(hits) * self.block_size
+        if seq.num_cached_tokens is None:  # the first admission, not a recompute
+            seq.num_cached_tokens = seq.num_computed_tokens
         self._note_peak()
 
     def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:

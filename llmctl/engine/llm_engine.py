@@ -9,16 +9,20 @@ launches step N+1 while the device still runs step N (the tokens N samples stay 
 device and N+1 reads them there), and only then waits for step N's tokens and turns
 them into outputs. So a call returns the outputs of the step before the one it
 launched; a request that turns out finished has one extra token computed and dropped.
-A request with penalties needs its previous tokens on the host, so while one runs the
-steps do not overlap. On the CPU nothing runs behind the host's back, so each step
+A request with penalties or a grammar needs its previous tokens on the host, so while
+one runs the steps do not overlap; a grammar's next mask is filled on another thread
+while the model runs (``grammar.GrammarMasks``). On the CPU nothing runs behind the host's back, so each step
 completes before the next is prepared.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import replace
 from time import perf_counter
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +41,9 @@ from llmctl.engine.step_profile import StepProfile
 from llmctl.engine.transfer import to_device
 from llmctl.errors import InvalidRequest
 from llmctl.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from llmctl.engine.grammar import GrammarCompiler, GrammarMasks
 
 
 class StepFailed(Exception):
@@ -91,7 +98,11 @@ class LLMEngine:
         self.overlap = runner.device.type == "cuda" if overlap is None else overlap
         self._in_flight: tuple[ScheduledStep, SampledBatch] | None = None
         self._seqs: dict[str, Sequence] = {}
-        self._num_needing_host_tokens = 0  # requests with penalties in flight
+        self._num_needing_host_tokens = 0  # requests with penalties or grammars in flight
+        self._grammars: GrammarCompiler | None = None  # made on the first grammar
+        self._grammar_lock = threading.Lock()
+        self._grammar_masks: GrammarMasks | None = None
+        self._num_constrained = 0  # requests with a grammar in flight
         self._faults = FaultPlan.from_env()  # only tests set LLMCTL_TEST_FAULT
 
     def validate(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
@@ -105,18 +116,39 @@ class LLMEngine:
             num_blocks=self.num_blocks,
         )
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The compiler of structured-output grammars (xgrammar is imported on first use)."""
+        with self._grammar_lock:  # the async engine compiles from the event loop's thread
+            if self._grammars is None:
+                from llmctl.engine.grammar import GrammarCompiler, GrammarMasks
+
+                vocab_size = self.vocab_size or self.tokenizer.vocab_size
+                self._grammar_masks = GrammarMasks(vocab_size)
+                self._grammars = GrammarCompiler(self.tokenizer, vocab_size, self.eos_token_ids)
+        return self._grammars
+
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
     ) -> None:
         if request_id in self._seqs:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, sampling)
+        grammar = None
+        if sampling.structured is not None:
+            from llmctl.engine.grammar import GrammarState
+
+            # Compiled already when the async engine awaited it; else compiled here.
+            grammar = GrammarState(self.grammars.compiled(sampling.structured))
         if sampling.max_tokens is None:  # "until the session is full"
             sampling = replace(sampling, max_tokens=self.max_model_len - len(prompt_token_ids))
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, sampling)
-        seq = Sequence(request_id, prompt_token_ids, sampling, detokenizer, self.eos_token_ids)
+        seq = Sequence(
+            request_id, prompt_token_ids, sampling, detokenizer, self.eos_token_ids, grammar
+        )
         self._seqs[request_id] = seq
         self._num_needing_host_tokens += seq.needs_host_tokens
+        self._num_constrained += grammar is not None
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> GenerationOutput | None:
@@ -160,6 +192,7 @@ class LLMEngine:
             return outputs
         scheduled = perf_counter()
         batch = self.scheduler.batches.build(step)
+        masks = self._start_masks(step)
         built = perf_counter()
         if before_model is not None:
             before_model()
@@ -170,7 +203,7 @@ class LLMEngine:
             ran = perf_counter()
             self.scheduler.mark_computed(step)
             marked = perf_counter()
-            sampled = self._sample(step, logits)
+            sampled = self._sample(step, logits, masks)
         except Exception as exc:
             raise StepFailed([seq.request_id for seq in step.seqs], outputs) from exc
         previous, self._in_flight = self._in_flight, (step, sampled)
@@ -184,7 +217,16 @@ class LLMEngine:
             return outputs + self._collect()
         return outputs + (self._process(*previous) if previous is not None else [])
 
-    def _sample(self, step: ScheduledStep, logits: torch.Tensor) -> SampledBatch | None:
+    def _start_masks(self, step: ScheduledStep) -> Future | None:
+        """Start filling the grammar masks of the rows this step samples (``None``: no
+        constrained row)."""
+        if not self._num_constrained or not step.ready:
+            return None
+        return self._grammar_masks.start([step.seqs[i] for i in step.ready])
+
+    def _sample(
+        self, step: ScheduledStep, logits: torch.Tensor, masks: Future | None = None
+    ) -> SampledBatch | None:
         """Sample the ready rows; their tokens are pending until ``_process``."""
         ready, seqs = step.ready, step.seqs
         if not ready:
@@ -192,7 +234,7 @@ class LLMEngine:
         if len(ready) < len(seqs):
             logits = logits[to_device(ready, torch.int64, logits.device)]
             seqs = [seqs[i] for i in ready]
-        sampled = self.sampler.sample(logits, seqs)
+        sampled = self.sampler.sample(logits, seqs, masks)
         for row, seq in enumerate(seqs):
             seq.num_pending_tokens += 1
             seq.pending = (sampled, row)
@@ -234,6 +276,8 @@ class LLMEngine:
             reason = finish_reason(
                 token_id, num_output, seq.sampling, seq.stop_token_ids, detokenizer
             )
+            if seq.grammar is not None:
+                reason = self._advance_grammar(seq, token_id, reason)
             done = reason is not None
             sampled_token = logprobs.get(row)
             # Positional: keyword arguments make this dataclass' __init__ three times
@@ -249,6 +293,7 @@ class LLMEngine:
                     reason,
                     None if sampled_token is None else [self._token_logprob(sampled_token)],
                     seq.prompt_token_ids if num_output == 1 else None,
+                    seq.num_cached_tokens if num_output == 1 else None,
                 )
             )
             if done:
@@ -257,10 +302,23 @@ class LLMEngine:
         profile.outputs += perf_counter() - received
         return outputs
 
+    def _advance_grammar(self, seq: Sequence, token_id: int, reason: str | None) -> str | None:
+        """Feed the new token to the sequence's matcher. A grammar that is complete ends
+        the request (``stop``) even where EOS would not (``ignore_eos``): nothing more may
+        follow it."""
+        if not seq.grammar.accept(token_id):
+            # The mask allowed only grammatical tokens, so only a row whose every token
+            # was forbidden (min_tokens holding back the one stop token) lands here.
+            return reason or "stop"
+        if reason is None and seq.grammar.finished:
+            return "stop"
+        return reason
+
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
         del self._seqs[seq.request_id]
         self._num_needing_host_tokens -= seq.needs_host_tokens
+        self._num_constrained -= seq.grammar is not None
 
     def _token_logprob(self, sampled: SampledToken) -> TokenLogprob:
         text = self.tokenizer.token_text

@@ -28,6 +28,13 @@ def validate_request(
             raise InvalidRequest(
                 f"prompt token ids {bad[:5]} are outside the vocabulary (0..{vocab_size - 1})"
             )
+        biased = [t for t in sampling.logit_bias if t >= vocab_size]
+        if biased:
+            raise InvalidRequest(
+                f"logit_bias token ids {biased[:5]} are outside the vocabulary "
+                f"(0..{vocab_size - 1})",
+                param="logit_bias",
+            )
     prompt_len, limit = len(prompt_token_ids), max_model_len
     if sampling.max_tokens is None and prompt_len >= limit:
         raise InvalidRequest(

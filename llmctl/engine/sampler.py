@@ -1,19 +1,21 @@
 """Turn a batch of next-token logits into tokens, one row per sequence.
 
 Order of processing, per row:
-1. penalties on the raw logits: repetition (HF/CTRL style, over prompt + output:
+1. the grammar's mask (structured output): the tokens a constrained row's grammar
+   forbids become ``-inf`` (``grammar.apply_masks``; other rows are not touched);
+2. penalties on the raw logits: repetition (HF/CTRL style, over prompt + output:
    positive logits divided, negative ones multiplied), then frequency and presence
    (OpenAI style, over generated tokens only: ``logit -= frequency * count +
-   presence * (count > 0)``);
-2. ``min_tokens``: EOS and stop token ids are masked until that many were generated;
-3. temperature 0 takes the argmax here; otherwise logits are divided by the temperature;
-4. truncation: top-k, then top-p over the top-k renormalized distribution, then min-p
+   presence * (count > 0)``); then ``logit_bias`` is added;
+3. ``min_tokens``: EOS and stop token ids are masked until that many were generated;
+4. temperature 0 takes the argmax here; otherwise logits are divided by the temperature;
+5. truncation: top-k, then top-p over the top-k renormalized distribution, then min-p
    (drop tokens whose probability is below ``min_p`` times the most likely one's);
-5. sampling with the exponential-race trick (``argmax(p / q)`` with ``q ~ Exp(1)``),
+6. sampling with the exponential-race trick (``argmax(p / q)`` with ``q ~ Exp(1)``),
    which draws from ``p`` exactly; a seeded request draws ``q`` from its own generator,
    so its tokens do not depend on its batch mates.
 
-Logprobs are the log-softmax of the logits after steps 1-3 (penalties, min_tokens and
+Logprobs are the log-softmax of the logits after steps 1-4 (grammar, penalties, bias, min_tokens and
 temperature; temperature 0 counts as 1), before truncation, so every token has a
 finite value whatever top-k/top-p cut.
 
@@ -24,6 +26,7 @@ asked) come back to the host in one copy (``SampledBatch``).
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -98,18 +101,28 @@ class Sampler:
         self._generator: torch.Generator | None = None
         self._seed = seed
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+    def __call__(
+        self, logits: torch.Tensor, seqs: list[Sequence], masks: Future | None = None
+    ) -> list[SampledToken]:
         """Sample and wait: one ``SampledToken`` per row."""
-        token_ids, logprobs = self.sample(logits, seqs).host()
+        token_ids, logprobs = self.sample(logits, seqs, masks).host()
         return [logprobs.get(row) or SampledToken(t) for row, t in enumerate(token_ids)]
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledBatch:
-        """Sample one token per row on the logits' device; nothing here waits for it."""
+    def sample(
+        self, logits: torch.Tensor, seqs: list[Sequence], masks: Future | None = None
+    ) -> SampledBatch:
+        """Sample one token per row on the logits' device; nothing here waits for it,
+        except for ``masks`` (``GrammarMasks.start``: the constrained rows' bitmasks)."""
         if all(seq.plain_greedy for seq in seqs):  # the common case: no copy of the logits
             return SampledBatch(argmax_rows(logits))
         device = logits.device
         logits = logits.float().clone()
+        if masks is not None:
+            from llmctl.engine.grammar import apply_masks  # xgrammar: only with grammars
+
+            apply_masks(logits, masks.result())
         apply_penalties(logits, seqs)
+        apply_logit_bias(logits, seqs)
         mask_stops_before_min_tokens(logits, seqs, self.eos_token_ids)
 
         temperatures = to_device(
@@ -165,6 +178,15 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     if logits.device.type == "cpu":
         return torch.from_numpy(np.argmax(logits.numpy(), axis=-1))
     return logits.argmax(dim=-1)
+
+
+def apply_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """OpenAI's ``logit_bias``: a value added to chosen tokens' logits, in place."""
+    for row, seq in enumerate(seqs):
+        bias = seq.sampling.logit_bias
+        if bias:
+            ids = to_device(list(bias), torch.int64, logits.device)
+            logits[row, ids] += to_device(list(bias.values()), torch.float32, logits.device)
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:

@@ -31,6 +31,35 @@ BOUNDS: dict[str, Interval] = {
     "top_logprobs": Interval(ge=0, le=20),
 }
 
+# logit_bias values, as OpenAI bounds them.
+LOGIT_BIAS_BOUNDS = Interval(ge=-100.0, le=100.0)
+
+# What a grammar constrains the output to; the value's meaning depends on the kind.
+GRAMMAR_KINDS = ("json", "json_schema", "regex", "choice", "ebnf", "structural_tag")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """The grammar a request's output must follow (the engine compiles it with xgrammar).
+
+    ``kind`` is one of ``GRAMMAR_KINDS``: ``json`` (any JSON object, ``value`` empty),
+    ``json_schema`` (``value``: the schema as JSON text), ``regex`` (the pattern),
+    ``choice`` (``value``: a JSON list of the allowed strings), ``ebnf`` (a GBNF/EBNF
+    grammar whose start rule is ``root``) or ``structural_tag`` (xgrammar's structural
+    tag as JSON: tool calls in a model family's format, their arguments by schema). Frozen and hashable: compiled grammars are
+    cached by it.
+    """
+
+    kind: str
+    value: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise InvalidRequest(
+                f"unknown grammar kind {self.kind!r}; one of {', '.join(GRAMMAR_KINDS)}"
+            )
+
+
 # Below this a temperature is greedy: dividing logits by a tinier number overflows
 # float32 and turns the distribution into NaN (vLLM draws the line at the same place).
 GREEDY_TEMPERATURE = 1e-5
@@ -63,6 +92,9 @@ class SamplingParams:
     top_logprobs: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Added to the logits of these token ids before sampling (OpenAI's logit_bias).
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,6 +117,14 @@ class SamplingParams:
             raise InvalidRequest("stop strings must not be empty", param="stop")
         if any(token_id < 0 for token_id in self.stop_token_ids):
             raise InvalidRequest("stop_token_ids must not be negative", param="stop_token_ids")
+        for token_id, bias in self.logit_bias.items():
+            if token_id < 0 or not _within(bias, LOGIT_BIAS_BOUNDS):
+                raise InvalidRequest(
+                    f"logit_bias maps token ids (at least 0) to values "
+                    f"{describe(LOGIT_BIAS_BOUNDS)}, got {token_id}: {bias}",
+                    param="logit_bias",
+                    code="invalid_value",
+                )
 
     @property
     def greedy(self) -> bool:

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import torch
 
     from llmctl.engine.detokenizer import IncrementalDetokenizer
+    from llmctl.engine.grammar import GrammarState
     from llmctl.engine.sampler import SampledBatch
 
 
@@ -54,6 +55,8 @@ class Sequence:
         "row",
         "num_pending_tokens",
         "pending",
+        "grammar",
+        "num_cached_tokens",
     )
 
     def __init__(
@@ -63,6 +66,7 @@ class Sequence:
         sampling: SamplingParams,
         detokenizer: IncrementalDetokenizer | None = None,
         eos_token_ids: tuple[int, ...] = (),
+        grammar: GrammarState | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -85,10 +89,16 @@ class Sequence:
             or sampling.min_tokens
             or sampling.logprobs
             or sampling.top_logprobs
+            or sampling.logit_bias
+            or grammar is not None
         )
         self.row: int | None = None  # its row in the step inputs while it runs
         self.num_pending_tokens = 0
         self.pending: tuple[SampledBatch, int] | None = None
+        # The matcher of a request with structured output: it has seen every output token.
+        self.grammar = grammar
+        # Prompt tokens the prefix cache held at first admission (None until admitted).
+        self.num_cached_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -108,11 +118,14 @@ class Sequence:
 
     @property
     def needs_host_tokens(self) -> bool:
-        """Whether sampling reads its previous tokens (penalties): no step may then be
-        prepared before the last one's tokens reached the host."""
+        """Whether sampling reads its previous tokens (penalties, a grammar's mask): no
+        step may then be prepared before the last one's tokens reached the host."""
         params = self.sampling
         return bool(
-            params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
+            params.repetition_penalty != 1.0
+            or params.frequency_penalty
+            or params.presence_penalty
+            or self.grammar is not None
         )
 
     def append_token(self, token_id: int) -> None:

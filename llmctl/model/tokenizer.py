@@ -139,32 +139,45 @@ class Tokenizer:
         return self.chat_template is not None
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
-        """Render ``messages`` with the chat template, as transformers does."""
+        """Render ``messages`` with the chat template, as transformers does: ``tools`` in
+        OpenAI's shape, ``template_kwargs`` as extra variables (``enable_thinking``)."""
         if self._template is None:
             raise InvalidRequest("this model has no chat template; give a plain prompt")
         try:
             return self._template.render(
+                **{**self._special_tokens, **(template_kwargs or {})},
                 messages=[_text_message(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
-                **self._special_tokens,
+                tools=tools,
             )
         except jinja2.TemplateError as exc:
             raise InvalidRequest(f"the chat template refused these messages: {exc}") from None
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         """Prompt ids for a conversation.
 
         With a template: the rendered text, encoded without adding special tokens (the
         template writes its own BOS, as transformers' ``apply_chat_template`` assumes).
-        Without one: plain continuation of the message contents joined by newlines.
+        Without one: plain continuation of the message contents joined by newlines
+        (an assistant's tool calls written as their JSON, so none is dropped).
         """
         if not messages:
             raise InvalidRequest("messages must not be empty")
         if self.chat_template is not None:
-            return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
-        text = "\n".join(_text_message(m)["content"] for m in messages)
+            text = self.apply_chat_template(messages, True, tools, template_kwargs)
+            return self.encode(text, add_special_tokens=False)
+        text = "\n".join(_plain_text(_text_message(m)) for m in messages)
         return self.encode(text)
 
 
@@ -238,6 +251,18 @@ def _text_message(message: dict[str, Any]) -> dict[str, Any]:
             raise InvalidRequest(f"only text message content is supported, got a {kind!r} part")
         parts.append(part.get("text", ""))
     return {**message, "content": "".join(parts)}
+
+
+def _plain_text(message: dict[str, Any]) -> str:
+    """A message's text for a model without a chat template: its content, then each
+    tool call it made as ``{"name": ..., "arguments": ...}``."""
+    parts = [message["content"]] if message["content"] else []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function", call) if isinstance(call, dict) else {}
+        parts.append(
+            json.dumps({"name": function.get("name"), "arguments": function.get("arguments")})
+        )
+    return "\n".join(parts)
 
 
 class _GenerationBlock(jinja2.ext.Extension):

@@ -20,6 +20,7 @@ from llmctl.server.limits import Admission
 from llmctl.server.metrics import CONTENT_TYPE, ServerMetrics
 from llmctl.server.openapi import Health, Version, install_openapi
 from llmctl.server.routes_openai import router
+from llmctl.server.routes_tokenize import router as tokenize_router
 from llmctl.server.state import DEFAULT_CLIENT_TIMEOUT, DEFAULT_MAX_BODY_BYTES, ServerState
 from llmctl.server.stats import router as stats_router
 from llmctl.server.web import install_web_ui
@@ -38,6 +39,7 @@ def create_app(
     client_timeout: float = DEFAULT_CLIENT_TIMEOUT,
     web_ui: bool = True,
     settings: dict[str, Any] | None = None,
+    tool_call_parser: str = "auto",
 ) -> FastAPI:
     """Build the app. The engine is shut down when the app's lifespan ends.
 
@@ -54,6 +56,7 @@ def create_app(
         max_body_bytes=max_body_bytes,
         client_timeout=client_timeout,
         settings=dict(settings or {}),
+        tool_call_parser=tool_call_parser,
     )
 
     @asynccontextmanager
@@ -70,6 +73,7 @@ def create_app(
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(stats_router)
+    app.include_router(tokenize_router)
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health() -> Response:

@@ -14,6 +14,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 
@@ -33,6 +34,7 @@ class ChoiceProgress:
     last_token_at: float | None = None
     finish_reason: str | None = None
     refused: bool = False  # the engine turned it down before it started
+    cached_tokens: int | None = None  # prompt tokens served by the prefix cache
 
     @property
     def text(self) -> str:
@@ -116,6 +118,8 @@ class GenerationStream:
         if progress.logprobs is not None and output.logprobs:
             progress.logprobs.extend(output.logprobs)
         progress.prompt_tokens = output.prompt_tokens
+        if output.cached_tokens is not None:
+            progress.cached_tokens = output.cached_tokens
         if output.completion_tokens > progress.completion_tokens:
             # Counted as they come, so a rate read from /metrics or /stats is live.
             self.metrics.generation_tokens.inc(
@@ -169,12 +173,19 @@ class GenerationStream:
                     progress.finish_reason = "abort"
                     self._record_finished(progress)
 
-    def usage(self, choices_per_prompt: int) -> dict[str, int]:
-        """OpenAI's usage: each distinct prompt counted once, every choice's tokens."""
-        prompt = sum(p.prompt_tokens for p in self.progress[::choices_per_prompt])
+    def usage(self, choices_per_prompt: int) -> dict[str, Any]:
+        """OpenAI's usage: each distinct prompt counted once, every choice's tokens; with
+        ``prompt_tokens_details.cached_tokens`` where the engine reports prefix-cache hits
+        (the first choice of each prompt: its batch mates hit the blocks it just wrote)."""
+        firsts = self.progress[::choices_per_prompt]
+        prompt = sum(p.prompt_tokens for p in firsts)
         completion = sum(p.completion_tokens for p in self.progress)
-        return {
+        usage: dict[str, Any] = {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
         }
+        if any(p.cached_tokens is not None for p in firsts):
+            cached = sum(p.cached_tokens or 0 for p in firsts)
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage

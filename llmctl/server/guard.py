@@ -16,9 +16,12 @@ from llmctl.server.errors import APIError
 from llmctl.server.state import ServerState
 
 GUARDED_PREFIX = "/v1/"
+GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})  # vLLM's paths, outside /v1
 # Metrics label paths by name only for the real routes, so random URLs cannot create
 # an unbounded number of time series.
-KNOWN_ENDPOINTS = frozenset({"/v1/models", "/v1/completions", "/v1/chat/completions"})
+KNOWN_ENDPOINTS = frozenset(
+    {"/v1/models", "/v1/completions", "/v1/chat/completions", *GUARDED_PATHS}
+)
 
 
 class Guard:
@@ -27,7 +30,8 @@ class Guard:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith(GUARDED_PREFIX):
+        path = scope["path"] if scope["type"] == "http" else ""
+        if not (path.startswith(GUARDED_PREFIX) or path in GUARDED_PATHS):
             await self.app(scope, receive, send)
             return
         send = self._counting(scope["path"], send)

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from llmctl.backend import GenerationOutput, TokenLogprob
+from llmctl.server.chat_output import ChoiceReader, whole_message
 from llmctl.server.generation import ChoiceProgress
 
 # JSON has no -inf; OpenAI clients expect a number. vLLM uses the same floor.
@@ -61,16 +62,27 @@ class CompletionFormatter(_Formatter):
     object_name = "text_completion"
     chunk_object_name = "text_completion"
 
-    def __init__(self, response_id: str, model: str, include_usage: bool, num_choices: int):
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        include_usage: bool,
+        num_choices: int,
+        echoes: list[str] | None = None,
+    ):
         super().__init__(response_id, model, include_usage)
         self._text_offsets = [0] * num_choices
+        # ``echo``: each choice's prompt text, sent before its first generated text.
+        self._echoes = list(echoes) if echoes else [""] * num_choices
 
     def stream_chunk(self, index: int, output: GenerationOutput) -> dict[str, Any] | None:
-        if not (output.text or output.finished or output.logprobs):
+        echo, self._echoes[index] = self._echoes[index], ""
+        text = echo + output.text
+        if not (text or output.finished or output.logprobs):
             return None
         choice = {
             "index": index,
-            "text": output.text,
+            "text": text,
             "logprobs": self._logprobs(index, output.logprobs),
             "finish_reason": output.finish_reason if output.finished else None,
         }
@@ -86,7 +98,7 @@ class CompletionFormatter(_Formatter):
         choices = [
             {
                 "index": index,
-                "text": texts[index],
+                "text": self._echoes[index] + texts[index],
                 "logprobs": self._logprobs(index, logprobs[index]),
                 "finish_reason": progress[index].finish_reason,
             }
@@ -115,31 +127,48 @@ class CompletionFormatter(_Formatter):
 
 
 class ChatFormatter(_Formatter):
-    """``chat.completion`` objects and ``chat.completion.chunk`` deltas."""
+    """``chat.completion`` objects and ``chat.completion.chunk`` deltas. With
+    ``tool_family`` each choice's text is read for tool calls in that family's format;
+    with ``reasoning``, ``<think>...</think>`` becomes ``reasoning_content``."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, response_id: str, model: str, include_usage: bool, num_choices: int):
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        include_usage: bool,
+        num_choices: int,
+        tool_family: str | None = None,
+        reasoning: bool = False,
+    ):
         super().__init__(response_id, model, include_usage)
         self._announced = [False] * num_choices
+        self._readers = [ChoiceReader(tool_family, reasoning) for _ in range(num_choices)]
 
     def stream_chunk(self, index: int, output: GenerationOutput) -> dict[str, Any] | None:
         delta: dict[str, Any] = {}
         if not self._announced[index]:  # the first delta of a choice names the role
             self._announced[index] = True
             delta["role"] = "assistant"
-        if output.text or "role" in delta:
-            delta["content"] = output.text
+            delta["content"] = ""
+        delta |= self._readers[index].read(output.text, final=output.finished).delta()
         if not (delta or output.finished or output.logprobs):
             return None
         choice = {
             "index": index,
             "delta": delta,
             "logprobs": _chat_logprobs(output.logprobs),
-            "finish_reason": output.finish_reason if output.finished else None,
+            "finish_reason": self._finish_reason(index, output.finish_reason)
+            if output.finished
+            else None,
         }
         return self._chunk([choice])
+
+    def _finish_reason(self, index: int, reason: str | None) -> str | None:
+        """OpenAI's ``tool_calls`` for an answer that ended after calling tools."""
+        return "tool_calls" if reason == "stop" and self._readers[index].num_calls else reason
 
     def response(
         self,
@@ -151,9 +180,9 @@ class ChatFormatter(_Formatter):
         choices = [
             {
                 "index": index,
-                "message": {"role": "assistant", "content": texts[index]},
+                "message": whole_message(self._readers[index], texts[index]),
                 "logprobs": _chat_logprobs(logprobs[index]),
-                "finish_reason": progress[index].finish_reason,
+                "finish_reason": self._finish_reason(index, progress[index].finish_reason),
             }
             for index in range(len(texts))
         ]

@@ -17,6 +17,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from llmctl.server.guard import GUARDED_PATHS
 from llmctl.server.state import ServerState
 
 
@@ -33,10 +34,15 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -74,9 +80,22 @@ class CompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # null beside tool calls
+    reasoning_content: str | None = None  # a thinking model's <think> text
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(BaseModel):
@@ -109,9 +128,26 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None  # on a call's first delta only
+    arguments: str
+
+
+class ToolCallDelta(BaseModel):
+    """A call's first delta has its ``id``, ``type`` and name; the next ones carry the
+    following fragments of its arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -155,10 +191,13 @@ class Version(BaseModel):
 
 
 _WHEN = {
+    501: "The backend cannot do this here (a proxy has no tokenizer of its own).",
     400: "The request is malformed or its values do not go together (`param` names the "
     "field): bad JSON, a wrong type, a value out of range, an unknown field "
     "(`invalid_value`); two fields that contradict each other (`invalid_combination`); "
-    "prompt + max_tokens beyond the session length (`context_length_exceeded`).",
+    "prompt + max_tokens beyond the session length (`context_length_exceeded`); a grammar, "
+    "regex or JSON schema that does not compile, or a schema keyword structured output "
+    "cannot enforce (`invalid_grammar`, `unsupported_grammar`).",
     401: "No API key or a wrong one (`invalid_api_key`).",
     404: "`model` names a model this server does not serve (`model_not_found`).",
     408: "The client did not send its request body within the server's client_timeout.",
@@ -272,6 +311,30 @@ def _publish_engine_facts(components: dict[str, Any], state: ServerState) -> Non
             items = items.get("items", items)  # a list of token-id lists
             if items.get("type") == "integer":
                 items["maximum"] = vocab_size - 1
+        detokenize = components.get("DetokenizeRequest")
+        if detokenize is not None:
+            detokenize["properties"]["tokens"]["items"]["maximum"] = vocab_size - 1
+        for name in ("CompletionRequest", "ChatCompletionRequest"):
+            for bias in _choices(components[name]["properties"]["logit_bias"]):
+                if bias.get("type") == "object":
+                    bias["propertyNames"] = {"pattern": _below_pattern(vocab_size)}
+
+
+def _below_pattern(limit: int) -> str:
+    """A regex of the decimal numbers 0 .. limit - 1, without leading zeros (logit_bias
+    keys are token ids as strings, so their bound can only be stated as a pattern)."""
+    top = str(limit - 1)
+    parts = ["0"]
+    if len(top) > 1:
+        parts.append("[1-9]" + (f"[0-9]{{0,{len(top) - 2}}}" if len(top) > 2 else ""))
+    for i, digit in enumerate(top):
+        low = 1 if i == 0 else 0
+        if int(digit) > low:
+            rest = len(top) - i - 1
+            tail = f"[0-9]{{{rest}}}" if rest else ""
+            parts.append(f"{top[:i]}[{low}-{int(digit) - 1}]{tail}")
+    parts.append(top)
+    return "^(" + "|".join(parts) + ")$"
 
 
 def _choices(prop: dict[str, Any]) -> list[dict[str, Any]]:
@@ -293,7 +356,7 @@ def _publish_auth(schema: dict[str, Any]) -> None:
         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
     }
     for path, operations in schema["paths"].items():
-        if path.startswith("/v1/"):
+        if path.startswith("/v1/") or path in GUARDED_PATHS:
             for operation in operations.values():
                 operation["security"] = [{"apiKey": []}]
                 operation["responses"]["401"] = unauthorized

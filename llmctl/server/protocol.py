@@ -13,18 +13,37 @@ believes a field it sent (say ``logit_bias``) had an effect.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from llmctl.engine.sampling_params import BOUNDS, SamplingParams
+from llmctl.engine.sampling_params import (
+    BOUNDS,
+    LOGIT_BIAS_BOUNDS,
+    SamplingParams,
+    StructuredOutput,
+)
 from llmctl.errors import InvalidRequest
+from llmctl.server.protocol_base import Strict
+from llmctl.server.structured_output import ResponseFormat, StructuredOutputs
+from llmctl.server.tools import (
+    MAX_TOOLS,
+    NamedToolChoice,
+    Tool,
+    ToolChoice,
+    call_grammar,
+    forced_tools,
+    template_tools,
+)
 
 MAX_N = 16  # choices per request: each one is a full engine request
 MAX_CHOICES = 256  # prompts x n of one batched completion
 MAX_STOP_STRINGS = 16  # each is searched for after every generated token
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 # OpenAI's defaults: completions stop after 16 tokens; chat runs until the session is full
 # (None: the engine fills in what is left of session_len).
 DEFAULT_COMPLETION_TOKENS = 16
@@ -64,45 +83,11 @@ Prompt = (
 )
 
 
-def _optional_fields_take_null(schema: dict[str, Any]) -> None:
-    """Publish what ``_null_means_default`` accepts: null for every optional field."""
-    required = set(schema.get("required", ()))
-    for name, prop in schema.get("properties", {}).items():
-        choices = prop.get("anyOf", [prop])
-        if name not in required and not any(c.get("type") == "null" for c in choices):
-            about = {
-                key: prop.pop(key) for key in ("title", "description", "default") if key in prop
-            }
-            schema["properties"][name] = {"anyOf": [prop, {"type": "null"}], **about}
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid",
-        strict=True,
-        allow_inf_nan=False,
-        json_schema_extra=_optional_fields_take_null,
-    )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        """OpenAI accepts ``null`` for any optional field, and some clients send it. An
-        unknown field stays, even as ``null``, to be refused by name."""
-        if isinstance(data, dict):
-            return {
-                key: value
-                for key, value in data.items()
-                if value is not None or key not in cls.model_fields
-            }
-        return data
-
-
-class StreamOptions(_Strict):
+class StreamOptions(Strict):
     include_usage: bool = False
 
 
-class _GenerationFields(_Strict):
+class _GenerationFields(Strict):
     """Fields shared by completions and chat completions (OpenAI's, then vLLM-style extras)."""
 
     model: str | None = Field(None, description="The served model's name (GET /v1/models).")
@@ -129,10 +114,46 @@ class _GenerationFields(_Strict):
     skip_special_tokens: bool = True
     min_tokens: _bounded(int, "min_tokens") = Field(0, description="At most max_tokens.")
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    logit_bias: (
+        Annotated[
+            dict[
+                Annotated[str, Field(pattern=r"^(0|[1-9][0-9]*)$")],
+                Annotated[float, LOGIT_BIAS_BOUNDS],
+            ],
+            Field(max_length=MAX_LOGIT_BIAS),
+        ]
+        | None
+    ) = Field(None, description="Token id (as a string) -> a value added to its logit.")
+    response_format: ResponseFormat | None = Field(
+        None, description="text, json_object or json_schema: the output follows it exactly."
+    )
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's: one of json (a schema), regex, choice, grammar, json_object."
+    )
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def structured_spec(self) -> StructuredOutput | None:
+        """The grammar the output must follow (``None``: free text)."""
+        if self.response_format is not None and self.structured_outputs is not None:
+            if self.response_format.type != "text":
+                raise InvalidRequest(
+                    "give response_format or structured_outputs, not both",
+                    param="structured_outputs",
+                    code="invalid_combination",
+                )
+        if self.structured_outputs is not None:
+            return self.structured_outputs.spec()
+        if self.response_format is not None:
+            return self.response_format.spec()
+        return None
+
+    @property
+    def structured_param(self) -> str:
+        """The field a grammar came from, for the ``param`` of its compile error."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
 
     def _sampling(self, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> dict:
         return dict(
@@ -152,6 +173,8 @@ class _GenerationFields(_Strict):
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            structured=self.structured_spec(),
         )
 
 
@@ -163,6 +186,7 @@ class CompletionRequest(_GenerationFields):
         f"lists; prompts x n at most {MAX_CHOICES}."
     )
     logprobs: _bounded(int, "top_logprobs") | None = None
+    echo: bool = Field(False, description="Start each choice's text with its prompt.")
 
     def prompts(self) -> list[dict[str, Any]]:
         """One engine prompt per entry: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``.
@@ -191,11 +215,18 @@ class CompletionRequest(_GenerationFields):
     def sampling_params(self) -> SamplingParams:
         """Raises ``InvalidRequest`` naming the field when values do not go together."""
         wanted = self.logprobs is not None
+        if self.echo and wanted:
+            raise InvalidRequest(
+                "echo with logprobs would need the prompt's own logprobs, which the "
+                "engine does not compute yet; drop logprobs (or echo)",
+                param="echo",
+                code="invalid_combination",
+            )
         max_tokens = DEFAULT_COMPLETION_TOKENS if self.max_tokens is None else self.max_tokens
         return SamplingParams(**self._sampling(max_tokens, wanted, self.logprobs or 0))
 
 
-class TextPart(_Strict):
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
@@ -217,7 +248,27 @@ class ChatMessage(BaseModel):
             message["content"] = "".join(part.text for part in self.content)
         elif self.content is None:
             message["content"] = ""
+        calls = message.get("tool_calls")
+        if isinstance(calls, list):
+            message["tool_calls"] = [_template_call(call) for call in calls]
         return message
+
+
+def _template_call(call: Any) -> Any:
+    """An assistant's tool call as templates read it: OpenAI sends the arguments as JSON
+    text, Hugging Face templates expect them as a mapping (they write ``| tojson``)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            arguments = json.loads(function["arguments"])
+        except json.JSONDecodeError:
+            raise InvalidRequest(
+                f"the arguments of tool call {call.get('id')!r} are not JSON: "
+                f"{function['arguments'][:80]!r}",
+                param="messages",
+            ) from None
+        return {**call, "function": {**function, "arguments": arguments}}
+    return call
 
 
 class ChatCompletionRequest(_GenerationFields):
@@ -231,6 +282,76 @@ class ChatCompletionRequest(_GenerationFields):
     top_logprobs: _bounded(int, "top_logprobs") | None = Field(
         None, description="Needs logprobs: true."
     )
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="Functions the model may call; the chat template receives them."
+    )
+    tool_choice: ToolChoice | None = Field(
+        None,
+        description="none, auto (the default with tools), required, or a named function; "
+        "required and named are enforced by a grammar.",
+    )
+    parallel_tool_calls: bool = Field(True, description="Allow more than one call.")
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables for the chat template (enable_thinking, ...)."
+    )
+
+    @property
+    def tool_choice_value(self) -> ToolChoice:
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def check_tools(self) -> None:
+        """Refuse tool fields that do not go together."""
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise InvalidRequest(
+                "tool_choice needs tools: give the functions the model may call",
+                param="tool_choice",
+                code="invalid_combination",
+            )
+        if self.tools and self.n > 1:
+            raise InvalidRequest(
+                "tools take n = 1: each choice's calls would need ids of their own, which "
+                "this server does not give yet; send one request per choice",
+                param="n",
+                code="invalid_combination",
+            )
+        if self.forced_tools() and self.structured_spec() is not None:
+            raise InvalidRequest(
+                "tool_choice required or named sets the output's grammar itself; drop "
+                "response_format / structured_outputs",
+                param="tool_choice",
+                code="invalid_combination",
+            )
+        reserved = {"messages", "tools", "add_generation_prompt"} & set(
+            self.chat_template_kwargs or {}
+        )
+        if reserved:
+            raise InvalidRequest(
+                f"chat_template_kwargs must not set {', '.join(sorted(reserved))}: the "
+                "server passes those itself",
+                param="chat_template_kwargs",
+                code="invalid_combination",
+            )
+
+    def forced_tools(self) -> list[Tool]:
+        return forced_tools(self.tools or [], self.tool_choice_value)
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """What the chat template gets as ``tools`` (with tool_choice none too, as vLLM:
+        the conversation may still refer to them)."""
+        return template_tools(self.tools) if self.tools else None
+
+    @property
+    def calls_tools(self) -> bool:
+        """Whether the answer is read for tool calls."""
+        return bool(self.tools) and self.tool_choice_value != "none"
+
+    @property
+    def structured_param(self) -> str:
+        if self.forced_tools():
+            return "tool_choice" if isinstance(self.tool_choice, NamedToolChoice) else "tools"
+        return super().structured_param
 
     def sampling_params(self) -> SamplingParams:
         """Raises ``InvalidRequest`` naming the field when values do not go together."""
@@ -245,7 +366,20 @@ class ChatCompletionRequest(_GenerationFields):
             if self.max_completion_tokens is not None
             else self.max_tokens
         )
-        return SamplingParams(**self._sampling(max_tokens, self.logprobs, self.top_logprobs or 0))
+        self.check_tools()
+        fields = self._sampling(max_tokens, self.logprobs, self.top_logprobs or 0)
+        return SamplingParams(**fields)
+
+    def tool_sampling(self, sampling: SamplingParams, family: str) -> SamplingParams:
+        """``sampling`` with the grammar of a forced call in ``family``'s format, and the
+        special tokens kept when the family marks calls with one ([TOOL_CALLS])."""
+        forced = self.forced_tools()
+        if forced:
+            grammar = call_grammar(forced, family, self.parallel_tool_calls)
+            sampling = dataclasses.replace(sampling, structured=grammar)
+        if self.calls_tools and family == "mistral":
+            sampling = dataclasses.replace(sampling, skip_special_tokens=False)
+        return sampling
 
     def engine_messages(self) -> list[dict[str, Any]]:
         return [message.for_engine() for message in self.messages]

@@ -36,8 +36,10 @@ from llmctl.server.openapi import (
     streamed_or_whole,
 )
 from llmctl.server.protocol import ChatCompletionRequest, CompletionRequest
+from llmctl.server.reasoning import CLOSE as REASONING_CLOSE
 from llmctl.server.state import ServerState
 from llmctl.server.streaming import ClientGone, EventStreamResponse, sse_event, unless_disconnected
+from llmctl.server.tool_parsers import family_for_template
 
 log = logging.getLogger("llmctl.server")
 
@@ -76,10 +78,19 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     prompts = body.prompts()
     response_id = f"cmpl-{uuid.uuid4().hex}"
     requests = _engine_requests(response_id, prompts, body.sampling_params(), body.n)
+    echoes = [_prompt_text(state, p) for p in prompts for _ in range(body.n)] if body.echo else None
     formatter = CompletionFormatter(
-        response_id, state.engine.model_name, body.include_usage, len(requests)
+        response_id, state.engine.model_name, body.include_usage, len(requests), echoes
     )
-    return await _respond(request, state, requests, formatter, stream=body.stream, n=body.n)
+    return await _respond(
+        request,
+        state,
+        requests,
+        formatter,
+        stream=body.stream,
+        n=body.n,
+        grammar_param=body.structured_param,
+    )
 
 
 @router.post(
@@ -92,12 +103,52 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state.check_model(body.model)
     _check_session_bounds(state, body)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    prompts = [{"messages": body.engine_messages()}]
-    requests = _engine_requests(response_id, prompts, body.sampling_params(), body.n)
+    prompt = {
+        "messages": body.engine_messages(),
+        "tools": body.template_tools(),
+        "chat_template_kwargs": body.chat_template_kwargs,
+    }
+    sampling = body.sampling_params()
+    template = state.chat_template()
+    family = None
+    if body.calls_tools:
+        family = state.tool_call_parser
+        if family == "auto":
+            family = family_for_template(template)
+        sampling = body.tool_sampling(sampling, family)
+    requests = _engine_requests(response_id, [prompt], sampling, body.n)
     formatter = ChatFormatter(
-        response_id, state.engine.model_name, body.include_usage, len(requests)
+        response_id,
+        state.engine.model_name,
+        body.include_usage,
+        len(requests),
+        tool_family=family,
+        reasoning=template is not None and REASONING_CLOSE in template,
     )
-    return await _respond(request, state, requests, formatter, stream=body.stream, n=body.n)
+    return await _respond(
+        request,
+        state,
+        requests,
+        formatter,
+        stream=body.stream,
+        n=body.n,
+        grammar_param=body.structured_param,
+    )
+
+
+def _prompt_text(state: ServerState, prompt: dict[str, Any]) -> str:
+    """A prompt as ``echo`` repeats it: its text, or its token ids decoded."""
+    if "prompt" in prompt:
+        return prompt["prompt"]
+    tokenizer = getattr(state.engine, "tokenizer", None)
+    if tokenizer is None:
+        raise InvalidRequest(
+            "echo of a token-id prompt needs the model's tokenizer, which this backend "
+            "does not have here; send the prompt as text",
+            param="echo",
+            code="invalid_combination",
+        )
+    return tokenizer.decode(prompt["prompt_token_ids"], skip_special_tokens=False)
 
 
 def _check_session_bounds(state: ServerState, body: CompletionRequest | ChatCompletionRequest):
@@ -141,11 +192,14 @@ async def _respond(
     *,
     stream: bool,
     n: int,
+    grammar_param: str | None = None,
 ) -> Response:
     arrived_at = time.monotonic()
     _log_start(state, formatter.id, requests)
     try:
-        generation = await unless_disconnected(request, _begin(state, requests, arrived_at))
+        generation = await unless_disconnected(
+            request, _begin(state, requests, arrived_at, grammar_param)
+        )
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
 
@@ -167,13 +221,25 @@ async def _respond(
     return JSONResponse(result)
 
 
+# The codes of the engine's refusals of a grammar (engine/grammar.py).
+GRAMMAR_ERRORS = ("invalid_grammar", "unsupported_grammar")
+
+
 async def _begin(
-    state: ServerState, requests: list[GenerationRequest], arrived_at: float
+    state: ServerState,
+    requests: list[GenerationRequest],
+    arrived_at: float,
+    grammar_param: str | None = None,
 ) -> GenerationStream:
     """Take a generation slot (or 429), then start the engine requests (or their error)."""
     await state.admission.acquire()
     try:
         return await GenerationStream.start(state.engine, requests, state.metrics, arrived_at)
+    except InvalidRequest as exc:
+        state.admission.release()
+        if exc.param is None and exc.code in GRAMMAR_ERRORS:
+            exc.param = grammar_param
+        raise
     except BaseException:
         state.admission.release()
         raise

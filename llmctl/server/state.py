@@ -33,6 +33,7 @@ class ServerState:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     client_timeout: float = DEFAULT_CLIENT_TIMEOUT
     settings: dict[str, Any] = field(default_factory=dict)  # the options /stats shows
+    tool_call_parser: str = "auto"  # a tool_parsers family, or auto: from the template
     draining: bool = False
     engine_failed: bool = False
     started_at: int = field(default_factory=lambda: int(time.time()))
@@ -42,6 +43,11 @@ class ServerState:
         does not is taken to be alive while it answers."""
         is_alive = getattr(self.engine, "is_alive", None)
         return bool(is_alive()) if callable(is_alive) else True
+
+    def chat_template(self) -> str | None:
+        """The served model's chat template, where the engine has one here (a local one)."""
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        return getattr(tokenizer, "chat_template", None)
 
     def check_model(self, requested: str | None) -> None:
         served = self.engine.model_name

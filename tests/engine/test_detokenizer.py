@@ -31,8 +31,8 @@ SETTINGS = settings(
 CORPUS = ["Once upon a time, a dog named Ben ran. Über café naïve 世界 你好 🙂 €5 -- ok."] * 20
 
 
-def trained(kind: str) -> Tokenizer:
-    """A small BPE tokenizer of ``kind`` (its decoder), trained on ``CORPUS``."""
+def trained(kind: str, corpus: list[str] = CORPUS) -> Tokenizer:
+    """A small BPE tokenizer of ``kind`` (its decoder), trained on ``corpus``."""
     if kind == "byte_level":
         hf = HFTokenizer(models.BPE())
         hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -45,7 +45,7 @@ def trained(kind: str) -> Tokenizer:
         alphabet = []
     special = ["<unk>", "<s>", "</s>"]
     hf.train_from_iterator(
-        CORPUS,
+        corpus,
         trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet, special_tokens=special),
     )
     return Tokenizer(hf, bos_token="<s>", eos_token="</s>")

@@ -73,6 +73,25 @@ def test_request_body_sends_extensions_only_when_they_matter() -> None:
     assert (body["logprobs"], body["top_logprobs"]) == (True, 2)
 
 
+def test_grammars_and_logit_bias_travel_upstream_in_openai_and_vllm_shapes() -> None:
+    from llmctl.engine.sampling_params import StructuredOutput
+
+    def body_for(spec: StructuredOutput, **kw) -> dict:
+        sampling = SamplingParams(max_tokens=5, structured=spec, **kw)
+        return upstream_request(GenerationRequest("r", prompt="Hi", sampling=sampling), "m")[1]
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    body = body_for(StructuredOutput("json_schema", json.dumps(schema)), logit_bias={7: -2.0})
+    assert body["response_format"]["json_schema"]["schema"] == schema
+    assert body["logit_bias"] == {"7": -2.0}
+    assert body_for(StructuredOutput("json"))["response_format"] == {"type": "json_object"}
+    assert body_for(StructuredOutput("regex", "a+"))["structured_outputs"] == {"regex": "a+"}
+    choice = body_for(StructuredOutput("choice", '["x", "y"]'))
+    assert choice["structured_outputs"] == {"choice": ["x", "y"]}
+    grammar = body_for(StructuredOutput("ebnf", 'root ::= "a"'))
+    assert grammar["structured_outputs"] == {"grammar": 'root ::= "a"'}
+
+
 async def _lines(*lines: str) -> AsyncIterator[str]:
     for line in lines:
         yield line

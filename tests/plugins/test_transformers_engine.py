@@ -13,6 +13,7 @@ import pytest
 
 from llmctl.backend import GenerationOutput, GenerationRequest, SamplingParams
 from llmctl.engine.detokenizer import IncrementalDetokenizer
+from llmctl.engine.sampling_params import StructuredOutput
 from llmctl.errors import BackendError, InvalidRequest
 from tests.backends.torch.tiny_models import hf_greedy, load_hf_model
 from tests.plugins.conftest import require_transformers_plugin
@@ -207,6 +208,8 @@ async def blocks_once_settled(engine, rounds: int = 300) -> int:
         ({"min_tokens": 2}, "min_tokens=2"),
         ({"seed": 7}, "seed=7"),
         ({"logprobs": True, "top_logprobs": 2}, "logprobs=True"),
+        ({"logit_bias": {5: 3.0}}, "logit_bias="),
+        ({"structured": StructuredOutput("regex", "[0-9]+")}, "structured output"),
     ],
 )
 def test_what_transformers_cannot_honour_is_refused_before_any_output(

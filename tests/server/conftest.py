@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -52,6 +53,24 @@ def server() -> Iterator[Server]:
     process = start_server([*args, "--cache-block-seq-len", "16"], env=QUIET_THREADS)
     try:
         yield Server(process, process.url, API_KEY)
+    finally:
+        process.stop()
+
+
+# A Qwen2.5-style template (tools, tool calls, tool results, enable_thinking).
+HERMES_TEMPLATE = Path(__file__).parents[1] / "data" / "hermes_tools_template.jinja"
+
+
+@pytest.fixture(scope="session")
+def demo_url() -> Iterator[str]:
+    """``/v1`` of a ``llmctl serve demo`` with the Hermes tools template (random weights:
+    what it writes is noise, which grammars must still hold to their shape)."""
+    process = start_server(
+        ["demo", "--backend", "torch", "--chat-template", str(HERMES_TEMPLATE)],
+        env=QUIET_THREADS,
+    )
+    try:
+        yield f"{process.url}/v1"
     finally:
         process.stop()
 

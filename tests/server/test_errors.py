@@ -180,10 +180,10 @@ CASES: list[tuple[str, str, str, dict[str, Any], int, str | None, list[str]]] = 
         "unsupported field",
         "POST",
         CHAT,
-        {"json": {"messages": USER, "logit_bias": {"5": 1}}},
+        {"json": {"messages": USER, "functions": [{"name": "f"}]}},
         400,
-        "logit_bias",
-        ["logit_bias"],
+        "functions",
+        ["functions"],
     ),
     (
         "top_logprobs without logprobs",

@@ -12,7 +12,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from llmctl.backend import GenerationOutput, GenerationRequest, SamplingParams, TokenLogprob
-from llmctl.errors import UpstreamError
+from llmctl.engine.sampling_params import StructuredOutput
+from llmctl.errors import InvalidRequest, UpstreamError
 
 # The upstream speaks text, not this process's token ids: they are unknown here.
 UNKNOWN_TOKEN_ID = -1
@@ -41,6 +42,13 @@ _NEUTRAL = SamplingParams()
 def upstream_request(request: GenerationRequest, model: str) -> tuple[str, dict[str, Any]]:
     """The path (under ``/v1``) and JSON body that ask the upstream for ``request``."""
     sampling = request.sampling
+    if request.tools or (sampling.structured and sampling.structured.kind == "structural_tag"):
+        raise InvalidRequest(
+            "the openai-proxy backend does not forward tools yet (their calls would come "
+            "back unread); send the request to the upstream server itself",
+            param="tools",
+            code="invalid_combination",
+        )
     body: dict[str, Any] = {
         "model": model,
         "stream": True,
@@ -51,8 +59,14 @@ def upstream_request(request: GenerationRequest, model: str) -> tuple[str, dict[
         value = getattr(sampling, name)
         if value != getattr(_NEUTRAL, name):
             body[name] = value
+    if sampling.logit_bias:
+        body["logit_bias"] = {str(token_id): bias for token_id, bias in sampling.logit_bias.items()}
+    if sampling.structured is not None:
+        body.update(_structured_fields(sampling.structured))
     if request.messages is not None:
         body["messages"] = request.messages
+        if request.chat_template_kwargs:
+            body["chat_template_kwargs"] = request.chat_template_kwargs
         if sampling.logprobs:
             body["logprobs"] = True
             body["top_logprobs"] = sampling.top_logprobs
@@ -61,6 +75,24 @@ def upstream_request(request: GenerationRequest, model: str) -> tuple[str, dict[
     if sampling.logprobs:
         body["logprobs"] = sampling.top_logprobs  # the legacy API's "how many alternatives"
     return "/completions", body
+
+
+def _structured_fields(spec: StructuredOutput) -> dict[str, Any]:
+    """A grammar in the upstream's terms: OpenAI's ``response_format`` for JSON, vLLM's
+    ``structured_outputs`` for the rest (an upstream without it refuses it by name)."""
+    if spec.kind == "json":
+        return {"response_format": {"type": "json_object"}}
+    if spec.kind == "json_schema":
+        schema = json.loads(spec.value)
+        return {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "response", "schema": schema, "strict": True},
+            }
+        }
+    if spec.kind == "choice":
+        return {"structured_outputs": {"choice": json.loads(spec.value)}}
+    return {"structured_outputs": {"grammar" if spec.kind == "ebnf" else spec.kind: spec.value}}
 
 
 async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:

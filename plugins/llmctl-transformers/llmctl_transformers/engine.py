@@ -308,7 +308,9 @@ class TransformersEngine:
             return list(request.prompt_token_ids)
         if request.prompt is not None:
             return self.tokenizer.encode(request.prompt)
-        return self.tokenizer.encode_chat(request.messages)
+        return self.tokenizer.encode_chat(
+            request.messages, tools=request.tools, template_kwargs=request.chat_template_kwargs
+        )
 
     def _submit(self, state: _Request) -> None:
         """Register ``state`` and hand its request to transformers."""

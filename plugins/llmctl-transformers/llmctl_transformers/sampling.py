@@ -17,7 +17,6 @@ are honoured.
 
 from __future__ import annotations
 
-from dataclasses import fields
 from typing import Any
 
 from llmctl.engine.sampling_params import SamplingParams
@@ -39,8 +38,14 @@ CANNOT_HONOUR = {
         "(0 for every greedy token), not the model's"
     ),
     "top_logprobs": "it reports no alternative tokens",
+    "logit_bias": "it has no per-request logit processors",
+    "structured": (
+        "structured output (response_format, structured_outputs, tool_choice required or "
+        "named) needs a per-request grammar mask, which its batched sampling has no place "
+        "for; serve with --backend torch or turbo"
+    ),
 }
-_NEUTRAL = {f.name: f.default for f in fields(SamplingParams) if f.name in CANNOT_HONOUR}
+_NEUTRAL = SamplingParams()
 
 
 def unsupported(sampling: SamplingParams) -> list[str]:
@@ -48,7 +53,7 @@ def unsupported(sampling: SamplingParams) -> list[str]:
     return [
         f"{name}={getattr(sampling, name)!r}: {why}"
         for name, why in CANNOT_HONOUR.items()
-        if getattr(sampling, name) != _NEUTRAL[name]
+        if getattr(sampling, name) != getattr(_NEUTRAL, name)
     ]
 
 
