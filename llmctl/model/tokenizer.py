@@ -32,6 +32,7 @@ class Tokenizer:
         bos_token: str | None = None,
         eos_token: str | None = None,
         add_bos_token: bool | None = None,
+        add_eos_token: bool = False,
         eos_token_ids: tuple[int, ...] = (),
         chat_template: str | None = None,
         chat_template_file: Path | None = None,
@@ -52,6 +53,9 @@ class Tokenizer:
         if eos_id is not None and eos_id not in eos_ids:
             eos_ids.append(eos_id)
         self.eos_token_ids = tuple(eos_ids)
+        # Only GGUF files say so (tokenizer.ggml.add_eos_token): EOS after the text.
+        self.add_eos_token = add_eos_token and eos_id is not None
+        self._eos_id = eos_id
         self.chat_template = chat_template
         self._special_tokens = special_tokens or {}
         self.chat_template_file = chat_template_file  # None: from the chat_template option
@@ -61,11 +65,15 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
-        """Load the tokenizer of a model directory.
+        """Load the tokenizer of a model directory (or of a GGUF file, from its metadata).
 
         ``chat_template`` overrides the model's own: a path to a template file or an
         inline Jinja template.
         """
+        from llmctl.model.gguf import gguf_file, open_gguf
+
+        if (gguf := gguf_file(path)) is not None:
+            return open_gguf(gguf).tokenizer(chat_template)
         path = Path(path)
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -125,6 +133,8 @@ class Tokenizer:
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos_token and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
+        if add_special_tokens and self.add_eos_token and ids[-1:] != [self._eos_id]:
+            ids.append(self._eos_id)
         return ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
