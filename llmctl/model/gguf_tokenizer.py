@@ -49,7 +49,7 @@ PRE_TOKENIZER_SPLITS = {
 # has Digits(individual_digits) before ByteLevel).
 DIGIT_PRE_TOKENIZERS = ("smollm", "starcoder", "refact", "command-r", "codeshell", "minerva")
 # tokenizer.ggml.token_type values (llama.cpp's llama_token_type).
-CONTROL, USER_DEFINED = 3, 4
+UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4
 SPECIAL_IDS = {
     "bos_token": "bos_token_id",
     "eos_token": "eos_token_id",
@@ -175,9 +175,9 @@ def merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list[
 
 
 def _add_special_tokens(tokenizer: HFTokenizer, tokens: list[str], types: list[int]) -> None:
-    """Control tokens as special added tokens, user-defined ones as plain added tokens:
-    llama.cpp matches both whole in text."""
-    control = [t for t, kind in zip(tokens, types) if kind == CONTROL]
+    """Control (and unknown) tokens as special added tokens, user-defined ones as plain
+    added tokens: llama.cpp matches all of them whole in text."""
+    control = [t for t, kind in zip(tokens, types) if kind in (CONTROL, UNKNOWN)]
     user = [t for t, kind in zip(tokens, types) if kind == USER_DEFINED]
     tokenizer.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
     tokenizer.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
