@@ -1,0 +1,106 @@
+"""Greedy tokens from llmctl on each local backend (torch, turbo, transformers) equal
+transformers' own ``generate`` on the same GGUF file, loaded by transformers itself
+(``gguf_file=``, its own dequantizer) in float32: on tiny Llama, Qwen2 (q/k/v biases) and
+Mistral (one KV head) files in F32, F16, Q8_0, Q4_0, Q4_1 and K-quants, and on SmolLM2.
+
+transformers' GGUF loader loads these files faithfully (test_gguf_reader checks its
+tensors and llmctl's against the checkpoint), so it is the reference here.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from llmctl import LLM, SamplingParams
+from tests.gguf.gguf_files import hf_gguf_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+BACKENDS = ("torch", "turbo", "transformers")
+KINDS = ("llama-mqa", "qwen2", "mistral-one-kv-head")
+TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+# Run by default: every backend, kind and type at least once; the rest with -m slow.
+FAST = {
+    ("torch", "llama-mqa", "Q4_0"),
+    ("torch", "qwen2", "Q8_0"),
+    ("torch", "mistral-one-kv-head", "F16"),
+    ("torch", "llama-mqa", "Q4_K"),
+    ("turbo", "llama-mqa", "F32"),
+    ("turbo", "qwen2", "Q4_1"),
+    ("turbo", "mistral-one-kv-head", "Q6_K"),
+    ("transformers", "qwen2", "Q4_1"),
+}
+SMALL = {
+    "device": "cpu",
+    "dtype": "float32",
+    "cache_block_seq_len": 16,
+    "cache_max_entry_count": "64",
+    "max_batch_size": 4,
+}
+NEW_TOKENS = 8
+
+
+def reference_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, exactly ``new_tokens`` long."""
+    model.generation_config.eos_token_id = None
+    outputs = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=0,
+            )
+        outputs.append(out[0, len(prompt) :].tolist())
+    return outputs
+
+
+def llmctl_greedy(path, backend: str, prompts: list[list[int]], new_tokens: int, **options):
+    if backend == "transformers":
+        pytest.importorskip("llmctl_transformers")
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    with LLM(str(path), backend=backend, **{**SMALL, **options}) as llm:
+        assert llm.backend == backend
+        return [out.token_ids for out in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize(
+    "backend,kind,tensor_type",
+    [
+        pytest.param(*case, marks=() if case in FAST else pytest.mark.slow)
+        for case in [(b, k, t) for b in BACKENDS for k in KINDS for t in TYPES]
+    ],
+)
+def test_greedy_tokens_equal_transformers_on_the_same_file(tiny_gguf, backend, kind, tensor_type):
+    _, path = tiny_gguf(kind, tensor_type)
+    rng = random.Random(f"{kind}-{tensor_type}")
+    prompts = [[1] + [rng.randrange(3, 512) for _ in range(n)] for n in (5, 23)]
+    expected = reference_greedy(hf_gguf_model(path), prompts, NEW_TOKENS)
+    assert llmctl_greedy(path, backend, prompts, NEW_TOKENS) == expected
+
+
+@pytest.fixture(scope="module")
+def smollm2_reference(smollm2):
+    """A chat prompt for SmolLM2 and transformers' greedy answer from the same file."""
+    from llmctl.model.tokenizer import Tokenizer
+
+    question = [
+        {"role": "user", "content": "What is the capital of France? Answer in one sentence."}
+    ]
+    prompt = Tokenizer.from_dir(smollm2).encode_chat(question)
+    return prompt, reference_greedy(hf_gguf_model(smollm2), [prompt], NEW_TOKENS)[0]
+
+
+@pytest.mark.parametrize(
+    "backend", ["torch", "turbo", pytest.param("transformers", marks=pytest.mark.slow)]
+)
+def test_smollm2_greedy_tokens_equal_transformers(smollm2, smollm2_reference, backend):
+    prompt, expected = smollm2_reference
+    options = {"session_len": 512}
+    assert llmctl_greedy(smollm2, backend, [prompt], NEW_TOKENS, **options) == [expected]
