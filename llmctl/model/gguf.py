@@ -371,12 +371,17 @@ def _read(path: Path) -> Any:
     try:
         reader = Reader(path)
     except ValueError as exc:
-        unknown = re.search(r"(\d+) is not a valid GGMLQuantizationType", str(exc))
+        unknown = re.search(r"(\d+)\)? is not a valid GGMLQuantizationType", str(exc))
         if unknown:
             raise ModelError(
                 f"{path} holds a tensor of GGML type {unknown.group(1)}, which the gguf "
                 f"library does not know; llmctl reads {', '.join(READABLE_TYPES)}: use a file "
                 "quantized as one of those, or upgrade gguf (pip install -U gguf)"
+            ) from None
+        if "cannot reshape" in str(exc):  # a tensor's data runs past the end of the file
+            raise ModelError(
+                f"{path} is truncated: its {size:,} bytes end before the tensor data its "
+                f"header describes (an interrupted download or copy?); {AGAIN}"
             ) from None
         raise _damaged(path, size, exc) from None
     except (IndexError, OverflowError, UnicodeDecodeError, KeyError) as exc:
