@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, TokenType
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
@@ -119,12 +119,16 @@ def write_gguf(
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     if head_dim != config["hidden_size"] // heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if rope.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type({"F32": 0, "F16": 1}.get(tensor_type, 7))
     _add_tokenizer(writer, model_dir)

@@ -104,3 +104,33 @@ def test_smollm2_greedy_tokens_equal_transformers(smollm2, smollm2_reference, ba
     prompt, expected = smollm2_reference
     options = {"session_len": 512}
     assert llmctl_greedy(smollm2, backend, [prompt], NEW_TOKENS, **options) == [expected]
+
+
+@pytest.mark.parametrize("backend", ["torch", "turbo"])
+def test_linear_rope_scaling_from_the_metadata(tiny_gguf, backend):
+    """transformers' GGUF loader drops rope scaling, so the reference is the checkpoint's
+    own transformers model (which has it) holding the file's dequantized matrices."""
+    from tests.backends.torch.tiny_models import load_hf_model
+    from tests.gguf.gguf_files import file_matrices
+
+    checkpoint, path = tiny_gguf("llama-linear-rope", "Q8_0")
+    reference = load_hf_model(checkpoint)
+    reference.load_state_dict(file_matrices(checkpoint, "Q8_0"))
+    rng = random.Random(7)
+    prompts = [[1] + [rng.randrange(3, 512) for _ in range(60)]]  # positions where it shows
+    expected = reference_greedy(reference, prompts, NEW_TOKENS)
+    assert llmctl_greedy(path, backend, prompts, NEW_TOKENS) == expected
+    unscaled = reference_greedy(hf_gguf_model(path), prompts, NEW_TOKENS)
+    assert unscaled != expected  # the scaling matters on these positions
+
+
+def test_transformers_refuses_a_file_whose_rope_scaling_its_loader_drops(tiny_gguf):
+    from llmctl.hardware import Hardware
+    from llmctl.model.info import resolve_model
+    from llmctl.selection import assess, installed_backends
+
+    pytest.importorskip("llmctl_transformers")
+    _, path = tiny_gguf("llama-linear-rope", "Q8_0")
+    backend = installed_backends()["transformers"]
+    reasons = assess(backend, resolve_model(str(path)), {}, None, Hardware.probe(), env={}).reasons
+    assert any("drops the file's rope scaling" in reason for reason in reasons), reasons

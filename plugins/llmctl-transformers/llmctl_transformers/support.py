@@ -49,3 +49,34 @@ def architecture_problem(config: dict[str, Any]) -> str | None:
             "continuous-batching engine plugs its paged KV cache into"
         )
     return None
+
+
+def gguf_problem(model_path: Any, config: dict[str, Any]) -> str | None:
+    """Why transformers' own GGUF loading (``gguf_file=``) cannot load this GGUF file
+    faithfully, or None when it can (also None for a model that is no GGUF file)."""
+    import importlib.util
+
+    import transformers
+
+    from llmctl.model.gguf import gguf_file
+
+    if gguf_file(model_path) is None:
+        return None
+    if importlib.util.find_spec("gguf") is None:
+        return "transformers reads GGUF files through the gguf package: pip install gguf"
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    arch = config.get("model_type")
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+        return (
+            f"transformers {transformers.__version__} cannot load GGUF files of architecture "
+            f"{arch!r}; use the torch or turbo backend"
+        )
+    if config.get("rope_scaling"):
+        # Its loader rebuilds rope scaling from the metadata only for gpt-oss.
+        return (
+            f"transformers {transformers.__version__}'s GGUF loader drops the file's rope "
+            "scaling (rope.scaling.type), so its answers would be wrong; use the torch or "
+            "turbo backend"
+        )
+    return None
