@@ -154,6 +154,8 @@ class GGUFModel:
         self.path = path
         self.reader = _read(path)
         self.arch = str(self.value("general.architecture", ""))
+        # Built once per chat template: the model check and the engine both ask.
+        self._tokenizers: dict[str | None, Tokenizer] = {}
 
     def value(self, key: str, default: Any = None) -> Any:
         """A metadata value as Python (a string, a number, a list), or ``default``."""
@@ -294,7 +296,9 @@ class GGUFModel:
         replaces the file's template)."""
         from llmctl.model.gguf_tokenizer import build_tokenizer
 
-        return build_tokenizer(self, chat_template)
+        if chat_template not in self._tokenizers:
+            self._tokenizers[chat_template] = build_tokenizer(self, chat_template)
+        return self._tokenizers[chat_template]
 
 
 def hf_name(gguf_name: str) -> str:
