@@ -34,13 +34,14 @@ def test_llm_with_no_model_answers_with_the_default_model(smollm2):
     assert "Paris" in answer.text, answer.text
 
 
-def test_chat_with_no_model_answers_with_the_default_model(smollm2, tmp_path):
+def test_chat_with_no_model_answers_with_the_default_model(smollm2):
+    from llmctl.paths import cache_dir
     from tests.chat.run_chat import chat_piped
 
-    result = chat_piped(
+    result = chat_piped(  # the usual cache dir: a fresh one would rebuild turbo's ops
         ["--backend", "torch", "--temperature", "0", "--session-len", "512"],
         "What is the capital of France?\n",
-        tmp_path,
+        cache_dir(),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Paris" in result.stdout, result.stdout + result.stderr
