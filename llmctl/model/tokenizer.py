@@ -1,7 +1,8 @@
 """A Hugging Face tokenizer loaded with the light ``tokenizers`` library, plus its chat
 template rendered the way transformers renders it.
 
-Read from the model directory: ``tokenizer.json`` (the tokenizer itself),
+Read from the model directory (a GGUF file: from its metadata, ``from_gguf``):
+``tokenizer.json`` (the tokenizer itself),
 ``tokenizer_config.json`` (BOS/EOS tokens, ``add_bos_token``, the chat template),
 ``chat_template.jinja`` (newer checkpoints keep the template there),
 ``generation_config.json`` and ``config.json`` (EOS ids).
@@ -70,10 +71,10 @@ class Tokenizer:
         ``chat_template`` overrides the model's own: a path to a template file or an
         inline Jinja template.
         """
-        from llmctl.model.gguf import gguf_file, open_gguf
+        from llmctl.model.gguf import gguf_file
 
         if (gguf := gguf_file(path)) is not None:
-            return open_gguf(gguf).tokenizer(chat_template)
+            return cls.from_gguf(gguf, chat_template)
         path = Path(path)
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -112,6 +113,14 @@ class Tokenizer:
             chat_template_file=origin,
             special_tokens=special,
         )
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
+        """The tokenizer and chat template a GGUF file's metadata describes
+        (``llmctl.model.gguf_tokenizer``); ``chat_template`` as for ``from_dir``."""
+        from llmctl.model.gguf import open_gguf
+
+        return open_gguf(path).tokenizer(chat_template)
 
     @property
     def hf_tokenizer(self) -> HFTokenizer:

@@ -46,3 +46,14 @@ def test_chat_with_no_model_answers_with_the_default_model(smollm2):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "Paris" in result.stdout, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("backend", ["torch", "turbo"])
+def test_int8_weights_from_the_dequantized_file_still_answer(smollm2, backend):
+    from llmctl import LLM, SamplingParams
+
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    options = dict(session_len=512, cache_max_entry_count="64", quantization="int8")
+    with LLM(backend=backend, device="cpu", **options) as llm:
+        [answer] = llm.chat(question, SamplingParams(temperature=0, max_tokens=24))
+    assert "Paris" in answer.text, answer.text
