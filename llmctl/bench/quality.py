@@ -79,7 +79,7 @@ class Scored:
 
 
 def benchmark_quality(
-    model: str,
+    model: str | None,
     flags: Mapping[str, Any],
     spec: QualitySpec,
     *,
@@ -156,7 +156,7 @@ def benchmark_quality(
     }
 
 
-def _open(model: str, flags: Mapping[str, Any], profile: str | None) -> LLM:
+def _open(model: str | None, flags: Mapping[str, Any], profile: str | None) -> LLM:
     options = dict(flags)
     return LLM(model, backend=options.pop("backend"), profile=profile, **options)
 

@@ -86,7 +86,10 @@ def cpu_threads(backend, profile) -> str:
 @schema_options("backends check", skip=("model",))
 def check(
     flags: dict[str, Any],
-    model: str = typer.Argument(..., help="Model: `demo`, a local directory or a cached hub id."),
+    model: str = typer.Argument(
+        ...,
+        help="Model: `smollm2-135m`, `demo`, a local directory, a GGUF file or a cached hub id.",
+    ),
     profile: str | None = typer.Option(None, "--profile", "-p", help="Profile to use."),
 ) -> None:
     """For each backend: can it serve MODEL with these options here, and if not, why.

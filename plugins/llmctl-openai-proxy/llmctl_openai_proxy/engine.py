@@ -16,7 +16,7 @@ import httpx
 
 from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest
 from llmctl.errors import InvalidRequest, UpstreamError
-from llmctl.model.info import DEMO_NAME
+from llmctl.model.info import DEFAULT_MODEL, DEMO_NAME
 from llmctl_openai_proxy.config import ProxyConfig
 from llmctl_openai_proxy.protocol import StreamTranslator, sse_data, upstream_request
 from llmctl_openai_proxy.upstream import list_models, status_error, transport_error
@@ -27,13 +27,14 @@ log = logging.getLogger("llmctl")
 def create_proxy_engine(model: str, config: ProxyConfig) -> ProxyEngine:
     """Ask the upstream what it serves, pick the model and build the engine.
 
-    ``model`` names a model of the upstream; the default ``demo`` means "whatever the
-    upstream serves first", so `llmctl serve --backend openai-proxy --proxy-url URL`
-    just works in front of a single-model server.
+    ``model`` names a model of the upstream; the default model (``smollm2-135m``, or
+    ``demo``), unless the upstream lists it, means "whatever the upstream serves first",
+    so `llmctl serve --backend openai-proxy --proxy-url URL` just works in front of a
+    single-model server.
     """
     cards = list_models(config)
     ids = [card["id"] for card in cards]
-    if model != DEMO_NAME:
+    if model in ids or model not in (DEFAULT_MODEL, DEMO_NAME):
         upstream_model = model
     elif ids:
         upstream_model = ids[0]

@@ -39,6 +39,7 @@ from llmctl.engine.request_rules import finish_reason, stop_token_ids, validate_
 from llmctl.engine.sampling_params import SamplingParams
 from llmctl.errors import BackendError, InvalidRequest, OptionError
 from llmctl.kv_budget import format_bytes
+from llmctl.model.gguf import transformers_source
 from llmctl.model.tokenizer import Tokenizer
 from llmctl_transformers.config import TransformersConfig
 from llmctl_transformers.sampling import ENGINE_SAMPLING, processor_kwargs, unsupported
@@ -58,8 +59,9 @@ def create_transformers_engine(
     device = torch.device(hardware.device_for(config.device))
     if config.cpu_threads and device.type == "cpu":
         torch.set_num_threads(config.cpu_threads)
+    source, gguf = transformers_source(model.path)  # a GGUF: transformers dequantizes it
     loaded = transformers.AutoModelForCausalLM.from_pretrained(
-        model.path, dtype=_torch_dtype(config.dtype, device)
+        source, dtype=_torch_dtype(config.dtype, device), **gguf
     )
     loaded = loaded.to(device).eval()
     text_config = loaded.config.get_text_config()

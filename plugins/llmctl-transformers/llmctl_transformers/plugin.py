@@ -67,10 +67,14 @@ class TransformersBackend(Backend):
         missing = self.check_hardware(hardware)
         reasons = missing + model.problems  # problems: a broken model directory
         if not missing:  # transformers is here to ask
-            from llmctl_transformers.support import architecture_problem
+            from llmctl_transformers.support import architecture_problem, gguf_problem
 
-            if (problem := architecture_problem(model.config)) is not None:
-                reasons.append(problem)
+            for problem in (
+                architecture_problem(model.config),
+                gguf_problem(model.path, model.config),
+            ):
+                if problem is not None:
+                    reasons.append(problem)
         for option, rule in self.option_errors(options, hardware).items():
             reasons.append(f"{option}={options[option]!r} refused: {rule}")
         return reasons

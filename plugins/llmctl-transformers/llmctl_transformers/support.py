@@ -49,3 +49,46 @@ def architecture_problem(config: dict[str, Any]) -> str | None:
             "continuous-batching engine plugs its paged KV cache into"
         )
     return None
+
+
+def gguf_problem(model_path: Any, config: dict[str, Any]) -> str | None:
+    """Why transformers' own GGUF loading (``gguf_file=``) cannot load this GGUF file
+    faithfully, or None when it can (also None for a model that is no GGUF file)."""
+    import importlib.util
+
+    import transformers
+
+    from llmctl.model.gguf import gguf_file
+
+    if gguf_file(model_path) is None:
+        return None
+    if importlib.util.find_spec("gguf") is None:
+        return "transformers reads GGUF files through the gguf package: pip install gguf"
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    arch = config.get("model_type")
+    if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+        return (
+            f"transformers {transformers.__version__} cannot load GGUF files of architecture "
+            f"{arch!r}; use the torch or turbo backend"
+        )
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    head_dim = config.get("head_dim")
+    reads_head_dim = "head_dim" in GGUF_CONFIG_MAPPING.get(arch, {}).values()
+    if head_dim and heads and hidden and head_dim != hidden // heads and not reads_head_dim:
+        return (
+            f"transformers {transformers.__version__}'s GGUF loader does not read the head "
+            f"size of {arch} files ({arch}.attention.key_length {head_dim}, not hidden_size / "
+            f"heads = {hidden // heads}), so it cannot build this model; use the torch or "
+            "turbo backend"
+        )
+    if config.get("rope_scaling"):
+        # Its loader rebuilds rope scaling from the metadata only for gpt-oss.
+        return (
+            f"transformers {transformers.__version__}'s GGUF loader drops the file's rope "
+            "scaling (rope.scaling.type), so its answers would be wrong; use the torch or "
+            "turbo backend"
+        )
+    return None
