@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 from llmctl.engine.sampling_params import SamplingParams
 from llmctl.errors import BackendError
 from llmctl.hardware import Hardware
+from llmctl.model.config import ModelConfig
 from llmctl.model.info import ModelInfo
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "GenerationRequest",
     "Hardware",
     "ModelInfo",
+    "ModelRule",
     "OptionRule",
     "SamplingParams",
     "TokenLogprob",
@@ -155,6 +157,20 @@ class OptionRule:
     note: Callable[[Any, Mapping[str, Any], Hardware], str | None] | None = None
 
 
+@dataclass(frozen=True)
+class ModelRule:
+    """One backend's rule for one model capability (biases, head sizes, ...), declared once
+    beside its ``OptionRule``s and checked by ``Backend.check`` from the ``ModelConfig``,
+    before anything loads, so ``--backend auto`` falls back and ``backends check`` lists
+    the reason. ``summary`` says in a few words what the backend's kernels take;
+    ``refuses(config, options, hardware)`` says why this model cannot run here (``None``:
+    it can)."""
+
+    feature: str
+    summary: str
+    refuses: Callable[[ModelConfig, Mapping[str, Any], Hardware], str | None]
+
+
 def refuse_cuda_without_gpu(
     value: Any, options: Mapping[str, Any], hardware: Hardware
 ) -> str | None:
@@ -228,7 +244,8 @@ class Backend:
 
     Higher ``priority`` is tried first by ``--backend auto``. ``option_defaults`` are the
     backend's own defaults (resolution level 5, below profiles, above the schema).
-    ``rules`` are its rules for option values (see ``OptionRule``).
+    ``rules`` are its rules for option values (see ``OptionRule``), ``model_rules`` those
+    for what a model needs from its kernels (see ``ModelRule``).
     ``supported_architectures`` of ``None`` means any.
     Backend methods must not import heavy packages until they are called.
     """
@@ -238,6 +255,7 @@ class Backend:
     description: ClassVar[str] = ""
     option_defaults: ClassVar[Mapping[str, Any]] = {}
     rules: ClassVar[tuple[OptionRule, ...]] = ()
+    model_rules: ClassVar[tuple[ModelRule, ...]] = ()
     supported_architectures: ClassVar[frozenset[str] | None] = None
     # False for backends that forward to a remote server: the model argument is then a
     # name for the remote side, not a local directory.
@@ -255,6 +273,16 @@ class Backend:
             if value is not None and (problem := rule.refuses(value, options, hardware)):
                 errors[rule.option] = problem
         return errors
+
+    def model_errors(
+        self, config: ModelConfig, options: Mapping[str, Any], hardware: Hardware
+    ) -> list[str]:
+        """Why this backend's kernels cannot run a model with ``config`` (``ModelRule``s)."""
+        return [
+            problem
+            for rule in self.model_rules
+            if (problem := rule.refuses(config, options, hardware))
+        ]
 
     def option_notes(self, options: Mapping[str, Any], hardware: Hardware) -> dict[str, str]:
         """Options whose values have an effect here other than it seems (see ``OptionRule.note``)."""
@@ -277,6 +305,8 @@ class Backend:
                 f"architecture {model.architecture} is not supported "
                 f"(supported: {', '.join(sorted(supported))})"
             )
+        elif self.loads_local_model and model.model_config is not None:
+            reasons += self.model_errors(model.model_config, options, hardware)
         for option, rule in self.option_errors(options, hardware).items():
             reasons.append(f"{option}={options[option]!r} refused: {rule}")
         return reasons

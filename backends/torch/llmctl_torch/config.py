@@ -15,12 +15,18 @@ from llmctl.backend import (
     CUDA_GRAPHS_RULE,
     DEVICE_RULE,
     TORCH_THREADS_RULE,
+    ModelRule,
     OptionRule,
     fp8_problem,
 )
 from llmctl.errors import ModelError
+from llmctl.hardware import Hardware
 from llmctl.kv_budget import KVBudget, parse_kv_budget
+from llmctl.model.config import ModelConfig
 from llmctl.model.info import resolve_model
+
+# The largest head the Triton kernels tile (their head_dim tile is a power of two).
+TRITON_MAX_HEAD_DIM = 256
 
 
 @dataclass(frozen=True)
@@ -204,4 +210,24 @@ RULES = (
             else None
         ),
     ),
+)
+
+
+def _triton_head_dim_problem(
+    config: ModelConfig, options: Mapping[str, Any], hardware: Hardware
+) -> str | None:
+    if hardware.device_for(options.get("device", "auto")) != "cuda":
+        return None  # the CPU kernels (C++ or plain torch) take any head size
+    if config.head_dim > TRITON_MAX_HEAD_DIM:
+        return (
+            f"head_dim {config.head_dim} is larger than the torch backend's Triton kernels "
+            f"take on CUDA ({TRITON_MAX_HEAD_DIM})"
+        )
+    return None
+
+
+# What a model needs from the kernels (Backend.check). Everything ModelConfig accepts
+# (q/k/v, o and MLP biases, q/k norms, tied embeddings, llama3 and linear RoPE) runs here.
+MODEL_RULES = (
+    ModelRule("head_dim", f"at most {TRITON_MAX_HEAD_DIM} on CUDA", _triton_head_dim_problem),
 )

@@ -10,7 +10,7 @@ from llmctl.backend import Backend, Engine, Hardware, ModelInfo
 from llmctl.errors import BackendError
 from llmctl.model.config import SUPPORTED_ARCHITECTURES
 from llmctl.plugins import hookimpl
-from llmctl_torch.config import RULES, TorchConfig
+from llmctl_torch.config import MODEL_RULES, RULES, TorchConfig
 
 
 class TorchBackend(Backend):
@@ -19,6 +19,7 @@ class TorchBackend(Backend):
     description = "PyTorch engine: paged KV cache, Triton attention on GPU, plain torch on CPU"
     supported_architectures = frozenset(SUPPORTED_ARCHITECTURES)
     rules = RULES
+    model_rules = MODEL_RULES
 
     def check_hardware(self, hardware: Hardware) -> list[str]:
         if importlib.util.find_spec("torch") is None:

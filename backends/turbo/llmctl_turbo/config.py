@@ -12,10 +12,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from llmctl.backend import CUDA_GRAPHS_RULE, DEVICE_RULE, Hardware, OptionRule, one_device_rules
+from llmctl.backend import (
+    CUDA_GRAPHS_RULE,
+    DEVICE_RULE,
+    Hardware,
+    ModelRule,
+    OptionRule,
+    one_device_rules,
+)
 from llmctl.kv_budget import KVBudget, parse_kv_budget
+from llmctl.model.config import ModelConfig
 
 LLAMA_FAMILY = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+# The largest head turbo's CUDA attention kernels take (TURBO_CUDA_MAX_HEAD_DIM).
+CUDA_MAX_HEAD_DIM = 256
 
 
 @dataclass(frozen=True)
@@ -146,4 +156,33 @@ RULES = (
     DEVICE_RULE,
     CUDA_GRAPHS_RULE,
     *one_device_rules("turbo"),
+)
+
+
+def mlp_bias_problem(config: ModelConfig) -> str | None:
+    """Why turbo cannot run this model's MLP (``None``: it can): its native step has no
+    MLP biases (Llama's ``mlp_bias: true``)."""
+    if config.mlp_bias:
+        return "turbo does not support MLP biases (mlp_bias: true); use the torch backend"
+    return None
+
+
+def _cuda_head_dim_problem(
+    config: ModelConfig, options: Mapping[str, Any], hardware: Hardware
+) -> str | None:
+    if hardware.device_for(options.get("device", "auto")) != "cuda":
+        return None
+    if config.head_dim > CUDA_MAX_HEAD_DIM:
+        return (
+            f"head_dim {config.head_dim} is larger than turbo's CUDA attention kernels take "
+            f"({CUDA_MAX_HEAD_DIM}); use the torch backend"
+        )
+    return None
+
+
+# What a model needs from turbo's kernels (Backend.check): q/k/v and o biases, tied
+# embeddings, llama3 and linear RoPE all run; MLP biases do not.
+MODEL_RULES = (
+    ModelRule("mlp_bias", "not supported", lambda config, options, hw: mlp_bias_problem(config)),
+    ModelRule("head_dim", f"at most {CUDA_MAX_HEAD_DIM} on CUDA", _cuda_head_dim_problem),
 )

@@ -8,7 +8,7 @@ from typing import Any
 
 from llmctl.backend import Backend, Engine, Hardware, ModelInfo
 from llmctl.plugins import hookimpl
-from llmctl_turbo.config import LLAMA_FAMILY, RULES, TurboConfig
+from llmctl_turbo.config import LLAMA_FAMILY, MODEL_RULES, RULES, TurboConfig
 
 
 class TurboBackend(Backend):
@@ -17,6 +17,7 @@ class TurboBackend(Backend):
     description = "native C++/CUDA engine: one C++ call per scheduler step"
     supported_architectures = LLAMA_FAMILY
     rules = RULES
+    model_rules = MODEL_RULES
 
     def check_hardware(self, hardware: Hardware) -> list[str]:
         if importlib.util.find_spec("torch") is None:

@@ -32,7 +32,12 @@ from llmctl.errors import ModelError
 from llmctl.model.config import ModelConfig
 from llmctl.model.weights import load_weights
 from llmctl_turbo.build import load_ops
-from llmctl_turbo.config import LLAMA_FAMILY, int8_weights_problem, quantized_kv_problem
+from llmctl_turbo.config import (
+    LLAMA_FAMILY,
+    int8_weights_problem,
+    mlp_bias_problem,
+    quantized_kv_problem,
+)
 from llmctl_turbo.rope import model_cos_sin_cache
 
 CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -59,10 +64,8 @@ def prepare_weights(
             f"turbo runs {', '.join(sorted(LLAMA_FAMILY))}, not {config.architecture}; "
             "use the torch backend"
         )
-    if config.mlp_bias:
-        raise ModelError(
-            "turbo does not support MLP biases (mlp_bias: true); use the torch backend"
-        )
+    if problem := mlp_bias_problem(config):  # Backend.check refuses it before loading
+        raise ModelError(problem)
     quantize = quantization == "int8"
 
     def take(name: str) -> torch.Tensor:

@@ -25,9 +25,9 @@ from llmctl_torch.runner import TorchModelRunner
 from llmctl import LLM
 from llmctl.engine.cuda_graphs import DecodeGraphs, replay_eagerly
 from llmctl.model.config import ModelConfig
-from tests.backends.torch.tiny_models import PagedSequences, greedy, hf_greedy, load_hf_model
 from tests.conftest import STORIES
 from tests.helpers.cuda_graphs import greedy_rounds
+from tests.helpers.tiny_models import PagedSequences, greedy, hf_greedy, load_hf_model
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need an NVIDIA GPU")

@@ -24,9 +24,9 @@ from llmctl_turbo.runner import TurboModelRunner
 
 from llmctl import LLM
 from llmctl.model.config import ModelConfig
-from tests.backends.torch.tiny_models import PagedSequences, hf_greedy, load_hf_model
 from tests.conftest import STORIES
 from tests.helpers.cuda_graphs import greedy_rounds
+from tests.helpers.tiny_models import PagedSequences, hf_greedy, load_hf_model
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,14 +13,15 @@ from llmctl_turbo.plugin import LLAMA_FAMILY
 from llmctl_turbo.runner import TurboModelRunner
 
 from llmctl.model.config import ModelConfig
-from tests.backends.torch.tiny_models import TINY_MODELS, PagedSequences
+from tests.helpers.tiny_models import TINY_MODELS, PagedSequences
 
 TOLERANCE = dict(atol=1e-4, rtol=1e-4)
-# The tiny models of the architectures turbo serves.
+# The tiny models turbo serves: its architectures, without MLP biases (its model rule).
 TURBO_KINDS = sorted(
     kind
-    for kind, (config_class, _) in TINY_MODELS.items()
+    for kind, (config_class, overrides) in TINY_MODELS.items()
     if config_class.replace("Config", "ForCausalLM") in LLAMA_FAMILY
+    and not overrides.get("mlp_bias")
 )
 
 
