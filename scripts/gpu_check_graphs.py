@@ -128,7 +128,7 @@ def time_decode_step(device: str, dry_run: bool) -> tuple[bool, str]:
     num_blocks = max(batches) * blocks_per_seq
     runner = TorchModelRunner(
         model_dir, config, dtype=dtype, device=device, block_size=block_size,
-        num_blocks=num_blocks, enforce_eager=True,
+        num_blocks=num_blocks, cuda_graphs=False,
     )  # fmt: skip
     capture_started = time.monotonic()
     graphs = DecodeGraphs(

@@ -10,30 +10,9 @@ reading a slot whose position does not match fails loudly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from llmctl.engine.runner import StepBatch
-from llmctl.kv_budget import KVBudget
-
-
-@dataclass(frozen=True)
-class ToyOptions:
-    """The settings the shared engine reads (``EngineOptions``), as a backend's config
-    gives them."""
-
-    block_size: int
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    kv_budget: KVBudget = KVBudget("fraction", 0.8)
-    max_model_len: int | None = None
-    dtype: str = "float32"
-    device: str = "cpu"
-    chat_template: str | None = None
-    served_model_name: str | None = None
 
 
 class PagedToyModel:

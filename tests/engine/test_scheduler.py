@@ -10,10 +10,11 @@ import random
 
 import pytest
 
+from llmctl.engine.config import EngineConfig
 from llmctl.engine.llm_engine import LLMEngine
 from llmctl.engine.sampling_params import SamplingParams
 from llmctl.errors import InvalidRequest
-from tests.engine.paged_toy_model import PagedToyModel, ToyOptions
+from tests.engine.paged_toy_model import PagedToyModel
 
 VOCAB = 64
 
@@ -45,7 +46,7 @@ def make_engine(
     return LLMEngine(
         model,
         tokenizer,
-        ToyOptions(block_size=block_size, **options),
+        EngineConfig(block_size=block_size, **options),
         max_model_len=max_model_len,
         eos_token_ids=eos_token_ids,
         vocab_size=vocab_size,

@@ -32,7 +32,7 @@ class TorchModelRunner(PagedRunner):
     ``num_blocks`` may be left out and given later through ``allocate_kv_cache`` (the
     engine sizes the cache from the memory free once the weights are loaded).
     ``max_num_seqs`` and ``max_model_len`` (default: the model's context) bound the
-    decode steps the CUDA graphs are captured for; ``enforce_eager`` turns them off.
+    decode steps the CUDA graphs are captured for; ``cuda_graphs=False`` turns them off.
     ``quantization`` (``none`` or ``int8``) converts the linear layers' weights once
     loaded; ``kv_cache_dtype`` (``auto``, ``int8``, ``fp8``) is the cache's element type.
     """
@@ -49,7 +49,7 @@ class TorchModelRunner(PagedRunner):
         adapters: Sequence[str | Path] = (),
         max_num_seqs: int = 128,
         max_model_len: int | None = None,
-        enforce_eager: bool = False,
+        cuda_graphs: bool = True,
         quantization: str = "none",
         kv_cache_dtype: str = "auto",
         cpu_threads: int | None = None,
@@ -68,7 +68,7 @@ class TorchModelRunner(PagedRunner):
         self.kv_caches: list[LayerCache] = []
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len or config.session_len()
-        self.enforce_eager = enforce_eager
+        self.cuda_graphs = cuda_graphs
         self.decode_graphs: DecodeGraphs | None = None
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
@@ -115,7 +115,7 @@ class TorchModelRunner(PagedRunner):
             self.decode_step,
             # The plain-torch kernels (LLMCTL_TORCH_ATTENTION=torch, for debugging) cannot
             # skip the padding rows a graph bucket adds: they decode eagerly.
-            enabled=not self.enforce_eager and self.ops.name == "triton",
+            enabled=self.cuda_graphs and self.ops.name == "triton",
             device=self.device,
             max_batch_size=self.max_num_seqs,
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),

@@ -144,7 +144,7 @@ class TurboModelRunner(PagedRunner):
     ``num_blocks`` may be given later through ``allocate_kv_cache`` (the engine sizes
     the cache from the memory free once the weights are loaded). ``max_model_len``
     bounds the positions the rotary table covers and, with ``max_num_seqs``, the decode
-    steps the CUDA graphs are captured for; ``enable_cuda_graph=False`` turns them off.
+    steps the CUDA graphs are captured for; ``cuda_graphs=False`` turns them off.
     ``cpu_threads`` sizes the native kernels' thread pool (and torch's) on the CPU.
     ``quantization="int8"`` runs the layers' matrices as int8 in turbo's kernels (CPU:
     packed, float32 or bfloat16 activations; CUDA: any model dtype);
@@ -163,7 +163,7 @@ class TurboModelRunner(PagedRunner):
         num_blocks: int | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int = 128,
-        enable_cuda_graph: bool = True,
+        cuda_graphs: bool = True,
         cpu_threads: int | None = None,
         quantization: str = "none",
         kv_cache_dtype: str = "auto",
@@ -200,7 +200,7 @@ class TurboModelRunner(PagedRunner):
         self.kv_cache = torch.empty(0, device=self.device)
         self.kv_cache_scale: torch.Tensor | None = None  # an int8 cache's scales
         self.max_num_seqs = max_num_seqs
-        self.enable_cuda_graph = enable_cuda_graph
+        self.cuda_graphs = cuda_graphs
         self.decode_graphs: DecodeGraphs | None = None
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
@@ -224,7 +224,7 @@ class TurboModelRunner(PagedRunner):
         super().allocate_kv_cache(num_blocks)
         self.decode_graphs = decode_graphs(
             self.forward,
-            enabled=self.enable_cuda_graph,
+            enabled=self.cuda_graphs,
             device=self.device,
             max_batch_size=self.max_num_seqs,
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),
