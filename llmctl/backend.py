@@ -7,7 +7,7 @@ options to its own config (``translate``) and builds an ``Engine``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -20,6 +20,7 @@ from llmctl.model.info import ModelInfo
 __all__ = [
     "Backend",
     "Engine",
+    "EngineCapabilities",
     "EngineStats",
     "GenerationOutput",
     "GenerationRequest",
@@ -29,6 +30,7 @@ __all__ = [
     "OptionRule",
     "SamplingParams",
     "TokenLogprob",
+    "capabilities",
 ]
 
 
@@ -120,10 +122,8 @@ class EngineStats:
 class Engine(Protocol):
     """What the server, chat, bench and the Python API talk to.
 
-    An engine may also offer ``generate_all(requests, on_outputs=None)``: run several
-    requests from a blocking caller and return each one's whole output (the local
-    engines hand a step's outputs over at once, with no event loop in between);
-    ``LLM.generate`` and ``llmctl bench throughput`` use it where it exists.
+    What an engine offers beyond this (``generate_all``, a health check, ...) it declares
+    by deriving from ``EngineCapabilities``; front ends read that through ``capabilities``.
     """
 
     model_name: str
@@ -140,6 +140,55 @@ class Engine(Protocol):
     def stats(self) -> EngineStats: ...
 
     async def shutdown(self) -> None: ...
+
+
+class EngineCapabilities:
+    """What an engine offers beyond the ``Engine`` protocol, declared once as class
+    attributes (the way simonw/llm declares ``can_stream`` on a model). An engine derives
+    from this and overrides what holds for it; front ends ask ``capabilities(engine)``
+    instead of probing with getattr. An engine written to the protocol alone (a
+    third-party one) offers nothing beyond it: these defaults."""
+
+    # ``generate_all(requests, on_outputs=None)``: run several requests from a blocking
+    # caller and return each one's whole output (the local engines hand a step's outputs
+    # over at once, with no event loop between); ``LLM.generate`` and ``bench
+    # throughput`` use it.
+    can_generate_all: ClassVar[bool] = False
+    # ``reset_peak_kv_blocks()`` and ``step_profile(reset)``: a shared-engine step loop
+    # whose KV high-water mark and time per step part the benchmarks report.
+    has_step_loop: ClassVar[bool] = False
+    # Tokens the model knows (the API's bound on prompt token ids); 0: not known here.
+    vocab_size: int = 0
+    # Whether ``messages`` go through a chat template (else their contents are joined).
+    has_chat_template: bool = True
+    # Why the engine stopped by itself (a tensor-parallel rank lost, say); None: it did not.
+    failure: BaseException | None = None
+
+    def is_alive(self) -> bool:
+        """Whether the engine can still serve (its background loop runs); /health says 503
+        otherwise. An engine that cannot tell is alive while it answers."""
+        return True
+
+    def generate_all(
+        self,
+        requests: Sequence[GenerationRequest],
+        on_outputs: Callable[[list[GenerationOutput]], None] | None = None,
+    ) -> list[GenerationOutput]:
+        raise NotImplementedError("this engine has no generate_all (can_generate_all)")
+
+    def reset_peak_kv_blocks(self) -> None:
+        raise NotImplementedError("this engine has no step loop (has_step_loop)")
+
+    def step_profile(self, reset: bool = False) -> Any:
+        raise NotImplementedError("this engine has no step loop (has_step_loop)")
+
+
+_PROTOCOL_ONLY = EngineCapabilities()
+
+
+def capabilities(engine: Engine) -> EngineCapabilities:
+    """The one place front ends learn what ``engine`` offers beyond the protocol."""
+    return engine if isinstance(engine, EngineCapabilities) else _PROTOCOL_ONLY
 
 
 @dataclass(frozen=True)

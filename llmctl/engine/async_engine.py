@@ -29,7 +29,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from time import perf_counter
 
-from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest, TokenLogprob
+from llmctl.backend import (
+    EngineCapabilities,
+    EngineStats,
+    GenerationOutput,
+    GenerationRequest,
+    TokenLogprob,
+)
 from llmctl.engine.llm_engine import LLMEngine, StepFailed
 from llmctl.engine.sampling_params import SamplingParams
 from llmctl.engine.step_profile import StepProfile
@@ -159,7 +165,10 @@ class _Fail:
 Command = _Add | _Abort | _ResetPeak | _Fail
 
 
-class AsyncEngine:
+class AsyncEngine(EngineCapabilities):
+    can_generate_all = True
+    has_step_loop = True
+
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
@@ -265,7 +274,7 @@ class AsyncEngine:
             kv_blocks_used=blocks.num_used_blocks,
             kv_blocks_peak=blocks.peak_used_blocks,
             block_size=blocks.block_size,
-            tensor_parallel_size=getattr(self.engine.runner, "tensor_parallel_size", 1),
+            tensor_parallel_size=self.engine.runner.tensor_parallel_size,
         )
 
     def reset_peak_kv_blocks(self) -> None:
@@ -296,9 +305,7 @@ class AsyncEngine:
             self._stopping = True
             self._lock.notify()
         await asyncio.to_thread(self._thread.join)
-        close = getattr(self.engine.runner, "close", None)
-        if close is not None:
-            await asyncio.to_thread(close)
+        await asyncio.to_thread(self.engine.runner.close)
 
     def _prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         if request.prompt_token_ids is not None:

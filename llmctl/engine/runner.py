@@ -204,10 +204,16 @@ class ModelRunner(Protocol):
     block_size: int
     num_blocks: int
     device: torch.device  # where execute's logits are (steps overlap on a GPU)
+    tensor_parallel_size: int  # ranks the model is sharded over (EngineStats)
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Write the batch's K/V into the cache and return fp32 logits ``[num_seqs, vocab]``
         for the last new token of each sequence."""
+        ...
+
+    def close(self) -> None:
+        """Release what the runner holds beyond memory (worker processes); called once,
+        at shutdown."""
         ...
 
 

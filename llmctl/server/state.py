@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from llmctl.backend import Engine
+from llmctl.backend import Engine, capabilities
 from llmctl.server.auth import ApiKeys
 from llmctl.server.errors import APIError
 from llmctl.server.limits import Admission
@@ -36,10 +36,8 @@ class ServerState:
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     def engine_alive(self) -> bool:
-        """Engines may offer ``is_alive()`` (their background loop still runs); one that
-        does not is taken to be alive while it answers."""
-        is_alive = getattr(self.engine, "is_alive", None)
-        return bool(is_alive()) if callable(is_alive) else True
+        """Whether the engine can still serve (``EngineCapabilities.is_alive``)."""
+        return capabilities(self.engine).is_alive()
 
     def check_model(self, requested: str | None) -> None:
         served = self.engine.model_name

@@ -16,6 +16,8 @@ from llmctl.engine.runner import StepBatch
 
 
 class PagedToyModel:
+    tensor_parallel_size = 1
+
     def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 64, seed: int = 0):
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -28,6 +30,9 @@ class PagedToyModel:
         self.position_cache = torch.full((num_blocks * block_size,), -1, dtype=torch.long)
         self.steps = 0
         self.tokens_read_on_device = 0  # input tokens an overlapped step left to the runner
+
+    def close(self) -> None:
+        self.closed = True
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         self.steps += 1

@@ -31,7 +31,14 @@ from transformers.generation.continuous_batching.utils import (
 )
 from transformers.generation.continuous_batching.utils import logger as cb_logger
 
-from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest, Hardware, ModelInfo
+from llmctl.backend import (
+    EngineCapabilities,
+    EngineStats,
+    GenerationOutput,
+    GenerationRequest,
+    Hardware,
+    ModelInfo,
+)
 from llmctl.engine.assemble import free_memory_bytes
 from llmctl.engine.detokenizer import IncrementalDetokenizer
 from llmctl.engine.kv_cache import KVPlan, plan_kv_cache
@@ -193,7 +200,7 @@ class _Request:
         )
 
 
-class TransformersEngine:
+class TransformersEngine(EngineCapabilities):
     def __init__(
         self,
         manager: Any,  # transformers' ContinuousBatchingManager, started
