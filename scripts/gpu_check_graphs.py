@@ -86,7 +86,7 @@ def reference_llama(tiny: bool = False) -> Path:
 def decode_batch(num_seqs: int, context: int, block_size: int):
     """A decode step of ``num_seqs`` sequences at ``context`` tokens, each over its own
     blocks (every block of sequence ``i`` follows those of ``i - 1``)."""
-    from llmctl.engine.runner import StepBatch
+    from llmctl.engine.step import StepBatch
 
     blocks_per_seq = -(-context // block_size)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]

@@ -25,8 +25,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
+from functools import partial
 from time import perf_counter
 
 from llmctl.backend import (
@@ -46,6 +48,28 @@ logger = logging.getLogger("llmctl")
 MAX_FAILED_STEPS_IN_A_ROW = 3
 
 Item = GenerationOutput | BaseException
+
+
+async def stream_until_finished(
+    take: Callable[[], Awaitable[Iterable[Item]]], abort: Callable[[], None]
+) -> AsyncIterator[GenerationOutput]:
+    """A request's outputs as ``generate`` streams them, from ``take()`` (the items that
+    have arrived, waiting while there are none) up to the finished one. An exception item
+    is raised; leaving before the end (a client gone, a cancelled task) calls ``abort``.
+    Shared by every engine that hands outputs over from a thread of its own (the
+    transformers plugin too)."""
+    finished = False
+    try:
+        while not finished:
+            for item in await take():
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+    finally:
+        if not finished:
+            abort()
 
 
 class _Stream:
@@ -192,18 +216,10 @@ class AsyncEngine(EngineCapabilities):
         """
         stream = _Stream(asyncio.get_running_loop())
         self._register([request], stream)
-        finished = False
-        try:
-            while not finished:
-                for item in await stream.take():
-                    if isinstance(item, BaseException):
-                        finished = True
-                        raise item
-                    finished = item.finished
-                    yield item
-        finally:
-            if not finished:
-                self._submit(_Abort(request.request_id))
+        abort = partial(self._submit, _Abort(request.request_id))
+        async with aclosing(stream_until_finished(stream.take, abort)) as outputs:
+            async for output in outputs:
+                yield output
 
     def generate_all(
         self,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from llmctl.engine.runner import StepBatch
+from llmctl.engine.step import StepBatch
 
 
 class PagedToyModel:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from llmctl.engine.assemble import engine_dtype
-from llmctl.engine.runner import StepBatch
+from llmctl.engine.step import StepBatch
 from llmctl.errors import EngineDead
 from llmctl.model.config import ModelConfig
 from llmctl_torch.config import TorchConfig

@@ -19,7 +19,7 @@ from llmctl_torch.runner import TorchModelRunner
 from llmctl_torch.tp_runner import TensorParallelRunner, with_host_tokens
 
 from llmctl import LLM, SamplingParams
-from llmctl.engine.runner import SampledTokenFill, StepBatch
+from llmctl.engine.step import SampledTokenFill, StepBatch
 from llmctl.model.config import ModelConfig
 from tests.conftest import STORIES
 from tests.helpers.tiny_models import (
