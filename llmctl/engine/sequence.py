@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from llmctl.engine.request_rules import stop_token_ids
 from llmctl.engine.sampling_params import SamplingParams
@@ -12,7 +12,6 @@ if TYPE_CHECKING:
     import torch
 
     from llmctl.engine.detokenizer import IncrementalDetokenizer
-    from llmctl.engine.sampler import SampledBatch
 
 
 class SequenceStatus(enum.Enum):
@@ -88,7 +87,8 @@ class Sequence:
         )
         self.row: int | None = None  # its row in the step inputs while it runs
         self.num_pending_tokens = 0
-        self.pending: tuple[SampledBatch, int] | None = None
+        # (the sampler's SampledBatch, this sequence's row); the sampler imports this module
+        self.pending: tuple[Any, int] | None = None
 
     @property
     def num_tokens(self) -> int:
