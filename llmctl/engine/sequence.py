@@ -115,9 +115,6 @@ class Sequence:
             params.repetition_penalty != 1.0 or params.frequency_penalty or params.presence_penalty
         )
 
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
-
     def __repr__(self) -> str:
         return (
             f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmctl.errors import ModelError
-from llmctl.model.check import check_model_dir, expected_tensors, validate_model_dir
+from llmctl.model.check import ModelReport, check_model_dir, expected_tensors
 from llmctl.model.weights import iter_weights, read_header
 from tests.helpers.cli import run_llmctl
 from tests.helpers.tiny_models import TINY_MODELS, make_tiny_model
@@ -29,6 +29,13 @@ VARIANTS = {
 }
 
 
+def validate_model_dir(path) -> ModelReport:
+    """The report of a directory that must have no problems."""
+    report = check_model_dir(path)
+    assert not report.problems, report.error_message()
+    return report
+
+
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_transformers_checkpoints_have_exactly_the_expected_tensors(tmp_path, variant):
     kind, overrides = VARIANTS[variant]
@@ -40,7 +47,7 @@ def test_transformers_checkpoints_have_exactly_the_expected_tensors(tmp_path, va
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama3-rope"])
-def test_sharded_checkpoints_from_transformers_pass(tmp_path, tiny_model_dir, kind):  # noqa: F811
+def test_sharded_checkpoints_from_transformers_pass(tmp_path, tiny_model_dir, kind):
     from tests.helpers.tiny_models import load_hf_model
 
     load_hf_model(tiny_model_dir(kind)).save_pretrained(

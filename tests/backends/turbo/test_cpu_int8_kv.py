@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from llmctl.engine.quant import dequantize_kv, quantize_kv
-from tests.backends.turbo.test_cpu_ops import (
+from tests.helpers.kernel_refs import (
     TOLERANCE,
     PagedCache,
     int32,

@@ -27,7 +27,7 @@ from tests.backends.turbo.kernel_checks import (
     decode_contexts,
 )
 from tests.backends.turbo.test_cpu_int8_kv import check_int8_write, int8_cache, quantized
-from tests.backends.turbo.test_cpu_ops import (
+from tests.helpers.kernel_refs import (
     PagedCache,
     int32,
     poisoned,
