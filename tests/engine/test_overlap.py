@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from llmctl.engine.sampling_params import SamplingParams
-from tests.engine.paged_toy_model import PagedToyModel
-from tests.engine.test_scheduler import make_engine, run, workload
+from tests.helpers.paged_toy_model import PagedToyModel, make_engine, run, workload
 
 
 @pytest.fixture(scope="module")

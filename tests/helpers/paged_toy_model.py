@@ -6,12 +6,20 @@ logits at a position are a fixed random function of all tokens before it (order
 included), so a wrong block table, an overwritten shared block or a stale slot
 changes the generated tokens. Each slot also records the position written there, and
 reading a slot whose position does not match fails loudly.
+
+``make_engine`` puts the shared engine around it; ``workload`` and ``run`` drive it (the
+scheduler, overlap and async-engine tests share them).
 """
 
 from __future__ import annotations
 
+import random
+
 import torch
 
+from llmctl.engine.config import EngineConfig
+from llmctl.engine.llm_engine import LLMEngine
+from llmctl.engine.sampling_params import SamplingParams
 from llmctl.engine.step import StepBatch
 
 
@@ -54,3 +62,71 @@ class PagedToyModel:
             hidden = torch.tanh((self.embed[tokens] * self.position_mix[positions]).sum(0))
             rows.append(hidden @ self.unembed)
         return torch.stack(rows)
+
+
+VOCAB = 64
+
+
+class RecordingModel(PagedToyModel):
+    """Also records the shape of every step it runs."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.query_lens: list[list[int]] = []
+
+    def execute(self, batch):
+        self.query_lens.append(list(batch.query_lens))
+        return super().execute(batch)
+
+
+def make_engine(
+    tokenizer,
+    *,
+    num_blocks=256,
+    block_size=4,
+    max_model_len=128,
+    vocab_size=VOCAB,
+    eos_token_ids=(),
+    overlap=False,
+    **options,
+):
+    model = RecordingModel(num_blocks, block_size, vocab_size)
+    return LLMEngine(
+        model,
+        tokenizer,
+        EngineConfig(block_size=block_size, **options),
+        max_model_len=max_model_len,
+        eos_token_ids=eos_token_ids,
+        vocab_size=vocab_size,
+        overlap=overlap,
+    )
+
+
+def workload(seed: int = 0, count: int = 10):
+    """Prompts of varied lengths, half sharing a 12-token prefix; greedy and seeded."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, VOCAB) for _ in range(12)]
+    requests = []
+    for i in range(count):
+        own = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 30))]
+        prompt = (shared + own) if i % 2 else own
+        params = (
+            SamplingParams(max_tokens=rng.randrange(4, 24), temperature=0)
+            if i % 3
+            else SamplingParams(max_tokens=rng.randrange(4, 24), temperature=1.0, seed=i)
+        )
+        requests.append((f"r{i}", prompt, params))
+    return requests
+
+
+def run(engine: LLMEngine, requests) -> dict[str, tuple[list[int], str | None]]:
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    results = {request_id: ([], None) for request_id, _, _ in requests}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens, _ = results[out.request_id]
+            results[out.request_id] = (tokens + out.token_ids, out.finish_reason)
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    assert all(block.ref_count == 0 for block in engine.block_manager.blocks)
+    return results
