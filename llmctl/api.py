@@ -20,7 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from llmctl.backend import Engine, GenerationOutput, GenerationRequest, TokenLogprob
+from llmctl.backend import (
+    Engine,
+    GenerationOutput,
+    GenerationRequest,
+    TokenLogprob,
+    capabilities,
+)
 from llmctl.engine.sampling_params import SamplingParams
 
 Message = dict[str, Any]
@@ -102,9 +108,10 @@ class LLM:
         return f"llm-{next(self._ids)}"
 
     def _run(self, requests: list[GenerationRequest]) -> list[RequestOutput]:
-        if hasattr(self.engine, "generate_all"):  # a local engine: no event loop needed
+        engine = capabilities(self.engine)
+        if engine.can_generate_all:  # a local engine: no event loop needed
             results = [_empty_result(request) for request in requests]
-            for result, output in zip(results, self.engine.generate_all(requests)):
+            for result, output in zip(results, engine.generate_all(requests)):
                 _merge(result, output)
             return results
 

@@ -7,26 +7,30 @@ options to its own config (``translate``) and builds an ``Engine``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from llmctl.engine.sampling_params import SamplingParams
 from llmctl.errors import BackendError
 from llmctl.hardware import Hardware
+from llmctl.model.config import ModelConfig
 from llmctl.model.info import ModelInfo
 
 __all__ = [
     "Backend",
     "Engine",
+    "EngineCapabilities",
     "EngineStats",
     "GenerationOutput",
     "GenerationRequest",
     "Hardware",
     "ModelInfo",
+    "ModelRule",
     "OptionRule",
     "SamplingParams",
     "TokenLogprob",
+    "capabilities",
 ]
 
 
@@ -124,10 +128,8 @@ class EngineStats:
 class Engine(Protocol):
     """What the server, chat, bench and the Python API talk to.
 
-    An engine may also offer ``generate_all(requests, on_outputs=None)``: run several
-    requests from a blocking caller and return each one's whole output (the local
-    engines hand a step's outputs over at once, with no event loop in between);
-    ``LLM.generate`` and ``llmctl bench throughput`` use it where it exists.
+    What an engine offers beyond this (``generate_all``, a health check, ...) it declares
+    by deriving from ``EngineCapabilities``; front ends read that through ``capabilities``.
     """
 
     model_name: str
@@ -146,6 +148,55 @@ class Engine(Protocol):
     async def shutdown(self) -> None: ...
 
 
+class EngineCapabilities:
+    """What an engine offers beyond the ``Engine`` protocol, declared once as class
+    attributes (the way simonw/llm declares ``can_stream`` on a model). An engine derives
+    from this and overrides what holds for it; front ends ask ``capabilities(engine)``
+    instead of probing with getattr. An engine written to the protocol alone (a
+    third-party one) offers nothing beyond it: these defaults."""
+
+    # ``generate_all(requests, on_outputs=None)``: run several requests from a blocking
+    # caller and return each one's whole output (the local engines hand a step's outputs
+    # over at once, with no event loop between); ``LLM.generate`` and ``bench
+    # throughput`` use it.
+    can_generate_all: ClassVar[bool] = False
+    # ``reset_peak_kv_blocks()`` and ``step_profile(reset)``: a shared-engine step loop
+    # whose KV high-water mark and time per step part the benchmarks report.
+    has_step_loop: ClassVar[bool] = False
+    # Tokens the model knows (the API's bound on prompt token ids); 0: not known here.
+    vocab_size: int = 0
+    # Whether ``messages`` go through a chat template (else their contents are joined).
+    has_chat_template: bool = True
+    # Why the engine stopped by itself (a tensor-parallel rank lost, say); None: it did not.
+    failure: BaseException | None = None
+
+    def is_alive(self) -> bool:
+        """Whether the engine can still serve (its background loop runs); /health says 503
+        otherwise. An engine that cannot tell is alive while it answers."""
+        return True
+
+    def generate_all(
+        self,
+        requests: Sequence[GenerationRequest],
+        on_outputs: Callable[[list[GenerationOutput]], None] | None = None,
+    ) -> list[GenerationOutput]:
+        raise NotImplementedError("this engine has no generate_all (can_generate_all)")
+
+    def reset_peak_kv_blocks(self) -> None:
+        raise NotImplementedError("this engine has no step loop (has_step_loop)")
+
+    def step_profile(self, reset: bool = False) -> Any:
+        raise NotImplementedError("this engine has no step loop (has_step_loop)")
+
+
+_PROTOCOL_ONLY = EngineCapabilities()
+
+
+def capabilities(engine: Engine) -> EngineCapabilities:
+    """The one place front ends learn what ``engine`` offers beyond the protocol."""
+    return engine if isinstance(engine, EngineCapabilities) else _PROTOCOL_ONLY
+
+
 @dataclass(frozen=True)
 class OptionRule:
     """One backend's rule for one option, declared once: ``summary`` goes into the option's
@@ -159,6 +210,20 @@ class OptionRule:
     # What an accepted value does here when that is not what it seems (an option with no
     # effect on this device); ``config show --explain`` prints it. ``None``: nothing to say.
     note: Callable[[Any, Mapping[str, Any], Hardware], str | None] | None = None
+
+
+@dataclass(frozen=True)
+class ModelRule:
+    """One backend's rule for one model capability (biases, head sizes, ...), declared once
+    beside its ``OptionRule``s and checked by ``Backend.check`` from the ``ModelConfig``,
+    before anything loads, so ``--backend auto`` falls back and ``backends check`` lists
+    the reason. ``summary`` says in a few words what the backend's kernels take;
+    ``refuses(config, options, hardware)`` says why this model cannot run here (``None``:
+    it can)."""
+
+    feature: str
+    summary: str
+    refuses: Callable[[ModelConfig, Mapping[str, Any], Hardware], str | None]
 
 
 def refuse_cuda_without_gpu(
@@ -234,7 +299,8 @@ class Backend:
 
     Higher ``priority`` is tried first by ``--backend auto``. ``option_defaults`` are the
     backend's own defaults (resolution level 5, below profiles, above the schema).
-    ``rules`` are its rules for option values (see ``OptionRule``).
+    ``rules`` are its rules for option values (see ``OptionRule``), ``model_rules`` those
+    for what a model needs from its kernels (see ``ModelRule``).
     ``supported_architectures`` of ``None`` means any.
     Backend methods must not import heavy packages until they are called.
     """
@@ -244,6 +310,7 @@ class Backend:
     description: ClassVar[str] = ""
     option_defaults: ClassVar[Mapping[str, Any]] = {}
     rules: ClassVar[tuple[OptionRule, ...]] = ()
+    model_rules: ClassVar[tuple[ModelRule, ...]] = ()
     supported_architectures: ClassVar[frozenset[str] | None] = None
     # False for backends that forward to a remote server: the model argument is then a
     # name for the remote side, not a local directory.
@@ -261,6 +328,16 @@ class Backend:
             if value is not None and (problem := rule.refuses(value, options, hardware)):
                 errors[rule.option] = problem
         return errors
+
+    def model_errors(
+        self, config: ModelConfig, options: Mapping[str, Any], hardware: Hardware
+    ) -> list[str]:
+        """Why this backend's kernels cannot run a model with ``config`` (``ModelRule``s)."""
+        return [
+            problem
+            for rule in self.model_rules
+            if (problem := rule.refuses(config, options, hardware))
+        ]
 
     def option_notes(self, options: Mapping[str, Any], hardware: Hardware) -> dict[str, str]:
         """Options whose values have an effect here other than it seems (see ``OptionRule.note``)."""
@@ -283,6 +360,8 @@ class Backend:
                 f"architecture {model.architecture} is not supported "
                 f"(supported: {', '.join(sorted(supported))})"
             )
+        elif self.loads_local_model and model.model_config is not None:
+            reasons += self.model_errors(model.model_config, options, hardware)
         for option, rule in self.option_errors(options, hardware).items():
             reasons.append(f"{option}={options[option]!r} refused: {rule}")
         return reasons

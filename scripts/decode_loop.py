@@ -49,7 +49,7 @@ def blocks_needed(batch: int, max_tokens: int, block_size: int = 64) -> int:
 def decode_step_times(runner, batch: int, prompt_len: int, steps: int) -> list[float]:
     """Seconds of each of ``steps`` decode steps of ``batch`` sequences after a prompt of
     ``prompt_len`` tokens (the next token fed back is the greedy one)."""
-    from llmctl.engine.runner import StepBatch
+    from llmctl.engine.step import StepBatch
 
     block_size = runner.block_size
     per_seq = -(-(prompt_len + steps) // block_size)

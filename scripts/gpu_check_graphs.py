@@ -86,7 +86,7 @@ def reference_llama(tiny: bool = False) -> Path:
 def decode_batch(num_seqs: int, context: int, block_size: int):
     """A decode step of ``num_seqs`` sequences at ``context`` tokens, each over its own
     blocks (every block of sequence ``i`` follows those of ``i - 1``)."""
-    from llmctl.engine.runner import StepBatch
+    from llmctl.engine.step import StepBatch
 
     blocks_per_seq = -(-context // block_size)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
@@ -128,7 +128,7 @@ def time_decode_step(device: str, dry_run: bool) -> tuple[bool, str]:
     num_blocks = max(batches) * blocks_per_seq
     runner = TorchModelRunner(
         model_dir, config, dtype=dtype, device=device, block_size=block_size,
-        num_blocks=num_blocks, enforce_eager=True,
+        num_blocks=num_blocks, cuda_graphs=False,
     )  # fmt: skip
     capture_started = time.monotonic()
     graphs = DecodeGraphs(

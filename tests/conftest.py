@@ -35,3 +35,19 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    """``tiny_model_dir(kind)`` → a directory with that tiny model (``tests.helpers.tiny_models``),
+    made once per session."""
+    from tests.helpers.tiny_models import make_tiny_model
+
+    made: dict[str, Path] = {}
+
+    def get(kind: str) -> Path:
+        if kind not in made:
+            made[kind] = make_tiny_model(tmp_path_factory.mktemp(kind), kind)
+        return made[kind]
+
+    return get

@@ -22,6 +22,7 @@ from llmctl.backend import (
     GenerationRequest,
     ModelInfo,
     SamplingParams,
+    capabilities,
 )
 from llmctl.bench.metrics import (
     MemoryPeak,
@@ -66,12 +67,12 @@ async def run_engine_throughput(
         )
     if warmup is not None:  # first steps pay one-off costs (allocation, kernel compilation)
         await _generate(engine, [("bench-warmup", warmup)], time.perf_counter(), None)
-    reset_peak = getattr(engine, "reset_peak_kv_blocks", None)  # engines with a KV cache
-    if reset_peak is not None:
-        reset_peak()  # the warm-up's blocks are not the workload's
-    profiled = step_profile and hasattr(engine, "step_profile")
+    offers = capabilities(engine)
+    if offers.has_step_loop:
+        offers.reset_peak_kv_blocks()  # the warm-up's blocks are not the workload's
+    profiled = step_profile and offers.has_step_loop
     if profiled:
-        engine.step_profile(reset=True)
+        offers.step_profile(reset=True)
 
     requests = [(f"bench-{i}", request) for i, request in enumerate(workload.requests)]
     with memory:
@@ -98,7 +99,7 @@ async def run_engine_throughput(
         "memory_measure": memory.measure,
     }
     if step_profile:
-        result["step_profile"] = engine.step_profile().report() if profiled else None
+        result["step_profile"] = offers.step_profile().report() if profiled else None
     return result
 
 
@@ -134,8 +135,8 @@ async def _generate(
         if on_progress is not None and new_tokens:
             on_progress(new_tokens)
 
-    if hasattr(engine, "generate_all"):
-        await asyncio.to_thread(engine.generate_all, generations, record)
+    if capabilities(engine).can_generate_all:
+        await asyncio.to_thread(capabilities(engine).generate_all, generations, record)
     else:
 
         async def one(generation: GenerationRequest) -> None:

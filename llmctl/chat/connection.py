@@ -8,7 +8,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Protocol
 
-from llmctl.backend import Engine, GenerationRequest
+from llmctl.backend import Engine, GenerationRequest, capabilities
 from llmctl.engine.sampling_params import SamplingParams
 from llmctl.errors import LlmctlError
 
@@ -55,9 +55,8 @@ class LocalConnection:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.model_name = engine.model_name
-        # The Engine contract says local engines apply the chat template themselves; an
-        # engine that does not say otherwise is taken to have one.
-        self.has_chat_template = bool(getattr(engine, "has_chat_template", True))
+        # Local engines apply the chat template themselves (EngineCapabilities).
+        self.has_chat_template = capabilities(engine).has_chat_template
 
     async def stream(
         self,

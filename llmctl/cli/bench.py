@@ -1,7 +1,10 @@
-"""``llmctl bench``: offline throughput, online serving load, and the block-size sweep.
+"""``llmctl bench``: offline throughput, online serving load, the block-size sweep, and
+what quantization costs in quality.
 
-Every command uses a seeded workload of random prompt token ids (special ids excluded),
-greedy decoding with ``ignore_eos``; see docs/benchmarks.md for the JSON fields.
+``throughput``, ``serve`` and ``sweep`` run a seeded workload of random prompt token ids
+(special ids excluded), greedy with ``ignore_eos``; ``quality`` continues fixed prompts
+greedily and scores a text (sampled from the unquantized model by default) on both
+models. See docs/benchmarks.md for the JSON fields.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from llmctl.engine.async_engine import AsyncEngine
-from llmctl.engine.config import EngineOptions
+from llmctl.engine.config import EngineConfig
 from llmctl.engine.kv_cache import plan_kv_cache
 from llmctl.engine.llm_engine import LLMEngine
 from llmctl.engine.runner import PagedRunner
@@ -20,8 +20,9 @@ from llmctl.model.tokenizer import Tokenizer
 
 logger = logging.getLogger("llmctl")
 
-# Loads a backend's runner: (model config, dtype name, device, session length) -> runner.
-RunnerLoader = Callable[[ModelConfig, str, torch.device, int], PagedRunner]
+# Loads a backend's runner: (model config, engine config, dtype name, device, session
+# length) -> runner. The engine config is the one the engine gets too.
+RunnerLoader = Callable[[ModelConfig, EngineConfig, str, torch.device, int], PagedRunner]
 
 
 def engine_dtype(requested: str, model_config: ModelConfig, device: torch.device) -> str:
@@ -40,38 +41,38 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 def build_engine(
-    model: ModelInfo, options: EngineOptions, hardware: Hardware, load_runner: RunnerLoader
+    model: ModelInfo, config: EngineConfig, hardware: Hardware, load_runner: RunnerLoader
 ) -> AsyncEngine:
     """Load ``model`` with the backend's runner, size and allocate the KV cache, load the
-    tokenizer and start the async engine. ``options`` is the backend's own config."""
+    tokenizer and start the async engine. ``config`` (the backend's ``translate``) goes
+    to the runner and to the engine."""
     model_config = ModelConfig.from_dir(model.path)
-    device = torch.device(hardware.device_for(options.device))
-    max_model_len = model_config.session_len(options.max_model_len)
-    runner = load_runner(
-        model_config, engine_dtype(options.dtype, model_config, device), device, max_model_len
-    )
+    device = torch.device(hardware.device_for(config.device))
+    max_model_len = model_config.session_len(config.max_model_len)
+    dtype = engine_dtype(config.dtype, model_config, device)
+    runner = load_runner(model_config, config, dtype, device, max_model_len)
     plan = plan_kv_cache(
-        options.kv_budget,
+        config.kv_budget,
         bytes_per_block=runner.kv_bytes_per_block(),
         free_bytes=free_memory_bytes(device),
-        block_size=options.block_size,
-        max_num_seqs=options.max_num_seqs,
+        block_size=runner.block_size,
+        max_num_seqs=config.max_num_seqs,
         max_model_len=max_model_len,
         element=runner.kv_element(),
     )
     runner.allocate_kv_cache(plan.num_blocks)
     logger.info("KV cache: %s", plan.describe())
 
-    tokenizer = Tokenizer.from_dir(model.path, chat_template=options.chat_template)
+    tokenizer = Tokenizer.from_dir(model.path, chat_template=config.chat_template)
     eos_ids = model_config.eos_token_ids + tuple(
         i for i in tokenizer.eos_token_ids if i not in model_config.eos_token_ids
     )
     engine = LLMEngine(
         runner,
         tokenizer,
-        options,
+        config,
         max_model_len=max_model_len,
         eos_token_ids=eos_ids,
         vocab_size=model_config.vocab_size,
     )
-    return AsyncEngine(engine, model_name=options.served_model_name or model.name)
+    return AsyncEngine(engine, model_name=config.served_model_name or model.name)

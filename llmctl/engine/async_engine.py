@@ -25,12 +25,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import Future
+from contextlib import aclosing
 from dataclasses import dataclass
+from functools import partial
 from time import perf_counter
 
-from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest, TokenLogprob
+from llmctl.backend import (
+    EngineCapabilities,
+    EngineStats,
+    GenerationOutput,
+    GenerationRequest,
+    TokenLogprob,
+)
 from llmctl.engine.llm_engine import LLMEngine, StepFailed
 from llmctl.engine.sampling_params import SamplingParams
 from llmctl.engine.step_profile import StepProfile
@@ -41,6 +49,28 @@ logger = logging.getLogger("llmctl")
 MAX_FAILED_STEPS_IN_A_ROW = 3
 
 Item = GenerationOutput | BaseException
+
+
+async def stream_until_finished(
+    take: Callable[[], Awaitable[Iterable[Item]]], abort: Callable[[], None]
+) -> AsyncIterator[GenerationOutput]:
+    """A request's outputs as ``generate`` streams them, from ``take()`` (the items that
+    have arrived, waiting while there are none) up to the finished one. An exception item
+    is raised; leaving before the end (a client gone, a cancelled task) calls ``abort``.
+    Shared by every engine that hands outputs over from a thread of its own (the
+    transformers plugin too)."""
+    finished = False
+    try:
+        while not finished:
+            for item in await take():
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+    finally:
+        if not finished:
+            abort()
 
 
 class _Stream:
@@ -164,7 +194,10 @@ class _Fail:
 Command = _Add | _Abort | _ResetPeak | _Fail
 
 
-class AsyncEngine:
+class AsyncEngine(EngineCapabilities):
+    can_generate_all = True
+    has_step_loop = True
+
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
@@ -192,18 +225,10 @@ class AsyncEngine:
             # takes a second: off the event loop too); its errors are refusals.
             await asyncio.wrap_future(await asyncio.to_thread(self._compile, request))
         self._register([request], stream)
-        finished = False
-        try:
-            while not finished:
-                for item in await stream.take():
-                    if isinstance(item, BaseException):
-                        finished = True
-                        raise item
-                    finished = item.finished
-                    yield item
-        finally:
-            if not finished:
-                self._submit(_Abort(request.request_id))
+        abort = partial(self._submit, _Abort(request.request_id))
+        async with aclosing(stream_until_finished(stream.take, abort)) as outputs:
+            async for output in outputs:
+                yield output
 
     def generate_all(
         self,
@@ -283,7 +308,7 @@ class AsyncEngine:
             kv_blocks_used=blocks.num_used_blocks,
             kv_blocks_peak=blocks.peak_used_blocks,
             block_size=blocks.block_size,
-            tensor_parallel_size=getattr(self.engine.runner, "tensor_parallel_size", 1),
+            tensor_parallel_size=self.engine.runner.tensor_parallel_size,
         )
 
     def reset_peak_kv_blocks(self) -> None:
@@ -314,9 +339,7 @@ class AsyncEngine:
             self._stopping = True
             self._lock.notify()
         await asyncio.to_thread(self._thread.join)
-        close = getattr(self.engine.runner, "close", None)
-        if close is not None:
-            await asyncio.to_thread(close)
+        await asyncio.to_thread(self.engine.runner.close)
 
     def _prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         if request.prompt_token_ids is not None:

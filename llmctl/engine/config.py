@@ -1,57 +1,78 @@
-"""What the shared engine reads from a backend's own configuration.
+"""The engine's configuration: one frozen ``EngineConfig``, built once from resolved options.
 
-Each local backend translates the unified options once, into a config in its own
-names (turbo's are TurboMind's, torch's vLLM's), and its engine consumes that config.
-The shared parts (KV plan, scheduler, block manager, sampler, tokenizer) read the
-fields below from it: torch's config has them as fields, turbo's as properties over
-its own names. Nothing is copied into a second structure.
+A local backend's ``translate(options)`` builds it (``EngineConfig.from_options``: the one
+place the user's option names map to the engine's), and the same object goes to the
+runner and to the engine (``engine.assemble.build_engine``). One name per concept inside:
+``block_size`` is the user's ``cache_block_seq_len``, ``max_model_len`` their
+``session_len``, ``max_num_seqs`` their ``max_batch_size``. What only one backend has
+(the torch backend's tensor-parallel layout and LoRA adapters) is its small typed
+``extra``. Like nano-vllm's ``config.py``, with llmctl's error text: a value the options
+schema let through that the engine cannot use names the user's option.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
-from llmctl.kv_budget import KVBudget
+from llmctl.errors import OptionError
+from llmctl.kv_budget import KVBudget, parse_kv_budget
+
+Extra = TypeVar("Extra")
 
 
-class EngineOptions(Protocol):
-    @property
-    def block_size(self) -> int:
-        """Tokens per KV-cache block (``cache_block_seq_len``)."""
+@dataclass(frozen=True)
+class EngineConfig(Generic[Extra]):
+    block_size: int  # tokens per KV-cache block: the user's cache_block_seq_len
+    kv_budget: KVBudget = KVBudget("fraction", 0.8)  # cache_max_entry_count
+    max_model_len: int | None = None  # session_len; None: the model's own
+    max_num_seqs: int = 256  # max_batch_size: most sequences in one step
+    max_num_batched_tokens: int = 8192  # max_prefill_token_num: most new tokens in one step
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    dtype: str = "auto"  # auto (the checkpoint's on GPU, float32 on CPU) or a dtype name
+    device: str = "auto"  # auto, cpu or cuda
+    cpu_threads: int | None = None  # None: torch's count
+    quantization: str = "none"  # weights: none or int8
+    kv_cache_dtype: str = "auto"  # auto (the model dtype), int8 or fp8
+    cuda_graphs: bool = True  # decode replays CUDA graphs (on CUDA only)
+    chat_template: str | None = None  # replaces the model's own template
+    served_model_name: str | None = None  # the API's model name (model_name); None: the model
+    extra: Extra | None = None  # what only this backend has
 
-    @property
-    def kv_budget(self) -> KVBudget:
-        """How much memory the KV cache may take (``cache_max_entry_count``)."""
+    def __post_init__(self) -> None:
+        for field, option in (
+            ("block_size", "cache_block_seq_len"),
+            ("max_num_seqs", "max_batch_size"),
+            ("max_num_batched_tokens", "max_prefill_token_num"),
+        ):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise OptionError(f"{option} must be a positive integer, got {value!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise OptionError(f"session_len must be a positive integer, got {self.max_model_len}")
 
-    @property
-    def max_model_len(self) -> int | None:
-        """Longest session asked for (``session_len``); ``None``: the model's own."""
-
-    @property
-    def max_num_seqs(self) -> int:
-        """Most sequences in one step (``max_batch_size``)."""
-
-    @property
-    def max_num_batched_tokens(self) -> int:
-        """Most new tokens in one step (``max_prefill_token_num``)."""
-
-    @property
-    def enable_prefix_caching(self) -> bool: ...
-
-    @property
-    def seed(self) -> int: ...
-
-    @property
-    def dtype(self) -> str:
-        """``auto`` or a dtype name."""
-
-    @property
-    def device(self) -> str:
-        """``auto``, ``cpu`` or ``cuda``."""
-
-    @property
-    def chat_template(self) -> str | None: ...
-
-    @property
-    def served_model_name(self) -> str | None:
-        """The API's model name (``model_name``); ``None``: the model argument."""
+    @classmethod
+    def from_options(
+        cls, options: Mapping[str, Any], extra: Extra | None = None
+    ) -> EngineConfig[Extra]:
+        """The one place the unified option names map to the engine's."""
+        return cls(
+            block_size=options["cache_block_seq_len"],
+            kv_budget=parse_kv_budget(options["cache_max_entry_count"]),
+            max_model_len=options["session_len"],
+            max_num_seqs=options["max_batch_size"],
+            max_num_batched_tokens=options["max_prefill_token_num"],
+            enable_prefix_caching=options["enable_prefix_caching"],
+            seed=options["seed"],
+            dtype=options["dtype"],
+            device=options["device"],
+            cpu_threads=options["cpu_threads"],
+            quantization=options["quantization"],
+            kv_cache_dtype=options["kv_cache_dtype"],
+            cuda_graphs=options["cuda_graphs"],
+            chat_template=options["chat_template"],
+            served_model_name=options["model_name"],
+            extra=extra,
+        )

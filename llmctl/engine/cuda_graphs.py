@@ -49,7 +49,7 @@ from functools import partial
 
 import torch
 
-from llmctl.engine.runner import StepBatch, StepInputs, StepLayout, stage_step
+from llmctl.engine.step import StepBatch, StepInputs, StepLayout, stage_step
 
 logger = logging.getLogger("llmctl")
 

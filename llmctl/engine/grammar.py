@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import torch
 import xgrammar as xgr
@@ -35,9 +34,6 @@ from llmctl.engine.sampling_params import StructuredOutput
 from llmctl.errors import InvalidRequest
 from llmctl.model.token_bytes import token_pieces
 from llmctl.model.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from llmctl.engine.sequence import Sequence
 
 # JSON Schema keywords xgrammar accepts but does not enforce (checked on its output): a
 # schema using one is refused by name rather than followed only partly. ``allOf`` of
@@ -245,14 +241,15 @@ class GrammarMasks:
         self._vocab_size = vocab_size
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="llmctl-grammar-mask")
 
-    def start(self, seqs: list[Sequence]) -> Future | None:
-        """Begin filling the masks of ``seqs`` (the rows a step samples); ``None`` when no
-        row is constrained. The future gives ``(bitmask, rows)``."""
-        rows = [row for row, seq in enumerate(seqs) if seq.grammar is not None]
+    def start(self, grammars: list[GrammarState | None]) -> Future | None:
+        """Begin filling the masks of a step's rows (each row's grammar, ``None`` where it
+        is unconstrained); ``None`` when no row is constrained. The future gives
+        ``(bitmask, rows)``."""
+        rows = [row for row, grammar in enumerate(grammars) if grammar is not None]
         if not rows:
             return None
-        states = [seqs[row].grammar for row in rows]
-        return self._executor.submit(self._fill, len(seqs), rows, states)
+        states = [grammars[row] for row in rows]
+        return self._executor.submit(self._fill, len(grammars), rows, states)
 
     def _fill(
         self, num_rows: int, rows: list[int], states: list[GrammarState]

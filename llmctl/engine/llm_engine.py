@@ -28,7 +28,7 @@ import torch
 
 from llmctl.backend import GenerationOutput, TokenLogprob
 from llmctl.engine.block_manager import BlockManager
-from llmctl.engine.config import EngineOptions
+from llmctl.engine.config import EngineConfig
 from llmctl.engine.detokenizer import IncrementalDetokenizer
 from llmctl.engine.faults import FaultPlan
 from llmctl.engine.request_rules import finish_reason, validate_request
@@ -59,40 +59,38 @@ class StepFailed(Exception):
 
 
 class LLMEngine:
-    """``options`` is the backend's own config (see ``EngineOptions``); the rest is what
+    """``config`` is the engine configuration the runner was built from; the rest is what
     loading the model decided: the session length, the stop tokens and the vocabulary.
-    The KV cache is the runner's, already allocated."""
+    The KV cache is the runner's, already allocated: its ``block_size`` and ``num_blocks``
+    are the block manager's."""
 
     def __init__(
         self,
         runner: ModelRunner,
         tokenizer: Tokenizer,
-        options: EngineOptions,
+        config: EngineConfig,
         *,
         max_model_len: int,
         eos_token_ids: tuple[int, ...] = (),
         vocab_size: int | None = None,
         overlap: bool | None = None,
     ) -> None:
-        if runner.block_size != options.block_size or runner.num_blocks < 1:
-            raise ValueError(
-                f"the runner's cache ({runner.num_blocks} blocks of {runner.block_size}) does "
-                f"not fit the engine's block size {options.block_size}"
-            )
+        if runner.num_blocks < 1:
+            raise ValueError("the runner's KV cache must be allocated before the engine starts")
         self.runner = runner
         self.tokenizer = tokenizer
-        self.block_size = options.block_size
+        self.block_size = runner.block_size
         self.num_blocks = runner.num_blocks
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
         self.block_manager = BlockManager(
-            self.num_blocks, self.block_size, options.enable_prefix_caching
+            self.num_blocks, self.block_size, config.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            options, self.block_manager, self.block_manager.blocks_needed(max_model_len)
+            config, self.block_manager, self.block_manager.blocks_needed(max_model_len)
         )
-        self.sampler = Sampler(eos_token_ids, options.seed)
+        self.sampler = Sampler(eos_token_ids, config.seed)
         self.profile = StepProfile()
         # ``overlap`` None: steps overlap where the device runs apart from the host.
         self.overlap = runner.device.type == "cuda" if overlap is None else overlap
@@ -222,7 +220,7 @@ class LLMEngine:
         constrained row)."""
         if not self._num_constrained or not step.ready:
             return None
-        return self._grammar_masks.start([step.seqs[i] for i in step.ready])
+        return self._grammar_masks.start([step.seqs[i].grammar for i in step.ready])
 
     def _sample(
         self, step: ScheduledStep, logits: torch.Tensor, masks: Future | None = None

@@ -1,201 +1,27 @@
 """The interface between the shared engine (scheduler, block manager, sampler) and a backend.
 
 A backend plugs its model into the shared engine by implementing ``ModelRunner``:
-the engine schedules, the runner runs one forward step over a flattened batch.
-``PagedRunner`` is what both local runners share: dtype, device, KV-cache sizing and
-the checks around allocating it. ``stage_step`` is how both turn a ``StepBatch`` into
-device tensors: every input packed into one int32 buffer, copied to the device once.
+the engine schedules, the runner runs one forward step over a flattened batch
+(``llmctl.engine.step``). ``PagedRunner`` is what both local runners share: dtype,
+device, KV-cache sizing and the checks around allocating it, and the choice of each
+step's path: a decode step that fits a captured CUDA graph replays it, any other step
+runs the runner's ``forward`` eagerly over the staged inputs.
 """
 
 from __future__ import annotations
 
 import math
 import mmap
-from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
 import torch
 
+from llmctl.engine.cuda_graphs import DecodeGraphs, decode_graphs
 from llmctl.engine.quant import kv_cache_torch_dtype
+from llmctl.engine.step import StepBatch, StepInputs, stage_step
 from llmctl.model.config import ModelConfig
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-# A step's integers: a list, or (as the engine builds them) a 1-D int32 numpy array.
-IntArray = list[int] | np.ndarray
-
-
-@dataclass
-class SampledTokenFill:
-    """Input tokens of a step that the step before sampled and the host has not seen yet
-    (steps overlap on the GPU): ``token_ids[i]`` goes to ``input_ids[token_indices[i]]``.
-    Both tensors are on the device."""
-
-    token_indices: torch.Tensor
-    token_ids: torch.Tensor
-
-
-@dataclass
-class StepBatch:
-    """One scheduler step: the new tokens of every scheduled sequence, flattened.
-
-    Sequence ``i`` contributes ``query_lens[i]`` new tokens (a prefill chunk, or 1 for
-    decode). Its KV cache holds ``context_lens[i]`` tokens once this step has written
-    the new ones, so its new tokens sit at positions
-    ``context_lens[i] - query_lens[i] .. context_lens[i] - 1``.
-    ``slot_mapping[t]`` is the physical cache slot (``block * block_size + offset``)
-    where new token ``t`` writes its K/V. ``block_tables`` is one list per sequence, or
-    (as the engine builds it) a 2-D int32 array padded with 0; ``block_table_array()``
-    gives the padded form either way.
-
-    When ``sampled_tokens`` is set, some ``input_ids`` are placeholders: a runner calls
-    ``fill_sampled_tokens`` on its device copy of the input ids before the model runs.
-    """
-
-    input_ids: IntArray
-    positions: IntArray
-    query_lens: IntArray
-    context_lens: IntArray
-    block_tables: list[list[int]] | np.ndarray
-    slot_mapping: IntArray
-    sampled_tokens: SampledTokenFill | None = None
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.query_lens)
-
-    @property
-    def is_decode(self) -> bool:
-        """Every sequence feeds exactly one new token."""
-        return len(self.input_ids) == len(self.query_lens)
-
-    def block_table_array(self) -> np.ndarray:
-        """``[num_seqs, longest table]`` int32, padded with 0 (never read)."""
-        if isinstance(self.block_tables, np.ndarray):
-            return self.block_tables
-        width = max(map(len, self.block_tables), default=0)
-        padded = np.zeros((len(self.block_tables), width), dtype=np.int32)
-        for row, table in enumerate(self.block_tables):
-            padded[row, : len(table)] = table
-        return padded
-
-    def fill_sampled_tokens(self, input_ids: torch.Tensor) -> None:
-        """Write the tokens still on the device into ``input_ids`` (the runner's copy)."""
-        fill = self.sampled_tokens
-        if fill is not None:
-            input_ids[fill.token_indices] = fill.token_ids.to(input_ids.dtype)
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    """A step's inputs as int32 tensors: views of one packed buffer (see ``StepLayout``)."""
-
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    slot_mapping: torch.Tensor  # [num_tokens]: -1 for padding, which writes nothing
-    context_lens: torch.Tensor  # [num_seqs]: 0 for padding, which attends to nothing
-    query_start_loc: torch.Tensor  # [num_seqs + 1]
-    block_tables: torch.Tensor  # [table_rows, table_width]; rows padded with block 0
-
-
-@dataclass(frozen=True)
-class StepLayout:
-    """Where each input sits in a step's packed int32 buffer, in this order:
-    ``input_ids``, ``positions``, ``slot_mapping`` (``num_tokens`` each), ``context_lens``
-    (``num_seqs``), ``query_start_loc`` (``num_seqs + 1``), then the block tables
-    (``table_rows`` x ``table_width``). The part before the tables depends only on
-    ``num_tokens`` and ``num_seqs``, so a padded decode batch of a given size always
-    finds it at the same offsets (what CUDA graphs need)."""
-
-    num_tokens: int
-    num_seqs: int
-    table_rows: int
-    table_width: int
-
-    @property
-    def head_size(self) -> int:
-        """Entries before the block tables."""
-        return 3 * self.num_tokens + 2 * self.num_seqs + 1
-
-    @property
-    def size(self) -> int:
-        return self.head_size + self.table_rows * self.table_width
-
-    def unpack(self, packed: torch.Tensor) -> StepInputs:
-        """Views of ``packed`` (at least ``size`` entries) as the step's inputs."""
-        tokens, seqs = self.num_tokens, self.num_seqs
-        table_size = self.table_rows * self.table_width
-        parts = packed[: self.size].split([tokens, tokens, tokens, seqs, seqs + 1, table_size])
-        return StepInputs(*parts[:5], parts[5].view(self.table_rows, self.table_width))
-
-
-def pack_step(batch: StepBatch, pad_to: int | None = None) -> tuple[np.ndarray, StepLayout]:
-    """The step's inputs as one flat int32 array, laid out as ``StepLayout`` says.
-
-    ``pad_to`` pads a decode batch (one token per sequence) to that many sequences: the
-    padding feeds token 0 at position 0, writes nowhere (slot -1) and attends to nothing
-    (context length 0). Block tables are sent for the real sequences only, each padded
-    with block 0 to the longest (entries past a sequence's context are never read).
-    """
-    num_seqs = batch.num_seqs
-    pad = 0 if pad_to is None else pad_to - num_seqs
-    if pad and not batch.is_decode:
-        raise ValueError("only a decode batch (one token per sequence) can be padded")
-    if pad < 0:
-        raise ValueError(f"cannot pad a batch of {num_seqs} sequences to {pad_to}")
-    tables = batch.block_table_array()
-    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
-    np.cumsum(batch.query_lens, out=query_start_loc[1:])
-    zeros = np.zeros(pad, dtype=np.int64)
-    flat = np.concatenate(
-        [
-            batch.input_ids,
-            zeros,
-            batch.positions,
-            zeros,
-            batch.slot_mapping,
-            np.full(pad, -1),
-            batch.context_lens,
-            zeros,
-            query_start_loc,
-            query_start_loc[-1] + 1 + np.arange(pad),  # one (padding) token per padded sequence
-            tables.reshape(-1),
-        ]
-    ).astype(np.int32)
-    layout = StepLayout(len(batch.input_ids) + pad, num_seqs + pad, *tables.shape)
-    return flat, layout
-
-
-def stage_step(
-    batch: StepBatch,
-    device: torch.device,
-    *,
-    pad_to: int | None = None,
-    out: torch.Tensor | None = None,
-) -> StepInputs:
-    """The step's inputs on ``device`` with ONE host-to-device copy (see ``pack_step``).
-
-    On CUDA the packed buffer is pinned and copied without blocking the host. ``out``
-    (int32, on ``device``, at least ``StepLayout.size`` entries) is where the copy lands;
-    by default a new tensor. Per-step Python work matters at a few hundred microseconds a
-    step, so this makes one tensor, not one per input.
-    """
-    flat, layout = pack_step(batch, pad_to)
-    host = torch.from_numpy(flat)
-    if device.type == "cuda":
-        # Pinned (from torch's caching host allocator, which keeps the block until the
-        # copy is done), so the copy is asynchronous.
-        host = host.pin_memory()
-    if out is None:
-        packed = host.to(device, non_blocking=True)
-    else:
-        packed = out[: layout.size]
-        packed.copy_(host, non_blocking=True)
-    inputs = layout.unpack(packed)
-    batch.fill_sampled_tokens(inputs.input_ids)  # tokens the previous step left on the device
-    return inputs
 
 
 class ModelRunner(Protocol):
@@ -204,10 +30,16 @@ class ModelRunner(Protocol):
     block_size: int
     num_blocks: int
     device: torch.device  # where execute's logits are (steps overlap on a GPU)
+    tensor_parallel_size: int  # ranks the model is sharded over (EngineStats)
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Write the batch's K/V into the cache and return fp32 logits ``[num_seqs, vocab]``
         for the last new token of each sequence."""
+        ...
+
+    def close(self) -> None:
+        """Release what the runner holds beyond memory (worker processes); called once,
+        at shutdown."""
         ...
 
 
@@ -220,7 +52,10 @@ class PagedRunner:
     count); like torch's own setting it holds for the whole process. The engine
     sizes the cache from the memory free once the weights are loaded, then calls
     ``allocate_kv_cache``; tests may pass ``num_blocks`` to the subclass directly.
-    Subclasses implement ``_allocate(num_blocks)`` and ``execute``.
+    ``max_num_seqs`` and ``max_model_len`` (default: the model's context) bound the
+    decode steps CUDA graphs are captured for (on CUDA, when allocating the cache);
+    ``cuda_graphs=False`` turns them off.
+    Subclasses implement ``_allocate(num_blocks)`` and ``forward(inputs, is_decode)``.
     """
 
     tensor_parallel_size = 1  # ranks the model is sharded over (see the torch backend)
@@ -234,6 +69,9 @@ class PagedRunner:
         block_size: int,
         kv_cache_dtype: str = "auto",
         cpu_threads: int | None = None,
+        max_num_seqs: int = 128,
+        max_model_len: int | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         self.config = config
         self.device = torch.device(device)
@@ -245,6 +83,10 @@ class PagedRunner:
         self.kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, self.dtype)
         self.block_size = block_size
         self.num_blocks = 0
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len or config.session_len()
+        self.cuda_graphs = cuda_graphs
+        self.decode_graphs: DecodeGraphs | None = None
 
     def kv_bytes_per_block(self) -> int:
         return self.config.kv_bytes_per_block(self.block_size, self.dtype, self.kv_cache_dtype)
@@ -260,10 +102,43 @@ class PagedRunner:
         return f"{self.kv_cache_dtype} + scales"
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate the cache, then capture the decode graphs over it (GPU only)."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self._allocate(num_blocks)
         self.num_blocks = num_blocks
+        self.decode_graphs = decode_graphs(
+            self.decode_step,
+            enabled=self.captures_graphs(),
+            device=self.device,
+            max_batch_size=self.max_num_seqs,
+            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
+            block_size=self.block_size,
+            num_blocks=num_blocks,
+        )
+
+    def captures_graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs (``decode_graphs`` still needs CUDA)."""
+        return self.cuda_graphs
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        """Write the batch's K/V and return fp32 logits ``[num_seqs, vocab]`` of the last new
+        token of each sequence (on a GPU a decode step's logits stay valid until the next
+        ``execute``): a graph replay where one fits, else ``forward`` over the staged step."""
+        self.check_allocated()
+        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
+            return self.decode_graphs.run(batch)
+        return self.forward(stage_step(batch, self.device), batch.is_decode)
+
+    def decode_step(self, inputs: StepInputs) -> torch.Tensor:
+        """The model over staged decode inputs (one token per sequence, padding rows
+        allowed: slot -1 writes nothing, context length 0 attends to nothing): what the
+        CUDA graphs capture."""
+        return self.forward(inputs, is_decode=True)
+
+    def forward(self, inputs: StepInputs, is_decode: bool) -> torch.Tensor:
+        raise NotImplementedError
 
     def _allocate(self, num_blocks: int) -> None:
         raise NotImplementedError

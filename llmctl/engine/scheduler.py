@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from llmctl.engine.block_manager import BlockManager
-from llmctl.engine.config import EngineOptions
-from llmctl.engine.runner import SampledTokenFill, StepBatch
+from llmctl.engine.config import EngineConfig
 from llmctl.engine.sequence import Sequence, SequenceStatus
+from llmctl.engine.step import SampledTokenFill, StepBatch
 from llmctl.engine.transfer import to_device
 
 
@@ -141,12 +141,12 @@ def _sampled_token_fill(pending: list[tuple[int, Sequence]]) -> SampledTokenFill
 
 class Scheduler:
     def __init__(
-        self, options: EngineOptions, block_manager: BlockManager, max_blocks_per_seq: int
+        self, config: EngineConfig, block_manager: BlockManager, max_blocks_per_seq: int
     ) -> None:
-        self.options = options
+        self.config = config
         self.block_manager = block_manager
         self.batches = StepBatchBuilder(
-            block_manager.block_size, options.max_num_seqs, max_blocks_per_seq
+            block_manager.block_size, config.max_num_seqs, max_blocks_per_seq
         )
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: preempt from the end
@@ -177,7 +177,7 @@ class Scheduler:
 
     def _schedule_each(self) -> ScheduledStep | None:
         step = ScheduledStep()
-        budget = self.options.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens
         block_manager, batches = self.block_manager, self.batches
         block_size = block_manager.block_size
         preempted = False
@@ -212,7 +212,7 @@ class Scheduler:
             not preempted
             and self.waiting
             and budget > 0
-            and len(running) < self.options.max_num_seqs
+            and len(running) < self.config.max_num_seqs
             and block_manager.can_allocate(self.waiting[0])
         ):
             seq = self.waiting.popleft()
@@ -233,7 +233,7 @@ class Scheduler:
             or len(step.seqs) != len(self.running)
             or len(step.input_ids) != len(step.seqs)
             or len(step.ready) != len(step.seqs)
-            or (self.waiting and len(self.running) < self.options.max_num_seqs)
+            or (self.waiting and len(self.running) < self.config.max_num_seqs)
         ):
             return
         self._repeatable = step

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from llmctl.engine.request_rules import stop_token_ids
 from llmctl.engine.sampling_params import SamplingParams
@@ -13,7 +13,6 @@ if TYPE_CHECKING:
 
     from llmctl.engine.detokenizer import IncrementalDetokenizer
     from llmctl.engine.grammar import GrammarState
-    from llmctl.engine.sampler import SampledBatch
 
 
 class SequenceStatus(enum.Enum):
@@ -94,7 +93,8 @@ class Sequence:
         )
         self.row: int | None = None  # its row in the step inputs while it runs
         self.num_pending_tokens = 0
-        self.pending: tuple[SampledBatch, int] | None = None
+        # (the sampler's SampledBatch, this sequence's row); the sampler imports this module
+        self.pending: tuple[Any, int] | None = None
         # The matcher of a request with structured output: it has seen every output token.
         self.grammar = grammar
         # Prompt tokens the prefix cache held at first admission (None until admitted).
@@ -127,9 +127,6 @@ class Sequence:
             or params.presence_penalty
             or self.grammar is not None
         )
-
-    def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
 
     def __repr__(self) -> str:
         return (

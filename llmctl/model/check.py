@@ -10,7 +10,8 @@ backend selection run it cheaply.
 Who uses it: ``ModelInfo.problems`` (so ``Backend.check`` lists the problems as reasons,
 and ``selection`` refuses a broken directory before trying any backend), and ``llmctl
 models DIR``. A plugin that loads Hugging Face directories itself can call
-``check_model_dir(path)`` or ``validate_model_dir(path)``.
+``check_model_dir(path)`` (or ``ModelInfo.ensure_loadable()``, which raises a ModelError
+listing the problems).
 """
 
 from __future__ import annotations
@@ -82,14 +83,6 @@ def check_model_dir(path: str | Path, chat_template: str | None = None) -> Model
             check(report)
         except OSError as exc:  # unreadable, vanished, a directory where a file should be
             report.add(f"{exc.filename or report.path} cannot be read: {exc.strerror}")
-    return report
-
-
-def validate_model_dir(path: str | Path, chat_template: str | None = None) -> ModelReport:
-    """``check_model_dir``, raising a ModelError that lists the problems, if any."""
-    report = check_model_dir(path, chat_template)
-    if report.problems:
-        raise ModelError(report.error_message())
     return report
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from llmctl.errors import ModelError
+from llmctl.model.config import ModelConfig
 from llmctl.model.files import read_architecture, read_json_object
 
 if TYPE_CHECKING:
@@ -60,6 +61,15 @@ class ModelInfo:
     @property
     def model_type(self) -> str:
         return str(self.config.get("model_type", "unknown"))
+
+    @cached_property
+    def model_config(self) -> ModelConfig | None:
+        """The engines' view of config.json, for the backends' ``ModelRule``s; ``None`` when
+        it cannot be parsed (the check reports why) or the model is remote."""
+        try:
+            return ModelConfig.from_dict(self.config)
+        except ModelError:
+            return None
 
     @cached_property
     def report(self) -> ModelReport:

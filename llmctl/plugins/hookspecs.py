@@ -12,7 +12,6 @@ if TYPE_CHECKING:
     import typer
 
     from llmctl.backend import Backend
-    from llmctl.options import Option
 
 hookspec = pluggy.HookspecMarker("llmctl")
 hookimpl = pluggy.HookimplMarker("llmctl")
@@ -29,8 +28,9 @@ def llmctl_register_backends(register: Callable[[type[Backend]], Any]) -> None:
 
 
 @hookspec
-def llmctl_register_options(register: Callable[[Option], Any]) -> None:
-    """Add options to the schema: call ``register(Option(...))`` for each.
+def llmctl_register_options(register: Callable[[Any], Any]) -> None:
+    """Add options to the schema: call ``register(Option(...))`` for each (``Option`` is
+    ``llmctl.options.Option``; not imported here, since the schema loads the plugins).
 
     They become CLI flags of the commands they name, TOML profile keys and
     ``LLMCTL_*`` environment variables, exactly like the core's options.

@@ -58,7 +58,7 @@ _plugins: Plugins | None = None
 
 
 def get_plugin_manager() -> Plugins:
-    """The loaded plugins (loaded once per process; ``reset_plugins()`` reloads)."""
+    """The loaded plugins (loaded once per process)."""
     global _plugins
     with _lock:
         if _plugins is None:
@@ -69,12 +69,6 @@ def get_plugin_manager() -> Plugins:
 def registered_backends() -> dict[str, BackendEntry]:
     """Backends by name, highest priority first, each with the plugin that registered it."""
     return get_plugin_manager().backends
-
-
-def reset_plugins() -> None:
-    global _plugins
-    with _lock:
-        _plugins = None
 
 
 def allowed_plugin_names() -> set[str] | None:

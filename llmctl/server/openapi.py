@@ -17,6 +17,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from llmctl.backend import capabilities
 from llmctl.server.guard import GUARDED_PATHS
 from llmctl.server.state import ServerState
 
@@ -297,7 +298,7 @@ def _publish_engine_facts(components: dict[str, Any], state: ServerState) -> Non
     """The served model's name, session length and vocabulary size, as bounds."""
     engine = state.engine
     session_len = engine.max_model_len  # 0: not known here (a proxy)
-    vocab_size = getattr(engine, "vocab_size", None)
+    vocab_size = capabilities(engine).vocab_size  # 0: not known here
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         fields = components[name]["properties"]
         _constrain(fields["model"], "string", enum=[engine.model_name])

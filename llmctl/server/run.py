@@ -21,6 +21,7 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from llmctl.backend import capabilities
 from llmctl.errors import EngineError, OptionError
 from llmctl.server.state import ServerState
 
@@ -144,7 +145,7 @@ def run_server(
     )
     _DrainingServer(config, state).run(sockets=[sock])
     if state.engine_failed:
-        cause = getattr(state.engine, "failure", None)  # a tensor-parallel rank lost, say
+        cause = capabilities(state.engine).failure  # a tensor-parallel rank lost, say
         raise EngineError(
             "the inference engine failed and the server has stopped"
             + (f": {cause}" if cause else "; its cause is in the log above")

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from llmctl.backend import Engine
+from llmctl.backend import Engine, capabilities
 from llmctl.server.auth import ApiKeys
 from llmctl.server.errors import APIError
 from llmctl.server.limits import Admission
@@ -39,10 +39,8 @@ class ServerState:
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     def engine_alive(self) -> bool:
-        """Engines may offer ``is_alive()`` (their background loop still runs); one that
-        does not is taken to be alive while it answers."""
-        is_alive = getattr(self.engine, "is_alive", None)
-        return bool(is_alive()) if callable(is_alive) else True
+        """Whether the engine can still serve (``EngineCapabilities.is_alive``)."""
+        return capabilities(self.engine).is_alive()
 
     def chat_template(self) -> str | None:
         """The served model's chat template, where the engine has one here (a local one)."""

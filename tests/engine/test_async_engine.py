@@ -13,7 +13,7 @@ from llmctl.engine.async_engine import AsyncEngine
 from llmctl.engine.sampling_params import SamplingParams
 from llmctl.engine.step_profile import StepProfile
 from llmctl.errors import InvalidRequest
-from tests.engine.test_scheduler import make_engine, run, workload
+from tests.helpers.paged_toy_model import make_engine, run, workload
 
 
 @pytest.fixture

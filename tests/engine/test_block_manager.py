@@ -72,7 +72,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if self.manager.can_append(seq, count):
             compute(self.manager, seq, count, self.written)
             if seq.num_computed_tokens == seq.num_tokens:  # fully computed: sample a token
-                seq.append_token(data.draw(st.integers(0, 2)))
+                seq.token_ids.append(data.draw(st.integers(0, 2)))
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())

@@ -11,13 +11,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from llmctl.engine.detokenizer import IncrementalDetokenizer
 from llmctl.engine.sampling_params import SamplingParams
 from llmctl.model.token_bytes import token_pieces
 from llmctl.model.tokenizer import Tokenizer
+from tests.helpers.trained_tokenizers import CORPUS, trained
 
 # ASCII words and spaces mixed with 2-, 3- and 4-byte UTF-8 characters, which the
 # stories260K tokenizer spells as one byte-fallback token per byte.
@@ -26,29 +25,6 @@ texts = st.lists(st.sampled_from(ALPHABET), min_size=1, max_size=30).map("".join
 SETTINGS = settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-
-
-CORPUS = ["Once upon a time, a dog named Ben ran. Über café naïve 世界 你好 🙂 €5 -- ok."] * 20
-
-
-def trained(kind: str, corpus: list[str] = CORPUS) -> Tokenizer:
-    """A small BPE tokenizer of ``kind`` (its decoder), trained on ``corpus``."""
-    if kind == "byte_level":
-        hf = HFTokenizer(models.BPE())
-        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        hf.decoder = decoders.ByteLevel()
-        alphabet = pre_tokenizers.ByteLevel.alphabet()
-    else:
-        hf = HFTokenizer(models.BPE(unk_token="<unk>"))
-        hf.pre_tokenizer = pre_tokenizers.Metaspace()
-        hf.decoder = decoders.Metaspace() if kind == "metaspace" else decoders.WordPiece()
-        alphabet = []
-    special = ["<unk>", "<s>", "</s>"]
-    hf.train_from_iterator(
-        corpus,
-        trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet, special_tokens=special),
-    )
-    return Tokenizer(hf, bos_token="<s>", eos_token="</s>")
 
 
 @pytest.fixture(params=[True, False], ids=["byte_table", "windows"])

@@ -15,9 +15,9 @@ import pytest
 from llmctl.engine.grammar import GrammarCompiler, GrammarState
 from llmctl.engine.sampling_params import SamplingParams, StructuredOutput
 from llmctl.errors import InvalidRequest
-from tests.engine.test_detokenizer import trained
-from tests.engine.test_scheduler import make_engine, run
 from tests.helpers.json_schemas import SCHEMAS
+from tests.helpers.paged_toy_model import make_engine, run
+from tests.helpers.trained_tokenizers import trained
 
 
 def json_schema(schema: dict) -> StructuredOutput:

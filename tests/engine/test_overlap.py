@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from llmctl.engine.sampling_params import SamplingParams
-from tests.engine.paged_toy_model import PagedToyModel
-from tests.engine.test_scheduler import make_engine, run, workload
+from tests.helpers.paged_toy_model import PagedToyModel, make_engine, run, workload
 
 
 @pytest.fixture(scope="module")
@@ -146,10 +145,10 @@ def test_overlapped_steps_on_the_gpu_give_the_tokens_of_sequential_ones(
     greedy and seeded tokens equal those of steps run one after the other."""
     from llmctl_torch.runner import TorchModelRunner
 
+    from llmctl.engine.config import EngineConfig
     from llmctl.engine.llm_engine import LLMEngine
     from llmctl.model.config import ModelConfig
     from tests.conftest import STORIES
-    from tests.engine.paged_toy_model import ToyOptions
 
     config = ModelConfig.from_dir(STORIES)
     results, read_on_device = {}, {}
@@ -158,7 +157,7 @@ def test_overlapped_steps_on_the_gpu_give_the_tokens_of_sequential_ones(
         engine = LLMEngine(
             runner,
             stories_tokenizer,
-            ToyOptions(block_size=16, device="cuda"),
+            EngineConfig(block_size=16, device="cuda"),
             max_model_len=256,
             vocab_size=config.vocab_size,
             overlap=overlap,

@@ -23,8 +23,7 @@ PROBS = [0.5, 0.25, 0.125, 0.0625, 0.0625]
 
 def seq(prompt=(0,), output=(), **params) -> Sequence:
     s = Sequence("r", list(prompt), SamplingParams(max_tokens=64, **params))
-    for token in output:
-        s.append_token(token)
+    s.token_ids.extend(output)  # as the engine appends sampled tokens
     return s
 
 

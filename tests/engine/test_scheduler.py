@@ -6,81 +6,11 @@ batching, chunking, prefix reuse and preemption must never change a token.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from llmctl.engine.llm_engine import LLMEngine
 from llmctl.engine.sampling_params import SamplingParams
 from llmctl.errors import InvalidRequest
-from tests.engine.paged_toy_model import PagedToyModel, ToyOptions
-
-VOCAB = 64
-
-
-class RecordingModel(PagedToyModel):
-    """Also records the shape of every step it runs."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.query_lens: list[list[int]] = []
-
-    def execute(self, batch):
-        self.query_lens.append(list(batch.query_lens))
-        return super().execute(batch)
-
-
-def make_engine(
-    tokenizer,
-    *,
-    num_blocks=256,
-    block_size=4,
-    max_model_len=128,
-    vocab_size=VOCAB,
-    eos_token_ids=(),
-    overlap=False,
-    **options,
-):
-    model = RecordingModel(num_blocks, block_size, vocab_size)
-    return LLMEngine(
-        model,
-        tokenizer,
-        ToyOptions(block_size=block_size, **options),
-        max_model_len=max_model_len,
-        eos_token_ids=eos_token_ids,
-        vocab_size=vocab_size,
-        overlap=overlap,
-    )
-
-
-def workload(seed: int = 0, count: int = 10):
-    """Prompts of varied lengths, half sharing a 12-token prefix; greedy and seeded."""
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, VOCAB) for _ in range(12)]
-    requests = []
-    for i in range(count):
-        own = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 30))]
-        prompt = (shared + own) if i % 2 else own
-        params = (
-            SamplingParams(max_tokens=rng.randrange(4, 24), temperature=0)
-            if i % 3
-            else SamplingParams(max_tokens=rng.randrange(4, 24), temperature=1.0, seed=i)
-        )
-        requests.append((f"r{i}", prompt, params))
-    return requests
-
-
-def run(engine: LLMEngine, requests) -> dict[str, tuple[list[int], str | None]]:
-    for request_id, prompt, params in requests:
-        engine.add_request(request_id, prompt, params)
-    results = {request_id: ([], None) for request_id, _, _ in requests}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens, _ = results[out.request_id]
-            results[out.request_id] = (tokens + out.token_ids, out.finish_reason)
-    assert engine.block_manager.num_free_blocks == engine.num_blocks
-    assert all(block.ref_count == 0 for block in engine.block_manager.blocks)
-    return results
+from tests.helpers.paged_toy_model import VOCAB, make_engine, run, workload
 
 
 @pytest.fixture(scope="module")

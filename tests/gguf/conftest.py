@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from llmctl.errors import ModelError
-from tests.backends.torch.tiny_models import make_tiny_model
 from tests.conftest import STORIES
 from tests.gguf.gguf_files import K_BLOCKS, write_gguf
+from tests.helpers.tiny_models import make_tiny_model
 
 # Wide enough for K-quant blocks (256 values per row) in every matrix.
 K_QUANT_SIZES = dict(hidden_size=256, intermediate_size=256, num_attention_heads=4)

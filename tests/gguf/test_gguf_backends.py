@@ -103,8 +103,8 @@ def checkpoint_with_file_matrices(checkpoint, path, tensor_type):
     """The checkpoint's own transformers model holding the file's matrices: the reference
     where transformers' GGUF loader cannot build the model (K-quants hold random blocks,
     so their matrices come from transformers' dequantizer of the file)."""
-    from tests.backends.torch.tiny_models import load_hf_model
     from tests.gguf.gguf_files import K_BLOCKS, file_matrices
+    from tests.helpers.tiny_models import load_hf_model
 
     model = load_hf_model(checkpoint)
     if tensor_type in K_BLOCKS:
@@ -142,8 +142,8 @@ def test_smollm2_greedy_tokens_equal_transformers(smollm2, smollm2_reference, ba
 def test_linear_rope_scaling_from_the_metadata(tiny_gguf, backend):
     """transformers' GGUF loader drops rope scaling, so the reference is the checkpoint's
     own transformers model (which has it) holding the file's dequantized matrices."""
-    from tests.backends.torch.tiny_models import load_hf_model
     from tests.gguf.gguf_files import file_matrices
+    from tests.helpers.tiny_models import load_hf_model
 
     checkpoint, path = tiny_gguf("llama-linear-rope", "Q8_0")
     reference = load_hf_model(checkpoint)

@@ -15,21 +15,25 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llmctl.errors import ModelError
-from llmctl.model.check import check_model_dir, expected_tensors, validate_model_dir
+from llmctl.model.check import ModelReport, check_model_dir, expected_tensors
 from llmctl.model.weights import iter_weights, read_header
-from tests.backends.torch.conftest import tiny_model_dir  # noqa: F401  (a fixture)
-from tests.backends.torch.tiny_models import TINY_MODELS, make_tiny_model
 from tests.helpers.cli import run_llmctl
+from tests.helpers.tiny_models import TINY_MODELS, make_tiny_model
 
 # kind → transformers config overrides: every kind the engines run, and the bias variants
 # each architecture's transformers class has.
 VARIANTS = {
     **{kind: (kind, {}) for kind in TINY_MODELS},
-    "llama-attention-bias": ("llama-mqa", {"attention_bias": True}),
-    "llama-mlp-bias": ("llama-mqa", {"mlp_bias": True}),
     "qwen3-attention-bias": ("qwen3", {"attention_bias": True}),
     "mistral-attention-bias-ignored": ("mistral", {"attention_bias": True}),
 }
+
+
+def validate_model_dir(path) -> ModelReport:
+    """The report of a directory that must have no problems."""
+    report = check_model_dir(path)
+    assert not report.problems, report.error_message()
+    return report
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -43,8 +47,8 @@ def test_transformers_checkpoints_have_exactly_the_expected_tensors(tmp_path, va
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "llama3-rope"])
-def test_sharded_checkpoints_from_transformers_pass(tmp_path, tiny_model_dir, kind):  # noqa: F811
-    from tests.backends.torch.tiny_models import load_hf_model
+def test_sharded_checkpoints_from_transformers_pass(tmp_path, tiny_model_dir, kind):
+    from tests.helpers.tiny_models import load_hf_model
 
     load_hf_model(tiny_model_dir(kind)).save_pretrained(
         tmp_path, safe_serialization=True, max_shard_size="40KB"

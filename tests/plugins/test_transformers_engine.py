@@ -15,7 +15,7 @@ from llmctl.backend import GenerationOutput, GenerationRequest, SamplingParams
 from llmctl.engine.detokenizer import IncrementalDetokenizer
 from llmctl.engine.sampling_params import StructuredOutput
 from llmctl.errors import BackendError, InvalidRequest
-from tests.backends.torch.tiny_models import hf_greedy, load_hf_model
+from tests.helpers.tiny_models import hf_greedy, load_hf_model
 from tests.plugins.conftest import require_transformers_plugin
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -14,8 +14,8 @@ import pytest
 from llmctl.backend import SamplingParams
 from llmctl.engine.detokenizer import IncrementalDetokenizer
 from llmctl.model.tokenizer import Tokenizer
-from tests.backends.torch.tiny_models import hf_greedy, load_hf_model
 from tests.helpers.server_process import ServerProcess, start_server
+from tests.helpers.tiny_models import hf_greedy, load_hf_model
 from tests.plugins.conftest import require_transformers_plugin
 
 TEMPLATE = (

@@ -5,7 +5,8 @@ head_dim]``. A sequence's tokens live in the blocks its block table lists, in or
 token ``p`` of sequence ``b`` is at ``block_tables[b, p // block_size]``, offset
 ``p % block_size``.
 
-Three functions make the interface; ``triton_attention.py`` implements the same three:
+Three functions make the interface (``AttentionOps``); ``triton_attention.py`` and turbo's
+``llmctl_turbo/ops.py`` implement the same three, with the same signatures:
 
 - ``write_kv(k, v, k_cache, v_cache, slot_mapping)``: store new tokens' K/V at their
   slots (``block * block_size + offset``).
@@ -28,7 +29,7 @@ cache zeroed): the decode path reads whole blocks and gives the slots past a
 sequence's end zero weight, and 0 * NaN would still be NaN.
 
 Dispatch: ``LLMCTL_TORCH_ATTENTION=triton|native|torch`` forces one; by default Triton
-on CUDA, and on the CPU turbo's native ops (``native_attention.py``) when llmctl-turbo
+on CUDA, and on the CPU turbo's native ops (``llmctl_turbo.ops``) when llmctl-turbo
 is installed, its ops build here and the cache is not fp8 (they read float and int8
 caches), else plain torch. The others' modules are imported only when chosen.
 """
@@ -38,8 +39,9 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from types import SimpleNamespace
-from typing import NamedTuple
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -48,8 +50,71 @@ from llmctl.engine.quant import dequantize_kv, quantize_kv
 from llmctl.errors import BackendError, OptionError
 
 ENV_VAR = "LLMCTL_TORCH_ATTENTION"
-CHOICES = ("torch", "triton", "native")
+# Each choice's implementation of the three functions.
+MODULES = {
+    "torch": __name__,
+    "triton": "llmctl_torch.triton_attention",
+    "native": "llmctl_turbo.ops",
+}
+CHOICES = tuple(MODULES)
 logger = logging.getLogger("llmctl")
+
+
+# (k_scale, v_scale) of an int8 / fp8 cache: float32 [num_blocks, block_size, num_kv_heads]
+KVScales = tuple[torch.Tensor, torch.Tensor] | None
+
+
+class AttentionOps(Protocol):
+    """The paged-attention kernels the model calls (see the module docstring); an int8 /
+    fp8 cache's scales always come as the keyword ``kv_scales``."""
+
+    name: str  # torch, triton or native
+
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        kv_scales: KVScales = None,
+    ) -> None: ...
+
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        *,
+        kv_scales: KVScales = None,
+    ) -> torch.Tensor: ...
+
+    def paged_prefill_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        context_lens: torch.Tensor,
+        scale: float,
+        *,
+        kv_scales: KVScales = None,
+    ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class _Kernels:
+    """One implementation's three functions (a module's), as an ``AttentionOps``."""
+
+    name: str
+    write_kv: Callable[..., None]
+    paged_decode_attention: Callable[..., torch.Tensor]
+    paged_prefill_attention: Callable[..., torch.Tensor]
 
 
 class LayerCache(NamedTuple):
@@ -57,7 +122,7 @@ class LayerCache(NamedTuple):
 
     k: torch.Tensor
     v: torch.Tensor
-    scales: tuple[torch.Tensor, torch.Tensor] | None = None  # an int8 / fp8 cache's
+    scales: KVScales = None  # an int8 / fp8 cache's
 
 
 def write_kv(
@@ -67,7 +132,7 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     *,
-    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_scales: KVScales = None,
 ) -> None:
     """Store ``k, v: [T, Hkv, D]`` at ``slot_mapping: [T]`` in the caches (quantized, with
     their scales, for an int8 / fp8 cache)."""
@@ -93,7 +158,7 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     *,
-    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_scales: KVScales = None,
 ) -> torch.Tensor:
     """``q: [B, Hq, D]`` → ``[B, Hq, D]``: each query attends to its sequence's context."""
     k_blocks, v_blocks = _read_blocks(k_cache, v_cache, kv_scales, block_tables, q.dtype)
@@ -121,7 +186,7 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
     *,
-    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_scales: KVScales = None,
 ) -> torch.Tensor:
     """``q: [T, Hq, D]`` (sequences concatenated) → ``[T, Hq, D]``, causal within each."""
     out = torch.empty_like(q)
@@ -176,7 +241,7 @@ def _causal_attention(
 def _read_blocks(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    kv_scales: tuple[torch.Tensor, torch.Tensor] | None,
+    kv_scales: KVScales,
     blocks: torch.Tensor,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -191,9 +256,7 @@ def _read_blocks(
     )
 
 
-def attention_ops(
-    device: torch.device | str, kv_dtype: torch.dtype | None = None
-) -> SimpleNamespace:
+def attention_ops(device: torch.device | str, kv_dtype: torch.dtype | None = None) -> AttentionOps:
     """The three kernels to use on ``device`` for a cache of ``kv_dtype``: Triton on
     CUDA; on the CPU turbo's native ops where they build and read ``kv_dtype``, else plain
     torch; unless ``LLMCTL_TORCH_ATTENTION`` names one."""
@@ -207,10 +270,8 @@ def attention_ops(
             choice = "native" if native_problem(kv_dtype) is None else "torch"
     elif choice == "native" and (problem := native_problem(kv_dtype)):
         raise OptionError(f"{ENV_VAR}=native: {problem}")
-    module = importlib.import_module(
-        __name__ if choice == "torch" else f"llmctl_torch.{choice}_attention"
-    )
-    return SimpleNamespace(
+    module = importlib.import_module(MODULES[choice])
+    return _Kernels(
         name=choice,
         write_kv=module.write_kv,
         paged_decode_attention=module.paged_decode_attention,

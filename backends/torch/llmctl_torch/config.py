@@ -1,8 +1,8 @@
-"""The torch engine's configuration in its own (vLLM-style) names, and its option rules.
+"""The torch backend's own part of the engine configuration, and its option and model rules.
 
-``TorchConfig.from_options`` is the one place the unified option names map to these. The shared
-engine reads this config directly (its field names are the ``EngineOptions`` ones).
-Light on purpose: no torch import.
+``torch_config`` builds the shared ``EngineConfig`` with the torch backend's extra
+(``TorchExtra``: LoRA adapters, the tensor-parallel layout). Light on purpose: no torch
+import.
 """
 
 from __future__ import annotations
@@ -15,32 +15,26 @@ from llmctl.backend import (
     CUDA_GRAPHS_RULE,
     DEVICE_RULE,
     TORCH_THREADS_RULE,
+    ModelRule,
     OptionRule,
     fp8_problem,
 )
+from llmctl.engine.config import EngineConfig
 from llmctl.errors import ModelError
-from llmctl.kv_budget import KVBudget, parse_kv_budget
+from llmctl.hardware import Hardware
+from llmctl.model.config import ModelConfig
 from llmctl.model.info import resolve_model
+
+# The largest head the Triton kernels tile (their head_dim tile is a power of two).
+TRITON_MAX_HEAD_DIM = 256
 
 
 @dataclass(frozen=True)
-class TorchConfig:
-    block_size: int
-    kv_budget: KVBudget
-    max_model_len: int | None
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    enable_prefix_caching: bool
-    dtype: str
-    device: str
-    cpu_threads: int | None
-    quantization: str
-    kv_cache_dtype: str
-    lora_adapters: tuple[str, ...]
-    seed: int
-    chat_template: str | None
-    served_model_name: str | None
-    enforce_eager: bool  # no CUDA graphs (vLLM's name): the unified cuda_graphs, negated
+class TorchExtra:
+    """What only the torch backend has beside the shared ``EngineConfig``: LoRA adapters
+    and the tensor-parallel layout (docs/multi-gpu.md)."""
+
+    lora_adapters: tuple[str, ...] = ()
     tensor_parallel_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -48,31 +42,24 @@ class TorchConfig:
     master_port: int | None = None
 
     @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> TorchConfig:
-        """The one place the unified option names map to the torch engine's."""
+    def from_options(cls, options: Mapping[str, Any]) -> TorchExtra:
         return cls(
-            block_size=options["cache_block_seq_len"],
-            kv_budget=parse_kv_budget(options["cache_max_entry_count"]),
-            max_model_len=options["session_len"],
-            max_num_seqs=options["max_batch_size"],
-            max_num_batched_tokens=options["max_prefill_token_num"],
-            enable_prefix_caching=options["enable_prefix_caching"],
-            dtype=options["dtype"],
-            device=options["device"],
-            cpu_threads=options["cpu_threads"],
-            quantization=options["quantization"],
-            kv_cache_dtype=options["kv_cache_dtype"],
             lora_adapters=tuple(options["adapters"] or ()),
-            seed=options["seed"],
-            chat_template=options["chat_template"],
-            served_model_name=options["model_name"],
-            enforce_eager=not options["cuda_graphs"],
             tensor_parallel_size=options["tensor_parallel_size"],
             nnodes=options["nnodes"],
             node_rank=options["node_rank"],
             master_addr=options["master_addr"],
             master_port=options["master_port"],
         )
+
+
+# The torch engine's configuration: the shared one and the torch backend's extra.
+TorchConfig = EngineConfig[TorchExtra]
+
+
+def torch_config(options: Mapping[str, Any]) -> TorchConfig:
+    """The one place the unified option names map to the torch engine's."""
+    return EngineConfig.from_options(options, TorchExtra.from_options(options))
 
 
 def block_size_problem(block_size: int) -> str | None:
@@ -204,4 +191,24 @@ RULES = (
             else None
         ),
     ),
+)
+
+
+def _triton_head_dim_problem(
+    config: ModelConfig, options: Mapping[str, Any], hardware: Hardware
+) -> str | None:
+    if hardware.device_for(options.get("device", "auto")) != "cuda":
+        return None  # the CPU kernels (C++ or plain torch) take any head size
+    if config.head_dim > TRITON_MAX_HEAD_DIM:
+        return (
+            f"head_dim {config.head_dim} is larger than the torch backend's Triton kernels "
+            f"take on CUDA ({TRITON_MAX_HEAD_DIM})"
+        )
+    return None
+
+
+# What a model needs from the kernels (Backend.check). Everything ModelConfig accepts
+# (q/k/v, o and MLP biases, q/k norms, tied embeddings, llama3 and linear RoPE) runs here.
+MODEL_RULES = (
+    ModelRule("head_dim", f"at most {TRITON_MAX_HEAD_DIM} on CUDA", _triton_head_dim_problem),
 )

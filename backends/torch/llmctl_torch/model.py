@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +19,7 @@ from torch import nn
 from llmctl.engine.rope import rope_inv_freq
 from llmctl.errors import ModelError
 from llmctl.model.config import ModelConfig
-from llmctl_torch.attention import LayerCache
+from llmctl_torch.attention import AttentionOps, LayerCache
 from llmctl_torch.linear import Linear
 
 # Merged parameter of each layer → the HF parameters concatenated (output dim) to form it.
@@ -91,7 +90,7 @@ class Attention(nn.Module):
         self.qkv_proj = Linear(
             config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
@@ -104,7 +103,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         kv_cache: LayerCache,
         meta: AttentionMetadata,
-        ops: SimpleNamespace,
+        ops: AttentionOps,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -200,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[LayerCache],
         logits_indices: torch.Tensor,
-        ops: SimpleNamespace,
+        ops: AttentionOps,
     ) -> torch.Tensor:
         """fp32 logits ``[len(logits_indices), vocab]`` for the chosen rows of the batch."""
         x = self.model.embed_tokens(input_ids)

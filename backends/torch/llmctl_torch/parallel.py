@@ -159,7 +159,9 @@ class ParallelLlamaForCausalLM(LlamaForCausalLM):
             self.lm_head = nn.Linear(hidden, rows, bias=False)
         for layer in self.model.layers:
             attention, mlp = layer.self_attn, layer.mlp
-            attention.o_proj = RowParallelLinear(attention.q_size, hidden, False, shard)
+            attention.o_proj = RowParallelLinear(
+                attention.q_size, hidden, config.o_proj_bias, shard
+            )
             mlp.down_proj = RowParallelLinear(mlp.intermediate_size, hidden, config.mlp_bias, shard)
 
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor | None:

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmctl.backend import Backend, Engine, Hardware, ModelInfo
 from llmctl.errors import BackendError
 from llmctl.model.config import SUPPORTED_ARCHITECTURES
 from llmctl.plugins import hookimpl
-from llmctl_torch.config import RULES, TorchConfig
+from llmctl_torch.config import MODEL_RULES, RULES, TorchConfig, torch_config
+
+if TYPE_CHECKING:
+    import torch
+
+    from llmctl.model.config import ModelConfig
 
 
 class TorchBackend(Backend):
@@ -19,6 +24,7 @@ class TorchBackend(Backend):
     description = "PyTorch engine: paged KV cache, Triton attention on GPU, plain torch on CPU"
     supported_architectures = frozenset(SUPPORTED_ARCHITECTURES)
     rules = RULES
+    model_rules = MODEL_RULES
 
     def check_hardware(self, hardware: Hardware) -> list[str]:
         if importlib.util.find_spec("torch") is None:
@@ -26,7 +32,7 @@ class TorchBackend(Backend):
         return []
 
     def translate(self, options: Mapping[str, Any]) -> TorchConfig:
-        return TorchConfig.from_options(options)
+        return torch_config(options)
 
     def create_engine(
         self, model: ModelInfo, options: Mapping[str, Any], hardware: Hardware
@@ -35,26 +41,33 @@ class TorchBackend(Backend):
         from llmctl_torch.runner import TorchModelRunner
 
         config = self.translate(options)
-        if config.node_rank > 0:
+        extra = config.extra
+        if extra.node_rank > 0:
             raise BackendError(
-                f"node_rank {config.node_rank} is a worker machine of a multi-node engine: "
+                f"node_rank {extra.node_rank} is a worker machine of a multi-node engine: "
                 "run `llmctl serve` there; chat, bench and the Python API run on the head "
                 "node (node_rank 0)"
             )
         sharded = []  # the tensor-parallel runner, once loaded
 
-        def load_runner(model_config, dtype, device, max_model_len) -> TorchModelRunner:
-            if config.tensor_parallel_size == 1:
+        def load_runner(
+            model_config: ModelConfig,
+            config: TorchConfig,
+            dtype: str,
+            device: torch.device,
+            max_model_len: int,
+        ) -> TorchModelRunner:
+            if config.extra.tensor_parallel_size == 1:
                 return TorchModelRunner(
                     model.path,
                     model_config,
                     dtype=dtype,
                     device=device,
                     block_size=config.block_size,
-                    adapters=config.lora_adapters,
+                    adapters=config.extra.lora_adapters,
                     max_num_seqs=config.max_num_seqs,
                     max_model_len=max_model_len,
-                    enforce_eager=config.enforce_eager,
+                    cuda_graphs=config.cuda_graphs,
                     quantization=config.quantization,
                     kv_cache_dtype=config.kv_cache_dtype,
                     cpu_threads=config.cpu_threads,

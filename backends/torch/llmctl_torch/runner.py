@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from llmctl.engine.cuda_graphs import DecodeGraphs, decode_graphs
 from llmctl.engine.quant import SCALE_DTYPE, is_quantized_kv
-from llmctl.engine.runner import PagedRunner, StepBatch, StepInputs, stage_step
+from llmctl.engine.runner import PagedRunner
+from llmctl.engine.step import StepInputs
 from llmctl.model.config import ModelConfig
 from llmctl.model.weights import load_weights
 from llmctl_torch.attention import LayerCache, attention_ops
@@ -32,7 +32,7 @@ class TorchModelRunner(PagedRunner):
     ``num_blocks`` may be left out and given later through ``allocate_kv_cache`` (the
     engine sizes the cache from the memory free once the weights are loaded).
     ``max_num_seqs`` and ``max_model_len`` (default: the model's context) bound the
-    decode steps the CUDA graphs are captured for; ``enforce_eager`` turns them off.
+    decode steps the CUDA graphs are captured for; ``cuda_graphs=False`` turns them off.
     ``quantization`` (``none`` or ``int8``) converts the linear layers' weights once
     loaded; ``kv_cache_dtype`` (``auto``, ``int8``, ``fp8``) is the cache's element type.
     """
@@ -49,7 +49,7 @@ class TorchModelRunner(PagedRunner):
         adapters: Sequence[str | Path] = (),
         max_num_seqs: int = 128,
         max_model_len: int | None = None,
-        enforce_eager: bool = False,
+        cuda_graphs: bool = True,
         quantization: str = "none",
         kv_cache_dtype: str = "auto",
         cpu_threads: int | None = None,
@@ -61,15 +61,14 @@ class TorchModelRunner(PagedRunner):
             block_size=block_size,
             kv_cache_dtype=kv_cache_dtype,
             cpu_threads=cpu_threads,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            cuda_graphs=cuda_graphs,
         )
         self.ops = attention_ops(self.device, self.kv_dtype)
         self.model = self._load_model(model_dir, adapters)
         quantize_linears(self.model, quantization)
         self.kv_caches: list[LayerCache] = []
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len or config.session_len()
-        self.enforce_eager = enforce_eager
-        self.decode_graphs: DecodeGraphs | None = None
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
 
@@ -108,37 +107,12 @@ class TorchModelRunner(PagedRunner):
         tensors = [*self.model.parameters(), *self.model.buffers()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the cache, then capture the decode graphs over it (GPU only)."""
-        super().allocate_kv_cache(num_blocks)
-        self.decode_graphs = decode_graphs(
-            self.decode_step,
-            # The plain-torch kernels (LLMCTL_TORCH_ATTENTION=torch, for debugging) cannot
-            # skip the padding rows a graph bucket adds: they decode eagerly.
-            enabled=not self.enforce_eager and self.ops.name == "triton",
-            device=self.device,
-            max_batch_size=self.max_num_seqs,
-            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
-            block_size=self.block_size,
-            num_blocks=num_blocks,
-        )
+    def captures_graphs(self) -> bool:
+        # The plain-torch kernels (LLMCTL_TORCH_ATTENTION=torch, for debugging) cannot
+        # skip the padding rows a graph bucket adds: they decode eagerly.
+        return self.cuda_graphs and self.ops.name == "triton"
 
-    @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> torch.Tensor:
-        """Write the batch's K/V and return fp32 logits ``[num_seqs, vocab]`` of the last new
-        token of each sequence (on a GPU a decode step's logits stay valid until the next
-        ``execute``)."""
-        self.check_allocated()
-        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
-            return self.decode_graphs.run(batch)
-        return self._forward(stage_step(batch, self.device), batch.is_decode)
-
-    def decode_step(self, inputs: StepInputs) -> torch.Tensor:
-        """The model over staged decode inputs (one token per sequence, padding rows
-        allowed): what the CUDA graphs capture."""
-        return self._forward(inputs, is_decode=True)
-
-    def _forward(self, inputs: StepInputs, is_decode: bool) -> torch.Tensor:
+    def forward(self, inputs: StepInputs, is_decode: bool) -> torch.Tensor:
         meta = AttentionMetadata(
             slot_mapping=inputs.slot_mapping.long(),  # index_copy_ (plain torch) wants int64
             block_tables=inputs.block_tables,

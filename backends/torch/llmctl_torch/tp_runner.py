@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from llmctl.engine.assemble import engine_dtype
-from llmctl.engine.runner import StepBatch
+from llmctl.engine.step import StepBatch
 from llmctl.errors import EngineDead
 from llmctl.model.config import ModelConfig
 from llmctl_torch.config import TorchConfig
@@ -60,7 +60,7 @@ class ShardRunner(TorchModelRunner):
             dtype=dtype,
             device=device,
             block_size=block_size,
-            enforce_eager=True,
+            cuda_graphs=False,
             quantization=quantization,
             kv_cache_dtype=kv_cache_dtype,
         )
@@ -213,12 +213,13 @@ def run_worker(topology: Topology, task: WorkerTask, rank: int) -> None:
 
 
 def topology_for(config: TorchConfig, device: torch.device) -> Topology:
+    extra = config.extra
     return Topology(
-        size=config.tensor_parallel_size,
-        nnodes=config.nnodes,
-        node_rank=config.node_rank,
-        master_addr=config.master_addr,
-        master_port=config.master_port,
+        size=extra.tensor_parallel_size,
+        nnodes=extra.nnodes,
+        node_rank=extra.node_rank,
+        master_addr=extra.master_addr,
+        master_port=extra.master_port,
         device_type=device.type,
         cpu_threads=config.cpu_threads,
     )

@@ -1,7 +1,8 @@
 """Triton paged attention for the torch backend: the three functions the model calls.
 
-Same signatures as the plain-torch implementation in ``attention.py``, which picks one
-or the other (``LLMCTL_TORCH_ATTENTION=triton|torch``). The cache of one layer is a
+The ``AttentionOps`` of ``attention.py``, with the signatures of its plain-torch
+implementation; ``attention.attention_ops`` picks one of three (Triton, plain torch,
+turbo's C++ ops: ``LLMCTL_TORCH_ATTENTION=triton|torch|native``). The cache of one layer is a
 pair ``k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]``; a token in
 cache slot ``s`` lives at ``[s // block_size, s % block_size]``.
 

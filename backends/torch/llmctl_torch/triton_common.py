@@ -19,7 +19,8 @@ import sys
 import torch
 
 from llmctl.engine.quant import SCALE_DTYPE, is_quantized_kv
-from llmctl_torch.config import block_size_problem
+from llmctl_torch.attention import KVScales
+from llmctl_torch.config import TRITON_MAX_HEAD_DIM, block_size_problem
 
 _ASKED = os.environ.get("TRITON_INTERPRET")  # "1" or "0" decides; unset: by the hardware
 INTERPRET = _ASKED == "1" or (_ASKED != "0" and not torch.cuda.is_available())
@@ -55,10 +56,8 @@ __all__ = [
     "tuning_configs",
 ]
 
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = TRITON_MAX_HEAD_DIM  # the torch backend's model rule refuses larger heads
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# (k_scale, v_scale) of an int8 / fp8 cache: float32 [num_blocks, block_size, num_kv_heads]
-KVScales = tuple[torch.Tensor, torch.Tensor] | None
 # The kernels' softmax works in base 2 (exp2 is what the hardware has): scores are
 # scaled by log2(e) once, folded into the attention scale.
 LOG2_E = 1.4426950408889634

@@ -1,71 +1,27 @@
-"""The turbo engine's configuration in its own (TurboMind-style) names, and its option rules.
+"""turbo's option and model rules. Light on purpose: no torch import.
 
-``TurboConfig.from_options`` is the one place the unified option names map to these.
-The shared engine reads the config through ``llmctl.engine.config.EngineOptions``,
-which the properties at the end of the class provide over turbo's own names.
-Light on purpose: no torch import.
+turbo has no settings of its own beyond the shared ``llmctl.engine.config.EngineConfig``
+(no native code reads any other name), so its config is that one, with no extra.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from llmctl.backend import CUDA_GRAPHS_RULE, DEVICE_RULE, Hardware, OptionRule, one_device_rules
-from llmctl.kv_budget import KVBudget, parse_kv_budget
+from llmctl.backend import (
+    CUDA_GRAPHS_RULE,
+    DEVICE_RULE,
+    Hardware,
+    ModelRule,
+    OptionRule,
+    one_device_rules,
+)
+from llmctl.model.config import ModelConfig
 
 LLAMA_FAMILY = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
-
-
-@dataclass(frozen=True)
-class TurboConfig:
-    cache_block_seq_len: int
-    cache_max_entry_count: KVBudget
-    session_len: int | None
-    max_batch_size: int
-    max_prefill_token_num: int
-    enable_prefix_caching: bool
-    dtype: str
-    device: str
-    cpu_threads: int | None
-    quantization: str  # "int8": int8 weights in turbo's CPU and CUDA kernels
-    quant_policy: int  # TurboMind's name: 8 is an int8 KV cache, 0 the model dtype
-    seed: int
-    chat_template: str | None
-    model_name: str | None
-    enable_cuda_graph: bool  # decode replays CUDA graphs (on CUDA only)
-
-    @classmethod
-    def from_options(cls, options: Mapping[str, Any]) -> TurboConfig:
-        return cls(
-            cache_block_seq_len=options["cache_block_seq_len"],
-            cache_max_entry_count=parse_kv_budget(options["cache_max_entry_count"]),
-            session_len=options["session_len"],
-            max_batch_size=options["max_batch_size"],
-            max_prefill_token_num=options["max_prefill_token_num"],
-            enable_prefix_caching=options["enable_prefix_caching"],
-            dtype=options["dtype"],
-            device=options["device"],
-            cpu_threads=options["cpu_threads"],
-            quantization=options["quantization"],
-            # fp8 never gets here: the kv_cache_dtype rule refuses it.
-            quant_policy=8 if options["kv_cache_dtype"] == "int8" else 0,
-            seed=options["seed"],
-            chat_template=options["chat_template"],
-            model_name=options["model_name"],
-            enable_cuda_graph=options["cuda_graphs"],
-        )
-
-    # The shared engine's names for the same settings (EngineOptions).
-    block_size = property(lambda self: self.cache_block_seq_len)
-    kv_budget = property(lambda self: self.cache_max_entry_count)
-    max_model_len = property(lambda self: self.session_len)
-    max_num_seqs = property(lambda self: self.max_batch_size)
-    max_num_batched_tokens = property(lambda self: self.max_prefill_token_num)
-    served_model_name = property(lambda self: self.model_name)
-    # kv_cache_dtype again, as the shared runner base takes it.
-    kv_cache_dtype = property(lambda self: "int8" if self.quant_policy == 8 else "auto")
+# The largest head turbo's CUDA attention kernels take (TURBO_CUDA_MAX_HEAD_DIM).
+CUDA_MAX_HEAD_DIM = 256
 
 
 def block_size_problem(block_size: int, on_cuda: bool, hardware: Hardware) -> str | None:
@@ -146,4 +102,33 @@ RULES = (
     DEVICE_RULE,
     CUDA_GRAPHS_RULE,
     *one_device_rules("turbo"),
+)
+
+
+def mlp_bias_problem(config: ModelConfig) -> str | None:
+    """Why turbo cannot run this model's MLP (``None``: it can): its native step has no
+    MLP biases (Llama's ``mlp_bias: true``)."""
+    if config.mlp_bias:
+        return "turbo does not support MLP biases (mlp_bias: true); use the torch backend"
+    return None
+
+
+def _cuda_head_dim_problem(
+    config: ModelConfig, options: Mapping[str, Any], hardware: Hardware
+) -> str | None:
+    if hardware.device_for(options.get("device", "auto")) != "cuda":
+        return None
+    if config.head_dim > CUDA_MAX_HEAD_DIM:
+        return (
+            f"head_dim {config.head_dim} is larger than turbo's CUDA attention kernels take "
+            f"({CUDA_MAX_HEAD_DIM}); use the torch backend"
+        )
+    return None
+
+
+# What a model needs from turbo's kernels (Backend.check): q/k/v and o biases, tied
+# embeddings, llama3 and linear RoPE all run; MLP biases do not.
+MODEL_RULES = (
+    ModelRule("mlp_bias", "not supported", lambda config, options, hw: mlp_bias_problem(config)),
+    ModelRule("head_dim", f"at most {CUDA_MAX_HEAD_DIM} on CUDA", _cuda_head_dim_problem),
 )

@@ -1,11 +1,13 @@
-"""Python wrappers of turbo's native ops: allocate the outputs, call ``torch.ops.llmctl_turbo``.
+"""turbo's CPU paged-attention ops in the torch backend's attention-ops convention.
 
-The native ops write into tensors the caller passes (so the step can reuse buffers);
-these wrappers are the convenient form for tests, benchmarks and the GPU check. All
-index tensors are int32. Shapes and semantics: ``csrc/kernels.h``.
-
-An int8 KV cache (``kv_cache_dtype=int8``) comes with its float32 scales
-``k_scale`` / ``v_scale`` (``[num_blocks, block_size, kv_heads]``); a float cache with none.
+``llmctl_torch.attention.AttentionOps``: the same three functions, with an int8 cache's
+scales as the keyword ``kv_scales = (k_scale, v_scale)`` (float32 ``[num_blocks,
+block_size, kv_heads]``; ``None`` for a float cache). The torch backend runs them on the
+CPU (``LLMCTL_TORCH_ATTENTION=native``, its default where turbo's ops build): they read
+each sequence's keys and values in place, from its own blocks, so the cost follows the
+real context lengths. They allocate the outputs and call ``torch.ops.llmctl_turbo``,
+whose kernels write into tensors the caller passes; index tensors are int32. Shapes and
+semantics: ``csrc/kernels.h``.
 """
 
 from __future__ import annotations
@@ -14,45 +16,23 @@ import torch
 
 from llmctl_turbo.build import load_ops
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    out = torch.empty_like(x)
-    load_ops().rms_norm(out, x, weight, eps)
-    return out
+KVScales = tuple[torch.Tensor, torch.Tensor] | None
 
 
-def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """``residual += x`` in place; returns ``rms_norm(residual)``."""
-    out = torch.empty_like(x)
-    load_ops().add_rms_norm(out, residual, x, weight, eps)
-    return out
-
-
-def rotary_embedding(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
-) -> None:
-    """Rotate ``q [T, H, D]`` and ``k [T, KVH, D]`` in place."""
-    load_ops().rotary_embedding(positions, q, k, cos_sin_cache)
-
-
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
-    load_ops().silu_and_mul(out, gate_up)
-    return out
-
-
-def write_kv_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
+    *,
+    kv_scales: KVScales = None,
 ) -> None:
-    load_ops().write_kv_cache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    """Store ``k, v: [T, Hkv, D]`` at ``slot_mapping: [T]`` (an int8 cache is quantized as
+    ``llmctl.engine.quant.quantize_kv`` does, with its scales)."""
+    load_ops().write_kv_cache(
+        k, v, k_cache, v_cache, slot_mapping.to(torch.int32), *(kv_scales or (None, None))
+    )
 
 
 def paged_decode_attention(
@@ -62,12 +42,12 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
+    *,
+    kv_scales: KVScales = None,
 ) -> torch.Tensor:
     out = torch.empty_like(q)
     load_ops().paged_decode_attention(
-        out, q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale
+        out, q, k_cache, v_cache, block_tables, context_lens, scale, *(kv_scales or (None, None))
     )
     return out
 
@@ -80,8 +60,8 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
+    *,
+    kv_scales: KVScales = None,
 ) -> torch.Tensor:
     out = torch.empty_like(q)
     load_ops().paged_prefill_attention(
@@ -93,26 +73,6 @@ def paged_prefill_attention(
         query_start_loc,
         context_lens,
         scale,
-        k_scale,
-        v_scale,
+        *(kv_scales or (None, None)),
     )
     return out
-
-
-def rotary_embedding_and_write_kv(
-    positions: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
-    """``rotary_embedding`` then ``write_kv_cache`` of the rotated k and v (one kernel on
-    CUDA)."""
-    load_ops().rotary_embedding_and_write_kv(
-        positions, q, k, v, cos_sin_cache, k_cache, v_cache, slot_mapping, k_scale, v_scale
-    )

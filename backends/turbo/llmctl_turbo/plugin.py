@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llmctl.backend import Backend, Engine, Hardware, ModelInfo
+from llmctl.engine.config import EngineConfig
 from llmctl.plugins import hookimpl
-from llmctl_turbo.config import LLAMA_FAMILY, RULES, TurboConfig
+from llmctl_turbo.config import LLAMA_FAMILY, MODEL_RULES, RULES
+
+if TYPE_CHECKING:
+    import torch
+
+    from llmctl.model.config import ModelConfig
 
 
 class TurboBackend(Backend):
@@ -17,6 +23,7 @@ class TurboBackend(Backend):
     description = "native C++/CUDA engine: one C++ call per scheduler step"
     supported_architectures = LLAMA_FAMILY
     rules = RULES
+    model_rules = MODEL_RULES
 
     def check_hardware(self, hardware: Hardware) -> list[str]:
         if importlib.util.find_spec("torch") is None:
@@ -34,8 +41,8 @@ class TurboBackend(Backend):
 
         return prepare(hardware)
 
-    def translate(self, options: Mapping[str, Any]) -> TurboConfig:
-        return TurboConfig.from_options(options)
+    def translate(self, options: Mapping[str, Any]) -> EngineConfig:
+        return EngineConfig.from_options(options)
 
     def create_engine(
         self, model: ModelInfo, options: Mapping[str, Any], hardware: Hardware
@@ -43,9 +50,13 @@ class TurboBackend(Backend):
         from llmctl.engine.assemble import build_engine
         from llmctl_turbo.runner import TurboModelRunner
 
-        config = self.translate(options)
-
-        def load_runner(model_config, dtype, device, max_model_len) -> TurboModelRunner:
+        def load_runner(
+            model_config: ModelConfig,
+            config: EngineConfig,
+            dtype: str,
+            device: torch.device,
+            max_model_len: int,
+        ) -> TurboModelRunner:
             return TurboModelRunner(
                 model.path,
                 model_config,
@@ -54,13 +65,13 @@ class TurboBackend(Backend):
                 cpu_threads=config.cpu_threads,
                 quantization=config.quantization,
                 kv_cache_dtype=config.kv_cache_dtype,
-                block_size=config.cache_block_seq_len,
+                block_size=config.block_size,
                 max_model_len=max_model_len,
-                max_num_seqs=config.max_batch_size,
-                enable_cuda_graph=config.enable_cuda_graph,
+                max_num_seqs=config.max_num_seqs,
+                cuda_graphs=config.cuda_graphs,
             )
 
-        return build_engine(model, config, hardware, load_runner)
+        return build_engine(model, self.translate(options), hardware, load_runner)
 
 
 @hookimpl

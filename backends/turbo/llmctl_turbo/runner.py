@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 from rich.progress import track
 
-from llmctl.engine.cuda_graphs import DecodeGraphs, decode_graphs
 from llmctl.engine.quant import (
     SCALE_DTYPE,
     QuantizationReport,
@@ -27,12 +26,18 @@ from llmctl.engine.quant import (
     quantize_weight_int8,
     tensor_bytes,
 )
-from llmctl.engine.runner import PagedRunner, StepBatch, StepInputs, stage_step
+from llmctl.engine.runner import PagedRunner
+from llmctl.engine.step import StepInputs
 from llmctl.errors import ModelError
 from llmctl.model.config import ModelConfig
 from llmctl.model.weights import load_weights
 from llmctl_turbo.build import load_ops
-from llmctl_turbo.config import LLAMA_FAMILY, int8_weights_problem, quantized_kv_problem
+from llmctl_turbo.config import (
+    LLAMA_FAMILY,
+    int8_weights_problem,
+    mlp_bias_problem,
+    quantized_kv_problem,
+)
 from llmctl_turbo.rope import model_cos_sin_cache
 
 CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -59,10 +64,8 @@ def prepare_weights(
             f"turbo runs {', '.join(sorted(LLAMA_FAMILY))}, not {config.architecture}; "
             "use the torch backend"
         )
-    if config.mlp_bias:
-        raise ModelError(
-            "turbo does not support MLP biases (mlp_bias: true); use the torch backend"
-        )
+    if problem := mlp_bias_problem(config):  # Backend.check refuses it before loading
+        raise ModelError(problem)
     quantize = quantization == "int8"
 
     def take(name: str) -> torch.Tensor:
@@ -141,7 +144,7 @@ class TurboModelRunner(PagedRunner):
     ``num_blocks`` may be given later through ``allocate_kv_cache`` (the engine sizes
     the cache from the memory free once the weights are loaded). ``max_model_len``
     bounds the positions the rotary table covers and, with ``max_num_seqs``, the decode
-    steps the CUDA graphs are captured for; ``enable_cuda_graph=False`` turns them off.
+    steps the CUDA graphs are captured for; ``cuda_graphs=False`` turns them off.
     ``cpu_threads`` sizes the native kernels' thread pool (and torch's) on the CPU.
     ``quantization="int8"`` runs the layers' matrices as int8 in turbo's kernels (CPU:
     packed, float32 or bfloat16 activations; CUDA: any model dtype);
@@ -160,7 +163,7 @@ class TurboModelRunner(PagedRunner):
         num_blocks: int | None = None,
         max_model_len: int | None = None,
         max_num_seqs: int = 128,
-        enable_cuda_graph: bool = True,
+        cuda_graphs: bool = True,
         cpu_threads: int | None = None,
         quantization: str = "none",
         kv_cache_dtype: str = "auto",
@@ -172,6 +175,9 @@ class TurboModelRunner(PagedRunner):
             block_size=block_size,
             kv_cache_dtype=kv_cache_dtype,
             cpu_threads=cpu_threads,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            cuda_graphs=cuda_graphs,
         )
         kv_problem = quantized_kv_problem(kv_cache_dtype)
         if kv_problem:
@@ -192,13 +198,9 @@ class TurboModelRunner(PagedRunner):
             weights, config, pack=on_cpu_kernels, quantization=quantization
         )
         del weights  # the checkpoint's copies of packed matrices
-        self.max_model_len = max_model_len or config.session_len()
         self.cos_sin_cache = model_cos_sin_cache(config, self.max_model_len).to(self.device)
         self.kv_cache = torch.empty(0, device=self.device)
         self.kv_cache_scale: torch.Tensor | None = None  # an int8 cache's scales
-        self.max_num_seqs = max_num_seqs
-        self.enable_cuda_graph = enable_cuda_graph
-        self.decode_graphs: DecodeGraphs | None = None
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
 
@@ -216,35 +218,10 @@ class TurboModelRunner(PagedRunner):
         if is_quantized_kv(self.kv_dtype):
             self.kv_cache_scale = self.new_cache(rows, SCALE_DTYPE)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the cache, then capture the decode graphs over it (GPU only)."""
-        super().allocate_kv_cache(num_blocks)
-        self.decode_graphs = decode_graphs(
-            self.forward,
-            enabled=self.enable_cuda_graph,
-            device=self.device,
-            max_batch_size=self.max_num_seqs,
-            max_blocks_per_seq=-(-self.max_model_len // self.block_size),
-            block_size=self.block_size,
-            num_blocks=num_blocks,
-        )
-
-    @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> torch.Tensor:
-        """Write the batch's K/V and return fp32 logits ``[num_seqs, vocab]`` of the last new
-        token of each sequence (on a GPU a decode step's logits stay valid until the next
-        ``execute``)."""
-        self.check_allocated()
-        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
-            return self.decode_graphs.run(batch)
-        # The step's int32 tensors come from ONE list (one allocation, one copy to the
-        # device): at a few hundred microseconds per step, each tensor made counts.
-        return self.forward(stage_step(batch, self.device))
-
-    def forward(self, inputs: StepInputs) -> torch.Tensor:
+    def forward(self, inputs: StepInputs, is_decode: bool) -> torch.Tensor:
         """``llama_step`` over staged inputs: every eager step, and the decode step the
         CUDA graphs capture (padding rows: slot -1 writes nothing, context length 0
-        attends to nothing)."""
+        attends to nothing). One native call serves decode and prefill alike."""
         return self._llama_step(
             inputs.input_ids,
             inputs.positions,

@@ -19,8 +19,9 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
-from contextlib import contextmanager
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -31,8 +32,16 @@ from transformers.generation.continuous_batching.utils import (
 )
 from transformers.generation.continuous_batching.utils import logger as cb_logger
 
-from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest, Hardware, ModelInfo
+from llmctl.backend import (
+    EngineCapabilities,
+    EngineStats,
+    GenerationOutput,
+    GenerationRequest,
+    Hardware,
+    ModelInfo,
+)
 from llmctl.engine.assemble import free_memory_bytes
+from llmctl.engine.async_engine import stream_until_finished
 from llmctl.engine.detokenizer import IncrementalDetokenizer
 from llmctl.engine.kv_cache import KVPlan, plan_kv_cache
 from llmctl.engine.request_rules import finish_reason, stop_token_ids, validate_request
@@ -195,7 +204,7 @@ class _Request:
         )
 
 
-class TransformersEngine:
+class TransformersEngine(EngineCapabilities):
     def __init__(
         self,
         manager: Any,  # transformers' ContinuousBatchingManager, started
@@ -257,18 +266,14 @@ class TransformersEngine:
             stop_token_ids(sampling, self.tokenizer.eos_token_ids),
         )
         self._submit(state)
-        finished = False
-        try:
-            while not finished:
-                item = await state.outputs.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self._abort(request.request_id)
+
+        async def take() -> list[GenerationOutput | BaseException]:
+            return [await state.outputs.get()]
+
+        abort = partial(self._abort, request.request_id)
+        async with aclosing(stream_until_finished(take, abort)) as outputs:
+            async for output in outputs:
+                yield output
 
     @property
     def has_chat_template(self) -> bool:

@@ -25,9 +25,9 @@ from llmctl_torch.runner import TorchModelRunner
 from llmctl import LLM
 from llmctl.engine.cuda_graphs import DecodeGraphs, replay_eagerly
 from llmctl.model.config import ModelConfig
-from tests.backends.torch.tiny_models import PagedSequences, greedy, hf_greedy, load_hf_model
 from tests.conftest import STORIES
 from tests.helpers.cuda_graphs import greedy_rounds
+from tests.helpers.tiny_models import PagedSequences, greedy, hf_greedy, load_hf_model
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="CUDA graphs need an NVIDIA GPU")
@@ -50,7 +50,7 @@ def test_padded_decode_buffers_give_eager_tokens(monkeypatch, tiny_model_dir):
     def runner(eager: bool) -> TorchModelRunner:
         return TorchModelRunner(
             model_dir, config, device=device, block_size=16, num_blocks=24,
-            max_num_seqs=4, max_model_len=48, enforce_eager=eager,
+            max_num_seqs=4, max_model_len=48, cuda_graphs=not eager,
         )  # fmt: skip
 
     eager_runner = runner(eager=True)
@@ -163,7 +163,7 @@ def test_bf16_graph_logits_stay_close_to_eager(stories_dir):
     for eager in (True, False):
         runner = TorchModelRunner(
             stories_dir, config, dtype="bfloat16", device="cuda", block_size=16,
-            num_blocks=64, max_num_seqs=8, enforce_eager=eager,
+            num_blocks=64, max_num_seqs=8, cuda_graphs=not eager,
         )  # fmt: skip
         paged = PagedSequences(runner, seed=1)
         seqs = [paged.add(p) for p in prompts]

@@ -7,7 +7,7 @@ from llmctl_torch.runner import TorchModelRunner
 
 from llmctl.model.config import ModelConfig
 from llmctl.model.demo import demo_model_dir
-from tests.backends.torch.tiny_models import PagedSequences, load_hf_model
+from tests.helpers.tiny_models import PagedSequences, load_hf_model
 
 
 def test_demo_model_is_materialized_by_the_loader_and_matches_transformers(tmp_path, monkeypatch):

@@ -12,8 +12,8 @@ import random
 import pytest
 
 from llmctl import LLM, SamplingParams
-from tests.backends.torch.tiny_models import hf_greedy, load_hf_model
 from tests.conftest import STORIES
+from tests.helpers.tiny_models import hf_greedy, load_hf_model
 
 NEW_TOKENS = 24
 

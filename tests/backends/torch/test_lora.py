@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from llmctl.errors import ModelError, OptionError
 from llmctl.model.config import ModelConfig
-from tests.backends.torch.tiny_models import PagedSequences, load_hf_model
+from tests.helpers.tiny_models import PagedSequences, load_hf_model
 
 TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
 

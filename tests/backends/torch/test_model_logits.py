@@ -12,7 +12,7 @@ import torch
 from llmctl_torch.runner import TorchModelRunner
 
 from llmctl.model.config import ModelConfig
-from tests.backends.torch.tiny_models import TINY_MODELS, PagedSequences, load_hf_model
+from tests.helpers.tiny_models import TINY_MODELS, PagedSequences, load_hf_model
 
 ATOL = 1e-4
 DECODE_STEPS = 6

@@ -11,10 +11,10 @@ import torch
 from llmctl_torch.attention import native_problem
 from llmctl_torch.runner import TorchModelRunner
 
-from llmctl.engine.runner import StepBatch
+from llmctl.engine.step import StepBatch
 from llmctl.errors import ModelError, OptionError
 from llmctl.model.config import ModelConfig
-from tests.backends.torch.tiny_models import PagedSequences, greedy
+from tests.helpers.tiny_models import PagedSequences, greedy
 
 
 @pytest.mark.parametrize("block_size", [16, 64])

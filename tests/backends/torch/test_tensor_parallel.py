@@ -19,15 +19,15 @@ from llmctl_torch.runner import TorchModelRunner
 from llmctl_torch.tp_runner import TensorParallelRunner, with_host_tokens
 
 from llmctl import LLM, SamplingParams
-from llmctl.engine.runner import SampledTokenFill, StepBatch
+from llmctl.engine.step import SampledTokenFill, StepBatch
 from llmctl.model.config import ModelConfig
-from tests.backends.torch.tiny_models import (
+from tests.conftest import STORIES
+from tests.helpers.tiny_models import (
     PagedSequences,
     hf_greedy,
     load_hf_model,
     make_tiny_model,
 )
-from tests.conftest import STORIES
 
 NEW_TOKENS = 24
 
@@ -82,6 +82,8 @@ def test_stories260k_sharded_greedy_equals_transformers(stories_case):
     [
         ("llama-mqa", {"vocab_size": 515}),  # one KV head, replicated; vocab padded per rank
         ("qwen2", {}),  # q/k/v biases, untied LM head
+        # o and down biases: row-parallel, added once after the all-reduce
+        ("llama-attention-bias", {"mlp_bias": True}),
         pytest.param(
             "qwen3",
             {"num_attention_heads": 8, "num_key_value_heads": 4},  # q/k norms

@@ -20,7 +20,7 @@ from llmctl_torch import triton_attention  # noqa: F401  (switches the interpret
 from llmctl_torch.runner import TorchModelRunner
 
 from llmctl.model.config import ModelConfig
-from tests.backends.torch.tiny_models import PagedSequences
+from tests.helpers.tiny_models import PagedSequences
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

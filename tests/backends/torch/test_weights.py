@@ -9,7 +9,7 @@ import torch
 
 from llmctl.errors import ModelError
 from llmctl.model.weights import load_weights, safetensors_files
-from tests.backends.torch.tiny_models import load_hf_model, make_tiny_model
+from tests.helpers.tiny_models import load_hf_model, make_tiny_model
 
 
 def test_sharded_checkpoint_loads_the_same_tensors(tiny_model_dir, tmp_path):

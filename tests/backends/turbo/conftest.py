@@ -1,13 +1,11 @@
-"""Fixtures of the turbo backend tests: the native ops (built once, cached across runs)
-and the tiny transformers models of the torch backend's tests."""
+"""Fixtures of the turbo backend tests: the native ops (built once, cached across runs).
+The tiny transformers models come from the root conftest's ``tiny_model_dir``."""
 
 from __future__ import annotations
 
 import shutil
 
 import pytest
-
-from tests.backends.torch.conftest import tiny_model_dir  # noqa: F401  (a fixture)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from tests.backends.turbo.test_cpu_ops import (
+from tests.helpers.kernel_refs import (
     PagedCache,
     int32,
     poisoned,

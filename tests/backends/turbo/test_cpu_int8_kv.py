@@ -14,58 +14,19 @@ import pytest
 import torch
 
 from llmctl.engine.quant import dequantize_kv, quantize_kv
-from tests.backends.turbo.test_cpu_ops import (
+from tests.helpers.kernel_refs import (
     TOLERANCE,
     PagedCache,
+    check_int8_write,
+    int8_cache,
     int32,
     poisoned,
+    quantized,
     ref_paged_attention,
     ref_rotary,
 )
 
 BLOCK_SIZES = [16, 32, 64]
-
-
-def fused_key_value(tokens: int, kv_heads: int, head_dim: int, dtype, generator):
-    """key and value as strided column views of one fused buffer (as in the step), with
-    rows of very different magnitudes, and one all-zero row (scale 1)."""
-    width = kv_heads * head_dim
-    kv = torch.randn(tokens, 2 * width + 5, generator=generator)
-    kv *= torch.logspace(-3, 2, tokens)[torch.randperm(tokens, generator=generator), None]
-    kv[3, :head_dim] = 0
-    kv = kv.to(dtype)
-    key = kv[:, :width].view(tokens, kv_heads, head_dim)
-    value = kv[:, width : 2 * width].view(tokens, kv_heads, head_dim)
-    return key, value
-
-
-def int8_cache(num_blocks, block_size, kv_heads, head_dim):
-    """An int8 cache and its scales holding values no write produces (77, NaN), so that
-    an unwritten slot shows."""
-    cache = torch.full((num_blocks, block_size, kv_heads, head_dim), 77, dtype=torch.int8)
-    return cache, poisoned(num_blocks, block_size, kv_heads)
-
-
-def check_int8_write(write, dtype, kv_heads, head_dim, block_size, num_blocks, tokens, seed):
-    """``write(key, value, k_cache, v_cache, slots, k_scale, v_scale)`` into an int8 cache
-    must leave exactly quantize_kv's bytes and scales at the slots, the rest untouched."""
-    generator = torch.Generator().manual_seed(seed)
-    key, value = fused_key_value(tokens, kv_heads, head_dim, dtype, generator)
-    slots = torch.randperm(num_blocks * block_size, generator=generator)[:tokens].to(torch.int32)
-    slots[tokens // 3] = -1  # not written
-    k_cache, k_scale = int8_cache(num_blocks, block_size, kv_heads, head_dim)
-    v_cache, v_scale = int8_cache(num_blocks, block_size, kv_heads, head_dim)
-    expected = [t.clone() for t in (k_cache, k_scale, v_cache, v_scale)]
-    keep = slots >= 0
-    for cache, scale, x in ((expected[0], expected[1], key), (expected[2], expected[3], value)):
-        q, s = quantize_kv(x[keep], torch.int8)
-        cache.view(-1, kv_heads, head_dim)[slots[keep].long()] = q
-        scale.view(-1, kv_heads)[slots[keep].long()] = s
-
-    write(key, value, k_cache, v_cache, slots, k_scale, v_scale)
-
-    for ours, theirs in zip((k_cache, k_scale, v_cache, v_scale), expected, strict=True):
-        assert ours.view(torch.uint8).equal(theirs.view(torch.uint8))  # bit for bit, NaN too
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -105,13 +66,6 @@ def test_rotary_embedding_and_write_kv_quantizes_the_rotated_key(turbo_ops):
     q_v, s_v = quantize_kv(v, torch.int8)
     assert torch.equal(v_cache.view(-1, kv_heads, head_dim)[written], q_v)
     assert torch.equal(v_scale.view(-1, kv_heads)[written], s_v)
-
-
-def quantized(cache: PagedCache):
-    """The float cache's int8 form with its scales, and what that form stands for."""
-    (k, k_scale), (v, v_scale) = quantize_kv(cache.k, torch.int8), quantize_kv(cache.v, torch.int8)
-    dequantized = [dequantize_kv(q, s, torch.float32) for q, s in ((k, k_scale), (v, v_scale))]
-    return (k, v, k_scale, v_scale), dequantized
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from llmctl_turbo.runner import pack_int8_linear
 
 from llmctl.engine.quant import dequantize_weight_int8, quantize_weight_int8
-from tests.backends.turbo.test_cpu_linear import relative_error
+from tests.helpers.kernel_refs import relative_error
 
 DTYPES = [torch.float32, torch.bfloat16]
 # Relative to the largest reference value. fp32: the kernel sums x * q and scales the

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.backends.turbo.conftest import ISAS
+from tests.helpers.kernel_refs import relative_error
 
 DTYPES = [torch.float32, torch.bfloat16]
 # Relative to the largest reference value: fp32 sums in another order; bf16 rounds the
@@ -42,11 +43,6 @@ def threads(turbo_ops):
     before = turbo_ops.cpu_threads()
     yield
     turbo_ops.set_cpu_threads(before)
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    assert not got.isnan().any(), "part of the output was left unwritten"
-    return ((got.float() - want).abs().max() / want.abs().max()).item()
 
 
 def random_case(rows, in_features, out_features, dtype, seed):

@@ -7,68 +7,24 @@ kernel that reads outside its context or leaves part of its output unwritten fai
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
 from llmctl_turbo.rope import cos_sin_cache
 
 from llmctl.engine.rope import rope_inv_freq
+from tests.helpers.kernel_refs import (
+    TOLERANCE,
+    PagedCache,
+    int32,
+    poisoned,
+    ref_paged_attention,
+    ref_rms_norm,
+    ref_rotary,
+)
 
 BLOCK_SIZES = [16, 48, 80, 128, 256]
 DTYPES = [torch.float32, torch.bfloat16]
-TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
-
-
-def poisoned(*shape, dtype=torch.float32) -> torch.Tensor:
-    return torch.full(shape, float("nan"), dtype=dtype)
-
-
-def int32(values) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32)
-
-
-# ------------------------------------------------------------------ references
-
-
-def ref_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype)
-
-
-def ref_rotary(x: torch.Tensor, positions: torch.Tensor, frequencies: torch.Tensor):
-    angles = positions.float()[:, None] * frequencies[None, :]
-    cos = torch.cat((angles.cos(), angles.cos()), -1)[:, None, :]
-    sin = torch.cat((angles.sin(), angles.sin()), -1)[:, None, :]
-    x32 = x.float()
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x32[..., half:], x32[..., :half]), -1)
-    return (x32 * cos + rotated * sin).to(x.dtype)
-
-
-def ref_paged_attention(q, k_cache, v_cache, tables, query_lens, context_lens, scale):
-    """Gather each sequence's keys from its blocks, then dense causal attention."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    group = q.shape[1] // num_kv_heads
-    outputs, start = [], 0
-    for table, q_len, ctx in zip(tables, query_lens, context_lens, strict=True):
-        blocks = torch.tensor(table, dtype=torch.long)
-        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
-        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx].float()
-        keys = keys.repeat_interleave(group, dim=1)  # [ctx, H, D]
-        values = values.repeat_interleave(group, dim=1)
-        queries = q[start : start + q_len].float()  # [q_len, H, D]
-        scores = torch.einsum("qhd,khd->hqk", queries, keys) * scale
-        visible = torch.arange(ctx)[None, :] <= (ctx - q_len + torch.arange(q_len))[:, None]
-        scores = scores.masked_fill(~visible, float("-inf"))
-        outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
-        start += q_len
-    return torch.cat(outputs).to(q.dtype)
-
-
-# ------------------------------------------------------------------ row ops
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -138,39 +94,6 @@ def test_rotary_embedding_on_strided_qkv_views(turbo_ops, dtype, scaling):
 
 
 # ------------------------------------------------------------------ paged ops
-
-
-class PagedCache:
-    """A NaN-filled cache whose sequences own shuffled physical blocks."""
-
-    def __init__(self, block_size, context_lens, kv_heads, head_dim, dtype, seed=0):
-        generator = torch.Generator().manual_seed(seed)
-        self.block_size = block_size
-        needed = [math.ceil(c / block_size) for c in context_lens]
-        num_blocks = sum(needed) + 3  # spare blocks nobody owns
-        order = torch.randperm(num_blocks, generator=generator).tolist()
-        self.tables = []
-        for count in needed:
-            self.tables.append(order[:count])
-            order = order[count:]
-        shape = (num_blocks, block_size, kv_heads, head_dim)
-        self.k = poisoned(*shape, dtype=dtype)
-        self.v = poisoned(*shape, dtype=dtype)
-        # Fill exactly the slots inside each context with random K/V.
-        slots = torch.tensor(
-            [
-                table[pos // block_size] * block_size + pos % block_size
-                for table, ctx in zip(self.tables, context_lens, strict=True)
-                for pos in range(ctx)
-            ]
-        )
-        for cache in (self.k, self.v):
-            fresh = torch.randn(len(slots), kv_heads, head_dim, generator=generator)
-            cache.view(-1, kv_heads, head_dim)[slots] = fresh.to(dtype)
-
-    def padded_tables(self) -> torch.Tensor:
-        width = max(len(t) for t in self.tables) + 1  # extra column: never read
-        return int32([t + [-7] * (width - len(t)) for t in self.tables])
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from llmctl import LLM, SamplingParams
-from tests.backends.torch.tiny_models import hf_greedy, load_hf_model
 from tests.helpers.cli import run_llmctl
+from tests.helpers.tiny_models import hf_greedy, load_hf_model
 
 
 @pytest.mark.parametrize("backend", ["turbo", "torch", "transformers"])

@@ -26,11 +26,13 @@ from tests.backends.turbo.kernel_checks import (
     check_rotary_and_write_kv,
     decode_contexts,
 )
-from tests.backends.turbo.test_cpu_int8_kv import check_int8_write, int8_cache, quantized
-from tests.backends.turbo.test_cpu_ops import (
+from tests.helpers.kernel_refs import (
     PagedCache,
+    check_int8_write,
+    int8_cache,
     int32,
     poisoned,
+    quantized,
     ref_paged_attention,
     ref_rms_norm,
     ref_rotary,

@@ -24,9 +24,9 @@ from llmctl_turbo.runner import TurboModelRunner
 
 from llmctl import LLM
 from llmctl.model.config import ModelConfig
-from tests.backends.torch.tiny_models import PagedSequences, hf_greedy, load_hf_model
 from tests.conftest import STORIES
 from tests.helpers.cuda_graphs import greedy_rounds
+from tests.helpers.tiny_models import PagedSequences, hf_greedy, load_hf_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -100,7 +100,7 @@ def decode_through_runner(model_dir, dtype: str, eager: bool, prompts, steps: in
     config = ModelConfig.from_dir(model_dir)
     runner = TurboModelRunner(
         model_dir, config, dtype=dtype, device="cuda", block_size=32, num_blocks=64,
-        max_num_seqs=8, enable_cuda_graph=not eager,
+        max_num_seqs=8, cuda_graphs=not eager,
     )  # fmt: skip
     assert (runner.decode_graphs is None) == eager
     paged = PagedSequences(runner, seed=1)

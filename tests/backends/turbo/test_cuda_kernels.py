@@ -23,8 +23,8 @@ from tests.backends.turbo.kernel_checks import (
     check_rotary_and_write_kv,
     decode_contexts,
 )
-from tests.backends.turbo.test_cpu_ops import poisoned, ref_rms_norm
-from tests.backends.turbo.test_native_step import check_against_transformers
+from tests.helpers.kernel_refs import poisoned, ref_rms_norm
+from tests.helpers.turbo_step import check_against_transformers
 
 pytestmark = [
     pytest.mark.gpu,

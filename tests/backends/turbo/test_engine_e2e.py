@@ -10,8 +10,8 @@ import random
 import pytest
 
 from llmctl import LLM, SamplingParams
-from tests.backends.torch.tiny_models import hf_greedy, load_hf_model
 from tests.conftest import STORIES
+from tests.helpers.tiny_models import hf_greedy, load_hf_model
 
 GREEDY = SamplingParams(max_tokens=48, temperature=0)
 

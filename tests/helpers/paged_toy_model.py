@@ -6,37 +6,26 @@ logits at a position are a fixed random function of all tokens before it (order
 included), so a wrong block table, an overwritten shared block or a stale slot
 changes the generated tokens. Each slot also records the position written there, and
 reading a slot whose position does not match fails loudly.
+
+``make_engine`` puts the shared engine around it; ``workload`` and ``run`` drive it (the
+scheduler, overlap and async-engine tests share them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import random
 
 import torch
 
-from llmctl.engine.runner import StepBatch
-from llmctl.kv_budget import KVBudget
-
-
-@dataclass(frozen=True)
-class ToyOptions:
-    """The settings the shared engine reads (``EngineOptions``), as a backend's config
-    gives them."""
-
-    block_size: int
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    kv_budget: KVBudget = KVBudget("fraction", 0.8)
-    max_model_len: int | None = None
-    dtype: str = "float32"
-    device: str = "cpu"
-    chat_template: str | None = None
-    served_model_name: str | None = None
+from llmctl.engine.config import EngineConfig
+from llmctl.engine.llm_engine import LLMEngine
+from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.step import StepBatch
 
 
 class PagedToyModel:
+    tensor_parallel_size = 1
+
     def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 64, seed: int = 0):
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -49,6 +38,9 @@ class PagedToyModel:
         self.position_cache = torch.full((num_blocks * block_size,), -1, dtype=torch.long)
         self.steps = 0
         self.tokens_read_on_device = 0  # input tokens an overlapped step left to the runner
+
+    def close(self) -> None:
+        self.closed = True
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         self.steps += 1
@@ -70,3 +62,71 @@ class PagedToyModel:
             hidden = torch.tanh((self.embed[tokens] * self.position_mix[positions]).sum(0))
             rows.append(hidden @ self.unembed)
         return torch.stack(rows)
+
+
+VOCAB = 64
+
+
+class RecordingModel(PagedToyModel):
+    """Also records the shape of every step it runs."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.query_lens: list[list[int]] = []
+
+    def execute(self, batch):
+        self.query_lens.append(list(batch.query_lens))
+        return super().execute(batch)
+
+
+def make_engine(
+    tokenizer,
+    *,
+    num_blocks=256,
+    block_size=4,
+    max_model_len=128,
+    vocab_size=VOCAB,
+    eos_token_ids=(),
+    overlap=False,
+    **options,
+):
+    model = RecordingModel(num_blocks, block_size, vocab_size)
+    return LLMEngine(
+        model,
+        tokenizer,
+        EngineConfig(block_size=block_size, **options),
+        max_model_len=max_model_len,
+        eos_token_ids=eos_token_ids,
+        vocab_size=vocab_size,
+        overlap=overlap,
+    )
+
+
+def workload(seed: int = 0, count: int = 10):
+    """Prompts of varied lengths, half sharing a 12-token prefix; greedy and seeded."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, VOCAB) for _ in range(12)]
+    requests = []
+    for i in range(count):
+        own = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 30))]
+        prompt = (shared + own) if i % 2 else own
+        params = (
+            SamplingParams(max_tokens=rng.randrange(4, 24), temperature=0)
+            if i % 3
+            else SamplingParams(max_tokens=rng.randrange(4, 24), temperature=1.0, seed=i)
+        )
+        requests.append((f"r{i}", prompt, params))
+    return requests
+
+
+def run(engine: LLMEngine, requests) -> dict[str, tuple[list[int], str | None]]:
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    results = {request_id: ([], None) for request_id, _, _ in requests}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens, _ = results[out.request_id]
+            results[out.request_id] = (tokens + out.token_ids, out.finish_reason)
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    assert all(block.ref_count == 0 for block in engine.block_manager.blocks)
+    return results

@@ -1,6 +1,7 @@
 """Tiny Llama-family checkpoints made with transformers, and a driver for the runner.
 
-Shared by the torch backend tests (the ``tiny_model_dir`` fixture is in conftest.py).
+Shared by the backend, model and plugin tests (the ``tiny_model_dir`` fixture is in
+tests/conftest.py).
 
 ``make_tiny_model(directory, kind)`` writes a random HF model directory (config.json,
 model.safetensors, stories260K's tokenizer files) for one of ``TINY_MODELS``. Weights are
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from llmctl.engine.runner import StepBatch
+from llmctl.engine.step import StepBatch
 from tests.conftest import STORIES
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
@@ -62,6 +63,15 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
         ),
     ),
     "llama-mqa": ("LlamaConfig", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+    # Llama's optional biases: q/k/v and o (attention_bias), gate/up/down (mlp_bias).
+    "llama-attention-bias": (
+        "LlamaConfig",
+        dict(num_key_value_heads=2, attention_bias=True, tie_word_embeddings=False),
+    ),
+    "llama-mlp-bias": (
+        "LlamaConfig",
+        dict(num_key_value_heads=2, mlp_bias=True, tie_word_embeddings=True),
+    ),
     "mistral": (
         "MistralConfig",
         dict(num_key_value_heads=2, head_dim=16, sliding_window=None, tie_word_embeddings=False),
