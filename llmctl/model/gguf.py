@@ -34,8 +34,6 @@ from llmctl.errors import ModelError
 if TYPE_CHECKING:
     import torch
 
-    from llmctl.model.tokenizer import Tokenizer
-
 SUFFIX = ".gguf"
 MAGIC = b"GGUF"
 # The versions the gguf library reads (gguf_reader.READER_SUPPORTED_VERSIONS).
@@ -155,7 +153,6 @@ class GGUFModel:
         self.reader = _read(path)
         self.arch = str(self.value("general.architecture", ""))
         # Built once per chat template: the model check and the engine both ask.
-        self._tokenizers: dict[str | None, Tokenizer] = {}
 
     def value(self, key: str, default: Any = None) -> Any:
         """A metadata value as Python (a string, a number, a list), or ``default``."""
@@ -290,15 +287,6 @@ class GGUFModel:
             if tensor.tensor_type not in READABLE_TYPES:
                 found.setdefault(tensor.tensor_type, []).append(tensor.gguf_name)
         return found
-
-    def tokenizer(self, chat_template: str | None = None) -> Tokenizer:
-        """The tokenizer and chat template of the metadata (``chat_template``, the option,
-        replaces the file's template)."""
-        from llmctl.model.gguf_tokenizer import build_tokenizer
-
-        if chat_template not in self._tokenizers:
-            self._tokenizers[chat_template] = build_tokenizer(self, chat_template)
-        return self._tokenizers[chat_template]
 
 
 def hf_name(gguf_name: str) -> str:

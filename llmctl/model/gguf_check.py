@@ -16,6 +16,7 @@ from llmctl.errors import LlmctlError, ModelError
 from llmctl.model.check import ModelReport, expected_tensors
 from llmctl.model.config import ModelConfig
 from llmctl.model.gguf import GGUFModel, gguf_file, open_gguf, unreadable_message
+from llmctl.model.tokenizer import Tokenizer
 
 # Which GGUF metadata keys a config value comes from, to name them in a shape mismatch.
 METADATA_KEYS = {
@@ -58,7 +59,7 @@ def check_gguf(path: str | Path, chat_template: str | None = None) -> ModelRepor
     if report.config is not None:
         _compare_with_metadata(report, model)
     try:
-        report.tokenizer = model.tokenizer(chat_template)
+        report.tokenizer = Tokenizer.from_gguf(model.path, chat_template)
     except LlmctlError as exc:
         report.add(str(exc))
     else:

@@ -16,13 +16,12 @@ added tokens, so both stay whole in text. The chat template is the metadata's
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from llmctl.errors import ModelError
-from llmctl.model.tokenizer import Tokenizer, load_chat_template
 
 if TYPE_CHECKING:
     from llmctl.model.gguf import GGUFModel
@@ -58,8 +57,9 @@ SPECIAL_IDS = {
 }
 
 
-def build_tokenizer(model: GGUFModel, chat_template: str | None = None) -> Tokenizer:
-    """The llmctl ``Tokenizer`` the metadata of ``model`` describes."""
+def tokenizer_arguments(model: GGUFModel) -> dict[str, Any]:
+    """The arguments of the llmctl ``Tokenizer`` the metadata of ``model`` describes (its
+    chat template included): ``Tokenizer.from_gguf`` builds it."""
     kind = model.value("tokenizer.ggml.model")
     tokens = model.value("tokenizer.ggml.tokens")
     if not tokens:
@@ -88,19 +88,16 @@ def build_tokenizer(model: GGUFModel, chat_template: str | None = None) -> Token
     if add_bos is None:
         # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise.
         add_bos = kind == "llama"
-    if chat_template:
-        template, origin = load_chat_template(chat_template), None
-    else:
-        template, origin = model.value("tokenizer.chat_template"), model.path
-    return Tokenizer(
-        tokenizer,
+    template = model.value("tokenizer.chat_template")
+    return dict(
+        tokenizer=tokenizer,
         bos_token=special.get("bos_token"),
         eos_token=special.get("eos_token"),
         add_bos_token=bool(add_bos),
         add_eos_token=bool(model.value("tokenizer.ggml.add_eos_token", False)),
         eos_token_ids=tuple(model.eos_ids()),
         chat_template=template,
-        chat_template_file=origin if template else None,
+        chat_template_file=model.path if template else None,
         special_tokens=special,
     )
 

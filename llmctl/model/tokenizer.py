@@ -24,6 +24,9 @@ from llmctl.errors import InvalidRequest, ModelError, OptionError
 from llmctl.model.config import token_ids
 from llmctl.model.files import describe, read_json_object
 
+# GGUF file and chat_template option -> its Tokenizer (``Tokenizer.from_gguf``).
+_GGUF_TOKENIZERS: dict[tuple[Path, str | None], Tokenizer] = {}
+
 
 class Tokenizer:
     def __init__(
@@ -117,10 +120,21 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | Path, chat_template: str | None = None) -> Tokenizer:
         """The tokenizer and chat template a GGUF file's metadata describes
-        (``llmctl.model.gguf_tokenizer``); ``chat_template`` as for ``from_dir``."""
+        (``llmctl.model.gguf_tokenizer``); ``chat_template`` as for ``from_dir``. Built once
+        per file and template: a large vocabulary takes a moment."""
         from llmctl.model.gguf import open_gguf
+        from llmctl.model.gguf_tokenizer import tokenizer_arguments
 
-        return open_gguf(path).tokenizer(chat_template)
+        model = open_gguf(path)
+        key = (model.path, chat_template)
+        if key not in _GGUF_TOKENIZERS:
+            arguments = tokenizer_arguments(model)
+            if chat_template:
+                arguments.update(
+                    chat_template=load_chat_template(chat_template), chat_template_file=None
+                )
+            _GGUF_TOKENIZERS[key] = cls(arguments.pop("tokenizer"), **arguments)
+        return _GGUF_TOKENIZERS[key]
 
     @property
     def hf_tokenizer(self) -> HFTokenizer:
