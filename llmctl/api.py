@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,10 @@ class LLM:
         self.engine: Engine = choice.create_engine()
         self.backend = choice.backend.name
         self._ids = itertools.count()
+        # An LLM dropped without shutdown() (``del llm``, the end of a script) still stops
+        # its engine: a tensor-parallel one holds ranks and the process group, which the
+        # next LLM of this process needs. The finalizer holds the engine, never self.
+        self._finalizer = weakref.finalize(self, _shutdown_engine, self.engine)
 
     def generate(
         self,
@@ -84,7 +89,8 @@ class LLM:
         return self._run(requests)
 
     def shutdown(self) -> None:
-        _run_sync(self.engine.shutdown())
+        """Stop the engine and release what it holds (worker ranks); safe to call twice."""
+        self._finalizer()
 
     def __enter__(self) -> LLM:
         return self
@@ -96,6 +102,8 @@ class LLM:
         return f"llm-{next(self._ids)}"
 
     def _run(self, requests: list[GenerationRequest]) -> list[RequestOutput]:
+        if not requests:
+            return []
         if hasattr(self.engine, "generate_all"):  # a local engine: no event loop needed
             results = [_empty_result(request) for request in requests]
             for result, output in zip(results, self.engine.generate_all(requests)):
@@ -161,6 +169,10 @@ def _per_prompt(
     if len(params) != count:
         raise ValueError(f"got {len(params)} sampling params for {count} prompts")
     return list(params)
+
+
+def _shutdown_engine(engine: Engine) -> None:
+    _run_sync(engine.shutdown())
 
 
 def _run_sync(coroutine):
