@@ -167,8 +167,9 @@ def _read_text(path: Path) -> str:
         raise ProfileError(f"{path} is not UTF-8 text") from None
 
 
-_HEADER = re.compile(r"^\s*\[\s*([^\[\]]+?)\s*\]\s*(#.*)?$")
-_KEY = re.compile(r"^\s*([A-Za-z0-9_\-\"'. ]+?)\s*=")
+# A table header or a key, bare or quoted (a quoted name may hold brackets: "a[v2]").
+_HEADER = re.compile(r"^\s*\[(?!\[)\s*(.+?)\s*\]\s*(#.*)?$")
+_KEY = re.compile(r"""^\s*((?:"[^"]*"|'[^']*'|[A-Za-z0-9_\-. ])+?)\s*=""")
 
 
 def _key_lines(text: str) -> dict[tuple[str, ...], int]:
@@ -177,12 +178,17 @@ def _key_lines(text: str) -> dict[tuple[str, ...], int]:
     table: tuple[str, ...] = ()
     for number, line in enumerate(text.splitlines(), start=1):
         if header := _HEADER.match(line):
-            table = tuple(part.strip().strip("\"'") for part in header.group(1).split("."))
+            table = _dotted(header.group(1))
             lines.setdefault(table, number)
         elif key := _KEY.match(line):
-            parts = tuple(part.strip().strip("\"'") for part in key.group(1).split("."))
-            lines.setdefault(table + parts, number)
+            lines.setdefault(table + _dotted(key.group(1)), number)
     return lines
+
+
+def _dotted(name: str) -> tuple[str, ...]:
+    """The parts of a dotted TOML name, quotes removed (``profiles."a.b"`` has two)."""
+    parts = re.findall(r"\"[^\"]*\"|'[^']*'|[^.]+", name)
+    return tuple(part.strip().strip("\"'") for part in parts)
 
 
 def _profile_lines(lines: Mapping[tuple[str, ...], int], name: str) -> dict[tuple[str, ...], int]:

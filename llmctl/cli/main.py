@@ -90,9 +90,9 @@ def run() -> None:
     try:
         app()
     except LlmctlError as exc:
-        from rich.console import Console
+        from llmctl.cli.output import err_console, styled
 
-        Console(stderr=True, highlight=False).print(f"[bold red]Error:[/] {exc}", soft_wrap=True)
+        err_console.print(styled(("Error:", "bold red"), f" {exc}"), soft_wrap=True)
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.table import Table
 
-from llmctl.cli.output import console
+from llmctl.cli.output import console, styled
 
 if TYPE_CHECKING:
     from llmctl.model.check import ModelReport
@@ -57,10 +57,10 @@ def list_models() -> None:
         try:
             info = resolve_model(name)
         except ModelError as exc:
-            table.add_row(name, "-", f"[red]unusable[/]: {exc}", "-")
+            table.add_row(name, "-", styled(("unusable", "red"), f": {exc}"), "-")
             continue
         if info.problems:
-            status = f"[red]broken[/]: see `llmctl models {name}`"
+            status = styled(("broken", "red"), f": see `llmctl models {name}`")
         else:
             status = ", ".join(_supporting_backends(info)) or "none"
         label = f"{name} (random weights)" if info.is_demo else name
@@ -89,7 +89,7 @@ def show_model(name: str) -> None:
         console.print("demo has random weights: its text is meaningless")
     if report.problems:
         raise ModelError(report.error_message())
-    console.print(f"[green]No problem found[/]: llmctl serve {name}")
+    console.print(styled(("No problem found", "green"), f": llmctl serve {name}"))
 
 
 def _facts(info: ModelInfo, report: ModelReport) -> list[tuple[str, str]]:

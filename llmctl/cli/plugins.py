@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from llmctl.cli.output import console
+from llmctl.cli.output import console, styled
 
 
 def register(app: typer.Typer) -> None:
@@ -28,5 +28,8 @@ def list_plugins() -> None:
         console.print(f"LLMCTL_PLUGINS restricts loading to: {', '.join(sorted(allowed))}")
     for failure in plugins.failed:
         console.print(
-            f"[red]failed[/] {failure.name} ({failure.distribution}): {failure.error} — skipped"
+            styled(
+                ("failed", "red"),
+                f" {failure.name} ({failure.distribution}): {failure.error} — skipped",
+            )
         )

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from llmctl.cli.output import console
+from llmctl.cli.output import console, styled
 
 
 def register(app: typer.Typer) -> None:
@@ -71,4 +71,6 @@ def validate(
         return
     for path in files:
         profiles = read_profile_file(path)
-        console.print(f"[green]OK[/] {path}: {len(profiles)} profile(s): {', '.join(profiles)}")
+        console.print(
+            styled(("OK", "green"), f" {path}: {len(profiles)} profile(s): {', '.join(profiles)}")
+        )

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Annotated, Any, Optional
 
 import typer
+from rich.markup import escape
 
 from llmctl.options import Option, help_with_rules, options_for
 
@@ -36,7 +37,9 @@ def _annotation(opt: Option) -> Any:
     default = "" if opt.default is None else f" [default: {_show(opt.default)}]"
     info = typer.Option(
         *decls,
-        help=f"{help_with_rules(opt)}{default} (env {opt.env_var})",
+        # Typer reads help as rich markup: escaped, "[default: 64]" shows instead of
+        # vanishing as an unknown tag (and a plugin's help cannot break the page).
+        help=escape(f"{help_with_rules(opt)}{default} (env {opt.env_var})"),
         metavar=opt.metavar,
         show_default=False,
         rich_help_panel=SERVER_PANEL
