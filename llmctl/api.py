@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import os
+import warnings
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,9 +46,13 @@ class LLM:
     def __init__(
         self, model: str = "demo", backend: str = "auto", profile: str | None = None, **options
     ) -> None:
+        from llmctl.options import unknown_env_vars
+        from llmctl.profiles import Keywords
         from llmctl.selection import select
 
-        flags = checked_options({**options, "backend": backend})
+        for warning in unknown_env_vars(os.environ):
+            warnings.warn(warning, stacklevel=2)
+        flags = Keywords(checked_options({**options, "backend": backend}))
         choice = select(model, flags, profile=profile)
         self.engine: Engine = choice.create_engine()
         self.backend = choice.backend.name

@@ -22,7 +22,14 @@ from llmctl.errors import BackendError
 from llmctl.model.info import resolve_model
 from llmctl.options import did_you_mean, option_named
 from llmctl.plugins.manager import registered_backends
-from llmctl.profiles import Profile, Setting, describe_source, resolve, selected_profile
+from llmctl.profiles import (
+    Keywords,
+    Profile,
+    Setting,
+    describe_source,
+    resolve,
+    selected_profile,
+)
 
 log = logging.getLogger("llmctl")
 
@@ -79,8 +86,9 @@ def select(
     """Read the profile, resolve the options and choose the backend, logging why each
     skipped backend could not serve. ``model`` (if given) wins over the ``model`` option
     from env or profile. Nothing is loaded yet: call ``Choice.create_engine()``."""
-    if model is not None:
-        flags = {**flags, "model": model}
+    if model is not None:  # keywords of LLM(...) stay Keywords, to be labelled as such
+        given = {**flags, "model": model}
+        flags = Keywords(given) if isinstance(flags, Keywords) else given
     profile_obj = selected_profile(profile, env)
     info = model_from_options(flags, profile_obj, env)
     info.ensure_loadable()  # before probing the hardware imports torch: a broken dir fails fast

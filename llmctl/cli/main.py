@@ -7,6 +7,7 @@ inside their bodies.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import typer
@@ -40,6 +41,10 @@ def main(
 ) -> None:
     """Serve and chat with large language models through swappable inference backends."""
     setup_logging(logging.DEBUG if verbose else logging.INFO)
+    from llmctl.options import unknown_env_vars
+
+    for warning in unknown_env_vars(os.environ):
+        logging.getLogger("llmctl").warning(warning)
 
 
 def setup_logging(level: int) -> None:
