@@ -41,12 +41,16 @@ def show(
     hardware = Hardware.probe()
     note = ""
     backend = None
+    passed_over: list[str] = []  # why auto did not take the backends before its choice
     if requested == AUTO:
         try:
             info = model_from_options(flags, profile_obj)
             choice = choose(info, flags, profile=profile_obj, hardware=hardware)
             settings, backend = choice.settings, choice.backend
             note = f"backend: auto chooses {choice.backend.name} for {info.name}"
+            passed_over = [
+                f"  {s.backend.name} passed over: {'; '.join(s.reasons)}" for s in choice.skipped
+            ]
         except LlmctlError as exc:
             settings = resolve(flags, profile=profile_obj)
             note = f"backend: auto cannot choose yet ({exc}); showing values without a backend"
@@ -79,7 +83,10 @@ def show(
         table.add_row(*row)
     console.print(table)
     if note:
-        console.print(note)
+        console.print(note, soft_wrap=True)
+    if explain:
+        for line in passed_over:
+            console.print(line, soft_wrap=True)
 
 
 def _format(value: Any) -> str:
