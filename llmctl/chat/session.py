@@ -117,7 +117,7 @@ class ChatSession:
         self.turns.append({"role": "user", "content": text})
         try:
             try:
-                answer = await self._answer(text, write)
+                answer = await self._answer_fitting(text, write)
             except NoChatTemplate as exc:
                 self.chat_mode = False
                 self.notes.print(
@@ -126,7 +126,7 @@ class ChatSession:
                         " " + continuation_note(self.connection.model_name),
                     )
                 )
-                answer = await self._answer(text, write)
+                answer = await self._answer_fitting(text, write)
         except BaseException:
             self.turns.pop()
             raise
@@ -135,6 +135,39 @@ class ChatSession:
         else:  # stopped before a word came: as if never asked
             self.turns.pop()
         return answer
+
+    async def _answer_fitting(self, text: str, write: Callable[[str], None]) -> Answer:
+        """``_answer``; when the conversation no longer fits the model's session, drop the
+        oldest messages until it does (and say so before the answer), so a long chat
+        never gets stuck. A message too long on its own is refused, the history intact."""
+        dropped = 0
+        before = list(self.turns)  # restored if even the new message alone is too long
+
+        def note_then_write(piece: str) -> None:
+            nonlocal dropped
+            if dropped:
+                self.notes.print(
+                    Text(
+                        f"The conversation no longer fits the model's session: the oldest "
+                        f"{dropped} message(s) were left out; the newest turns that fit are "
+                        "kept (/reset starts afresh).",
+                        style="yellow",
+                    )
+                )
+                dropped = 0
+            write(piece)
+
+        while True:
+            try:
+                return await self._answer(text, note_then_write)
+            except LlmctlError as exc:
+                too_long = getattr(exc, "code", None) == "context_length_exceeded"
+                if not (too_long and self.chat_mode and len(self.turns) > 1):
+                    self.turns[:] = before
+                    raise
+                oldest = min(2, len(self.turns) - 1)  # a user turn and its answer
+                del self.turns[:oldest]
+                dropped += oldest
 
     async def _answer(self, text: str, write: Callable[[str], None]) -> Answer:
         if self.chat_mode:

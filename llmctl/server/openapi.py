@@ -138,6 +138,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int | None
+    # llmctl's: false when the model has no chat template (chat messages are then joined
+    # as plain text); `llmctl chat --url` switches to continuation mode on it.
+    chat_template: bool | None = None
 
 
 class ModelList(BaseModel):
