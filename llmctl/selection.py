@@ -121,6 +121,12 @@ def select(
     choice = choose(
         info, flags, profile=profile_obj, hardware=hardware or Hardware.probe(), env=env
     )
+    threads, cores = choice.values.get("cpu_threads"), choice.hardware.cpu_count
+    if threads and cores and threads > cores:  # they would take turns on the cores
+        choice.warnings.append(
+            f"cpu_threads={threads} is more than the {cores} CPU core(s) here: threads beyond "
+            "one per core wait for each other and slow every step"
+        )
     for warning in choice.warnings:
         log.warning(warning)
     for note in choice.notes:
@@ -363,7 +369,9 @@ def _no_backend_message(
             "remove the setting.",
         ]
         return "\n".join(lines) + _other_reasons([a for a in tried if a not in [first, *also]])
-    lines = [f"no backend can serve {model.name} here:"]
+    defaulted = bool(tried) and tried[0].settings["model"].source == Source.DEFAULT
+    what = f"the default model {model.name} (no model was given)" if defaulted else model.name
+    lines = [f"no backend can serve {what} here:"]
     lines += [f"  {a.backend.name}: {'; '.join(a.reasons)}" for a in tried]
     if requested != AUTO:
         others = [name for name in backends if name != requested]

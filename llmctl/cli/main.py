@@ -35,9 +35,17 @@ def _version(value: bool) -> None:
 @app.callback()
 def main(
     version: bool = typer.Option(
-        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        False,
+        "--version",
+        callback=_version,
+        is_eager=True,
+        is_flag=True,
+        metavar="",
+        help="Print the version and exit.",
     ),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug details."),
+    verbose: bool = typer.Option(
+        False, "--verbose", "-v", is_flag=True, metavar="", help="Log debug details."
+    ),
 ) -> None:
     """Serve and chat with large language models through swappable inference backends."""
     setup_logging(logging.DEBUG if verbose else logging.INFO)
@@ -54,9 +62,14 @@ def setup_logging(level: int) -> None:
 
     logger = logging.getLogger("llmctl")
     if not logger.handlers:
-        handler = RichHandler(
-            console=Console(stderr=True), show_path=False, show_time=False, markup=False
-        )
+        console = Console(stderr=True)
+        if console.is_terminal:
+            handler: logging.Handler = RichHandler(
+                console=console, show_path=False, show_time=False, markup=False
+            )
+        else:  # a file or a pipe: whole lines, never wrapped at a made-up width
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(levelname)-8s %(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
     logger.setLevel(level)

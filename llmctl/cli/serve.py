@@ -81,16 +81,10 @@ def _print_banner(choice: Choice, engine: Engine, url: str) -> None:
                 " (it is for trying llmctl out; pass a model directory to serve a real model)",
             )
         )
-    stats = engine.stats()
-    if stats.kv_blocks_total:
-        cache = (
-            f"{stats.kv_blocks_total} blocks x {stats.block_size} tokens = "
-            f"{stats.kv_blocks_total * stats.block_size} tokens"
-        )
-    else:  # an engine that keeps no KV cache here (a proxy to another server)
-        cache = "none in this process"
     session = f"{engine.max_model_len} tokens" if engine.max_model_len else "not known here"
-    console.print(styled(("KV cache:", "bold"), f" {cache}; session length {session}"))
+    # A local engine has logged its KV cache (blocks, tokens, bytes) as it allocated it.
+    cache = "" if engine.stats().kv_blocks_total else "; KV cache: none in this process"
+    console.print(styled(("Session length:", "bold"), f" {session}{cache}"))
     auth = f"{len(options['api_keys'])} API key(s)" if options["api_keys"] else "none (open)"
     console.print(
         styled(

@@ -108,7 +108,9 @@ def describe_validation_errors(errors: list[Mapping[str, Any]]) -> tuple[str, st
     loc = [part for part in first["loc"] if part != "body"]
     if first["type"] == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
-        where = f" at character {loc[0]}" if loc and isinstance(loc[0], int) else ""
+        where = ""
+        if loc and isinstance(loc[0], int):  # json's own messages may end in "starting at"
+            where = f"{'' if detail.endswith(' at') else ' at'} character {loc[0]}"
         return f"the request body is not valid JSON: {detail}{where}".rstrip(": "), None
     if not loc:
         return (

@@ -135,6 +135,12 @@ class _GenerationFields(_Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def _sampling(self, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> dict:
+        if self.stream_options is not None and not self.stream:  # as vLLM: never ignored
+            raise InvalidRequest(
+                "stream_options: only allowed with stream: true",
+                param="stream_options",
+                code="invalid_combination",
+            )
         return dict(
             max_tokens=max_tokens,
             temperature=self.temperature,

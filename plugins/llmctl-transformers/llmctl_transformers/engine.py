@@ -58,6 +58,8 @@ def create_transformers_engine(
     device = torch.device(hardware.device_for(config.device))
     if config.cpu_threads and device.type == "cpu":
         torch.set_num_threads(config.cpu_threads)
+    # transformers' tqdm bar ("Loading weights") would cut through llmctl's rich output.
+    transformers.utils.logging.disable_progress_bar()
     loaded = transformers.AutoModelForCausalLM.from_pretrained(
         model.path, dtype=_torch_dtype(config.dtype, device)
     )
