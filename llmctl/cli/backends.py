@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import typer
-from rich.table import Table
 
-from llmctl.cli.output import console, styled
+from llmctl.cli.output import console, styled, wrapping_table
 from llmctl.cli.schema_flags import schema_options
 
 
@@ -32,7 +31,7 @@ def list_backends(ctx: typer.Context) -> None:
 
     hardware = Hardware.probe()
     profile = selected_profile(None)
-    table = Table(
+    table = wrapping_table(
         "backend",
         "distribution",
         "version",

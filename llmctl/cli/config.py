@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import typer
-from rich.table import Table
 
-from llmctl.cli.output import console
+from llmctl.cli.output import console, wrapping_table
 from llmctl.cli.schema_flags import schema_options
 
 
@@ -70,9 +69,9 @@ def show(
         else {}
     )
     title = f"profile {profile_obj.name}" if profile_obj else "no profile"
-    table = Table("option", "value", title=f"llmctl configuration ({title})")
+    table = wrapping_table("option", "value", title=f"llmctl configuration ({title})")
     if explain:
-        table.add_column("source")
+        table.add_column("source", overflow="fold")
     secret = {opt.name for opt in all_options() if opt.secret}
     for name, setting in settings.items():
         shown = _format(setting.value)

@@ -39,13 +39,10 @@ def main(
         "--version",
         callback=_version,
         is_eager=True,
-        is_flag=True,
         metavar="",
         help="Print the version and exit.",
     ),
-    verbose: bool = typer.Option(
-        False, "--verbose", "-v", is_flag=True, metavar="", help="Log debug details."
-    ),
+    verbose: bool = typer.Option(False, "--verbose", "-v", metavar="", help="Log debug details."),
 ) -> None:
     """Serve and chat with large language models through swappable inference backends."""
     setup_logging(logging.DEBUG if verbose else logging.INFO)

@@ -7,9 +7,8 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 import typer
-from rich.table import Table
 
-from llmctl.cli.output import console, styled
+from llmctl.cli.output import console, styled, wrapping_table
 
 if TYPE_CHECKING:
     from llmctl.model.check import ModelReport
@@ -52,7 +51,9 @@ def list_models() -> None:
             for p in cache.iterdir()
             if p.name.startswith("models--")
         )
-    table = Table("model", "architecture", "backends that support it", "path", title="Models")
+    table = wrapping_table(
+        "model", "architecture", "backends that support it", "path", title="Models"
+    )
     for name in names:
         try:
             info = resolve_model(name)
@@ -79,9 +80,9 @@ def show_model(name: str) -> None:
     info = resolve_model(name)
     with console.status("Reading the model's files…"):
         report = info.report
-    table = Table(title=f"Model {info.name}", show_header=False)
-    table.add_column(style="bold")
-    table.add_column()
+    table = wrapping_table(title=f"Model {info.name}", show_header=False)
+    table.add_column(style="bold", overflow="fold")
+    table.add_column(overflow="fold")
     for label, value in _facts(info, report):
         table.add_row(label, value)
     console.print(table)
