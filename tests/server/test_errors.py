@@ -19,6 +19,18 @@ CASES: list[tuple[str, str, str, dict[str, Any], int, str | None, list[str]]] = 
     ("bad json", "POST", COMPLETIONS, {"content": b'{"prompt": "x",'}, 400, None, ["JSON"]),
     ("json not an object", "POST", COMPLETIONS, {"json": ["x"]}, 400, None, ["JSON object"]),
     (
+        "json sent as a form",
+        "POST",
+        COMPLETIONS,
+        {
+            "content": b'{"prompt": "x"}',
+            "headers": {"content-type": "application/x-www-form-urlencoded"},
+        },
+        400,
+        None,
+        ["a JSON object but was sent as Content-Type 'application/x-www-form-urlencoded'"],
+    ),
+    (
         "unterminated string",
         "POST",
         COMPLETIONS,
