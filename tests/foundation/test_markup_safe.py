@@ -114,9 +114,13 @@ def test_chat_notes_print_text_literally(name):
     ]
 
 
-def test_log_lines_keep_brackets(capsys, name):
+def test_log_lines_keep_brackets(capsys, monkeypatch, name):
     from llmctl.cli.main import setup_logging
 
+    logger = logging.getLogger("llmctl")
+    monkeypatch.setattr(logger, "handlers", [])  # a fresh setup, writing to this test's stderr
+    monkeypatch.setattr(logger, "propagate", logger.propagate)
+    monkeypatch.setattr(logger, "level", logger.level)
     setup_logging(logging.INFO)
     logging.getLogger("llmctl").warning("backend %s skipped: %s", name, name)
     assert f"backend {name} skipped: {name}" in capsys.readouterr().err
