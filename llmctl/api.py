@@ -16,6 +16,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import os
+import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,13 +58,21 @@ class LLM:
     ) -> None:
         """``model``: a model argument as the CLI takes it; None: the ``model`` option
         (profile, environment), else the default model ``smollm2-135m``."""
+        from llmctl.options import unknown_env_vars
+        from llmctl.profiles import Keywords
         from llmctl.selection import select
 
-        flags = checked_options({**options, "backend": backend})
+        for warning in unknown_env_vars(os.environ):
+            warnings.warn(warning, stacklevel=2)
+        flags = Keywords(checked_options({**options, "backend": backend}))
         choice = select(model, flags, profile=profile)
         self.engine: Engine = choice.create_engine()
         self.backend = choice.backend.name
         self._ids = itertools.count()
+        # An LLM dropped without shutdown() (``del llm``, the end of a script) still stops
+        # its engine: a tensor-parallel one holds ranks and the process group, which the
+        # next LLM of this process needs. The finalizer holds the engine, never self.
+        self._finalizer = weakref.finalize(self, _shutdown_engine, self.engine)
 
     def generate(
         self,
@@ -96,7 +107,8 @@ class LLM:
         return self._run(requests)
 
     def shutdown(self) -> None:
-        _run_sync(self.engine.shutdown())
+        """Stop the engine and release what it holds (worker ranks); safe to call twice."""
+        self._finalizer()
 
     def __enter__(self) -> LLM:
         return self
@@ -108,6 +120,8 @@ class LLM:
         return f"llm-{next(self._ids)}"
 
     def _run(self, requests: list[GenerationRequest]) -> list[RequestOutput]:
+        if not requests:
+            return []
         engine = capabilities(self.engine)
         if engine.can_generate_all:  # a local engine: no event loop needed
             results = [_empty_result(request) for request in requests]
@@ -174,6 +188,10 @@ def _per_prompt(
     if len(params) != count:
         raise ValueError(f"got {len(params)} sampling params for {count} prompts")
     return list(params)
+
+
+def _shutdown_engine(engine: Engine) -> None:
+    _run_sync(engine.shutdown())
 
 
 def _run_sync(coroutine):

@@ -315,6 +315,9 @@ class Backend:
     # False for backends that forward to a remote server: the model argument is then a
     # name for the remote side, not a local directory.
     loads_local_model: ClassVar[bool] = True
+    # True for a backend that is there for models the others cannot run (transformers):
+    # ``auto`` never moves to it because of an option value another backend refuses.
+    last_resort: ClassVar[bool] = False
 
     def check_hardware(self, hardware: Hardware) -> list[str]:
         """Reasons this backend cannot run on this machine at all (empty: it can)."""

@@ -9,7 +9,7 @@ and ``docs/reference/options.md``. Plugins add options through the
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,19 +54,44 @@ class Option:
     def env_var(self) -> str:
         return "LLMCTL_" + self.name.upper()
 
-    def convert(self, value: Any, where: str) -> Any:
-        """Check and convert a value from a flag, env var (str) or TOML (typed).
+    def convert(self, value: Any, where: str, *, text: bool = False) -> Any:
+        """Check and convert a value. ``text``: it was written as text (an environment
+        variable), so "64" and "yes" are parsed; a typed value (a flag, a TOML value, a
+        keyword of ``LLM(...)``) must already have the option's type: a TOML string
+        "64" for an integer is an error, never coerced.
 
         ``where`` names the source for the error message ("flag --x", "LLMCTL_X", ...).
         """
         try:
-            converted = self._convert(value)
+            converted = self._parse(value) if text else self._check_type(value)
         except (TypeError, ValueError) as exc:
             raise OptionError(f"{self.name} (from {where}): {exc}") from None
         self._check_range(converted, where)
         return converted
 
-    def _convert(self, value: Any) -> Any:
+    def _parse(self, value: str) -> Any:
+        """A value written as text (an environment variable)."""
+        kind, word = self.kind, value.strip()
+        if kind == "bool":
+            if word.lower() in _TRUE | _FALSE:
+                return word.lower() in _TRUE
+            raise ValueError(f"expected true or false, got {value!r}")
+        if kind == "list":
+            return [item.strip() for item in value.split(",") if item.strip()]
+        if kind == "int":
+            try:
+                return int(word)
+            except ValueError:
+                raise ValueError(f"expected an integer, got {value!r}") from None
+        if kind == "float":
+            try:
+                return float(word)
+            except ValueError:
+                raise ValueError(f"expected a number, got {value!r}") from None
+        return self._check_type(value)
+
+    def _check_type(self, value: Any) -> Any:
+        """A typed value: it must have the option's type (an int where a float goes is fine)."""
         if value is None:
             return None
         kind = self.kind
@@ -75,35 +100,21 @@ class Option:
         if kind == "bool":
             if isinstance(value, bool):
                 return value
-            if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-                return value.strip().lower() in _TRUE
-            raise ValueError(f"expected true or false, got {value!r}")
+            raise ValueError(f"expected true or false (a boolean), got {_typed(value)}")
         if kind == "list":
-            if isinstance(value, str):
-                return [item.strip() for item in value.split(",") if item.strip()]
             if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
                 return list(value)
-            raise ValueError(f"expected a list of strings, got {value!r}")
+            raise ValueError(f"expected a list of strings, got {_typed(value)}")
         if kind == "int":
-            if isinstance(value, bool) or isinstance(value, float):
-                raise ValueError(f"expected an integer, got {value!r}")
-            if isinstance(value, str):
-                try:
-                    return int(value.strip())
-                except ValueError:
-                    raise ValueError(f"expected an integer, got {value!r}") from None
-            if isinstance(value, int):
+            if isinstance(value, int) and not isinstance(value, bool):
                 return value
-            raise ValueError(f"expected an integer, got {value!r}")
+            raise ValueError(f"expected an integer, got {_typed(value)}")
         if kind == "float":
-            if isinstance(value, bool):
-                raise ValueError(f"expected a number, got {value!r}")
-            try:
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
                 return float(value)
-            except (TypeError, ValueError):
-                raise ValueError(f"expected a number, got {value!r}") from None
+            raise ValueError(f"expected a number, got {_typed(value)}")
         if not isinstance(value, str):
-            raise ValueError(f"expected a string, got {value!r}")
+            raise ValueError(f"expected a string, got {_typed(value)}")
         return value
 
     def _check_range(self, value: Any, where: str) -> None:
@@ -123,6 +134,12 @@ class Option:
             raise OptionError(
                 f"{self.name}={value!r} (from {where}) is too large: the maximum is {self.max:g}"
             )
+
+
+def _typed(value: Any) -> str:
+    """A value with its type, so "64" (a string) and 64 cannot be told apart by eye alone."""
+    kind = {str: "a string", bool: "a boolean", float: "a number", int: "an integer"}
+    return f"{kind.get(type(value), type(value).__name__)} {value!r}"
 
 
 def did_you_mean(word: str, candidates: Iterable[str]) -> str:
@@ -464,6 +481,34 @@ def all_options() -> tuple[Option, ...]:
             names.add(opt.name)
             merged.append(opt)
     return tuple(merged)
+
+
+# LLMCTL_* variables that are not options (read where they are used).
+OTHER_ENV_VARS = frozenset(
+    {
+        "LLMCTL_PROFILE",  # the profile to use (profiles.selected_profile)
+        "LLMCTL_PLUGINS",  # which plugins load (plugins.manager)
+        "LLMCTL_CACHE_DIR",  # paths.cache_dir
+        "LLMCTL_CONFIG_DIR",  # paths.config_dir
+        "LLMCTL_API_KEY",  # chat --url's --api-key
+        "LLMCTL_TORCH_ATTENTION",  # the torch backend's attention path
+    }
+)
+_TEST_ENV_PREFIX = "LLMCTL_TEST_"  # fault injection in tests (engine.faults)
+
+
+def unknown_env_vars(env: Mapping[str, str]) -> list[str]:
+    """One warning per ``LLMCTL_*`` variable that names no option (a misspelling would
+    otherwise be ignored without a word), with the closest known name."""
+    known = {opt.env_var for opt in all_options()} | OTHER_ENV_VARS
+    return [
+        f"environment variable {name} is not an llmctl option and is ignored."
+        f"{did_you_mean(name, known)}"
+        for name in sorted(env)
+        if name.startswith("LLMCTL_")
+        and name not in known
+        and not name.startswith(_TEST_ENV_PREFIX)
+    ]
 
 
 def help_with_rules(opt: Option) -> str:

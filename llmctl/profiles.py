@@ -41,11 +41,17 @@ class Source(IntEnum):
     FLAG = 6
 
 
+class Keywords(dict):
+    """Options given as keyword arguments of ``LLM(...)``: they rank as flags (the caller
+    set them) but are reported as what they are, ``LLM(name=...)``, not as a flag."""
+
+
 @dataclass(frozen=True)
 class Setting:
     value: Any
     source: Source
     detail: str  # human-readable origin, e.g. "llmctl.toml:4 [profiles.small.turbo]"
+    label: str | None = None  # what the source is called, when not the Source's usual name
 
     @property
     def explicit(self) -> bool:
@@ -167,8 +173,9 @@ def _read_text(path: Path) -> str:
         raise ProfileError(f"{path} is not UTF-8 text") from None
 
 
-_HEADER = re.compile(r"^\s*\[\s*([^\[\]]+?)\s*\]\s*(#.*)?$")
-_KEY = re.compile(r"^\s*([A-Za-z0-9_\-\"'. ]+?)\s*=")
+# A table header or a key, bare or quoted (a quoted name may hold brackets: "a[v2]").
+_HEADER = re.compile(r"^\s*\[(?!\[)\s*(.+?)\s*\]\s*(#.*)?$")
+_KEY = re.compile(r"""^\s*((?:"[^"]*"|'[^']*'|[A-Za-z0-9_\-. ])+?)\s*=""")
 
 
 def _key_lines(text: str) -> dict[tuple[str, ...], int]:
@@ -177,12 +184,17 @@ def _key_lines(text: str) -> dict[tuple[str, ...], int]:
     table: tuple[str, ...] = ()
     for number, line in enumerate(text.splitlines(), start=1):
         if header := _HEADER.match(line):
-            table = tuple(part.strip().strip("\"'") for part in header.group(1).split("."))
+            table = _dotted(header.group(1))
             lines.setdefault(table, number)
         elif key := _KEY.match(line):
-            parts = tuple(part.strip().strip("\"'") for part in key.group(1).split("."))
-            lines.setdefault(table + parts, number)
+            lines.setdefault(table + _dotted(key.group(1)), number)
     return lines
+
+
+def _dotted(name: str) -> tuple[str, ...]:
+    """The parts of a dotted TOML name, quotes removed (``profiles."a.b"`` has two)."""
+    parts = re.findall(r"\"[^\"]*\"|'[^']*'|[^.]+", name)
+    return tuple(part.strip().strip("\"'") for part in parts)
 
 
 def _profile_lines(lines: Mapping[tuple[str, ...], int], name: str) -> dict[tuple[str, ...], int]:
@@ -211,10 +223,14 @@ def resolve(
     settings = {}
     for opt in all_options() if options is None else options:
         name = opt.name
-        if name in flags and flags[name] is not None:
+        if name in flags and flags[name] is not None and isinstance(flags, Keywords):
+            where = f"LLM({name}=...)"
+            value = opt.convert(flags[name], where)
+            setting = Setting(value, Source.FLAG, where, label="keyword argument")
+        elif name in flags and flags[name] is not None:
             setting = Setting(opt.convert(flags[name], f"flag {opt.flag}"), Source.FLAG, opt.flag)
         elif opt.env_var in env:
-            value = opt.convert(env[opt.env_var], f"environment variable {opt.env_var}")
+            value = opt.convert(env[opt.env_var], f"environment variable {opt.env_var}", text=True)
             setting = Setting(value, Source.ENV, opt.env_var)
         elif name in section:
             where = f"{profile.where(backend, name)} [profiles.{profile.name}.{backend}]"
@@ -247,4 +263,5 @@ def describe_source(setting: Setting) -> str:
         Source.BACKEND_DEFAULT: "backend default",
         Source.DEFAULT: "schema default",
     }[setting.source]
+    label = setting.label or label
     return f"{label} ({setting.detail})" if setting.detail else label

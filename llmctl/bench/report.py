@@ -216,7 +216,9 @@ def rich_table(table: Rows, title: str) -> Table:
     from rich.table import Table
 
     headers, rows = table
-    rendered = Table(*headers, title=title)
+    rendered = Table(title=title)
+    for header in headers:  # fold a long name over lines rather than cut it short
+        rendered.add_column(header, overflow="fold")
     for row in rows:
         rendered.add_row(*row)
     return rendered

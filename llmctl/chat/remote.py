@@ -16,14 +16,16 @@ from llmctl.errors import LlmctlError
 
 
 class ServerError(LlmctlError):
-    """The remote server cannot be reached, refused the request or failed mid-answer."""
+    """The remote server cannot be reached, refused the request or failed mid-answer.
+    ``code`` is the OpenAI error code the server gave (``context_length_exceeded``)."""
+
+    def __init__(self, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class RemoteConnection:
     """Talks to ``/v1/chat/completions`` (or ``/v1/completions``) with ``stream: true``."""
-
-    # Unknown until the server refuses chat messages; see ChatSession.ask.
-    has_chat_template = True
 
     def __init__(
         self,
@@ -37,7 +39,11 @@ class RemoteConnection:
         self.base_url = check_url(url)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         verify = tls_context(ca_cert)
-        self.model_name = model or _only_model(self.base_url, headers, verify)
+        entry = _model_entry(self.base_url, headers, model, verify)
+        self.model_name = model or entry["id"]
+        # llmctl's server says whether the model has a chat template; other servers do
+        # not (they refuse chat messages instead, which ChatSession.ask handles).
+        self.has_chat_template = entry.get("chat_template") is not False
         # No read timeout: an answer may wait in the server's queue before its first token.
         self.client = httpx.AsyncClient(
             base_url=self.base_url,
@@ -74,7 +80,10 @@ class RemoteConnection:
                         and "no chat template" in message.lower()
                     ):
                         raise NoChatTemplate(message)
-                    raise ServerError(_http_error(self.base_url, response.status_code, message))
+                    raise ServerError(
+                        _http_error(self.base_url, response.status_code, message),
+                        code=_error_code(response),
+                    )
                 async with aclosing(_sse_events(response)) as events:
                     async for event in events:
                         yield chunk_delta(event)
@@ -117,8 +126,12 @@ def tls_context(ca_cert: str | None) -> ssl.SSLContext | bool:
         ) from None
 
 
-def _only_model(base_url: str, headers: dict[str, str], verify: ssl.SSLContext | bool) -> str:
-    """The model the server serves, when it serves exactly one (else ask for --model)."""
+def _model_entry(
+    base_url: str, headers: dict[str, str], model: str | None, verify: ssl.SSLContext | bool
+) -> dict[str, Any]:
+    """The server's ``/v1/models`` entry for ``model``, or for the model it serves when it
+    serves exactly one (else ask for --model). A named model the list lacks (a server
+    that lists few) gets a bare entry."""
     try:
         response = httpx.get(f"{base_url}/v1/models", headers=headers, timeout=30.0, verify=verify)
     except httpx.HTTPError as exc:
@@ -130,19 +143,23 @@ def _only_model(base_url: str, headers: dict[str, str], verify: ssl.SSLContext |
         raise ServerError(
             f"cannot reach {base_url}: {exc}. Is the server running (`llmctl serve`)?"
         ) from None
-    if response.status_code != 200:
+    if response.status_code in (401, 403) or (response.status_code != 200 and model is None):
         raise ServerError(_http_error(base_url, response.status_code, _error_text(response)))
     try:
-        names = [entry["id"] for entry in response.json()["data"]]
+        entries = [entry for entry in response.json()["data"] if "id" in entry]
     except (ValueError, KeyError, TypeError):
+        if model is not None:  # the model is named: the list was only for its facts
+            return {"id": model}
         raise ServerError(
             f"{base_url}/v1/models did not answer an OpenAI-style model list: is this an "
             "OpenAI-compatible server?"
         ) from None
-    if len(names) != 1:
-        listed = ", ".join(names) if names else "none"
+    if model is not None:
+        return next((entry for entry in entries if entry["id"] == model), {"id": model})
+    if len(entries) != 1:
+        listed = ", ".join(entry["id"] for entry in entries) if entries else "none"
         raise ServerError(f"{base_url} serves {listed}: name the model with --model NAME")
-    return names[0]
+    return entries[0]
 
 
 def _sampling_fields(sampling: SamplingParams) -> dict[str, Any]:
@@ -192,6 +209,15 @@ def _error_text(response: Any) -> str:
         return _message_of(response.json())
     except ValueError:
         return response.text.strip() or response.reason_phrase
+
+
+def _error_code(response: Any) -> str | None:
+    """The ``code`` of an OpenAI-style error body, if any."""
+    try:
+        error = response.json().get("error")
+    except (ValueError, AttributeError):
+        return None
+    return error.get("code") if isinstance(error, dict) else None
 
 
 def _message_of(body: Any) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.markup import escape
+from rich.text import Text
 
 from llmctl.chat.connection import Connection, NoChatTemplate
 from llmctl.engine.sampling_params import SamplingParams
@@ -117,14 +117,16 @@ class ChatSession:
         self.turns.append({"role": "user", "content": text})
         try:
             try:
-                answer = await self._answer(text, write)
+                answer = await self._answer_fitting(text, write)
             except NoChatTemplate as exc:
                 self.chat_mode = False
                 self.notes.print(
-                    f"[yellow]The server refused chat messages ({escape(str(exc))}).[/] "
-                    + escape(continuation_note(self.connection.model_name))
+                    Text.assemble(
+                        (f"The server refused chat messages ({exc}).", "yellow"),
+                        " " + continuation_note(self.connection.model_name),
+                    )
                 )
-                answer = await self._answer(text, write)
+                answer = await self._answer_fitting(text, write)
         except BaseException:
             self.turns.pop()
             raise
@@ -133,6 +135,39 @@ class ChatSession:
         else:  # stopped before a word came: as if never asked
             self.turns.pop()
         return answer
+
+    async def _answer_fitting(self, text: str, write: Callable[[str], None]) -> Answer:
+        """``_answer``; when the conversation no longer fits the model's session, drop the
+        oldest messages until it does (and say so before the answer), so a long chat
+        never gets stuck. A message too long on its own is refused, the history intact."""
+        dropped = 0
+        before = list(self.turns)  # restored if even the new message alone is too long
+
+        def note_then_write(piece: str) -> None:
+            nonlocal dropped
+            if dropped:
+                self.notes.print(
+                    Text(
+                        f"The conversation no longer fits the model's session: the oldest "
+                        f"{dropped} message(s) were left out; the newest turns that fit are "
+                        "kept (/reset starts afresh).",
+                        style="yellow",
+                    )
+                )
+                dropped = 0
+            write(piece)
+
+        while True:
+            try:
+                return await self._answer(text, note_then_write)
+            except LlmctlError as exc:
+                too_long = getattr(exc, "code", None) == "context_length_exceeded"
+                if not (too_long and self.chat_mode and len(self.turns) > 1):
+                    self.turns[:] = before
+                    raise
+                oldest = min(2, len(self.turns) - 1)  # a user turn and its answer
+                del self.turns[:oldest]
+                dropped += oldest
 
     async def _answer(self, text: str, write: Callable[[str], None]) -> Answer:
         if self.chat_mode:
@@ -170,10 +205,10 @@ class ChatSession:
         if name in ("/exit", "/quit"):
             return False
         if name == "/help":
-            self.notes.print(escape(HELP))
+            self.notes.print(Text(HELP))
         elif name == "/reset":
             self.turns.clear()
-            self.notes.print("[dim]Conversation cleared.[/]")
+            self.notes.print(Text("Conversation cleared.", style="dim"))
         elif name == "/system":
             self._system(arg)
         elif name == "/set":
@@ -187,16 +222,15 @@ class ChatSession:
         return True
 
     def error(self, message: str) -> None:
-        self.notes.print(f"[red]error:[/] {escape(message)}", soft_wrap=True)
+        self.notes.print(Text.assemble(("error:", "red"), " " + message), soft_wrap=True)
 
     def _system(self, text: str) -> None:
         if not text:
-            shown = escape(self.system) if self.system else "(none)"
-            self.notes.print(f"System prompt: {shown}")
+            self.notes.print(Text(f"System prompt: {self.system or '(none)'}"))
             return
         self.system = text
         unused = "" if self.chat_mode else " (not sent in continuation mode)"
-        self.notes.print(f"[dim]System prompt set{unused}.[/]")
+        self.notes.print(Text(f"System prompt set{unused}.", style="dim"))
 
     def _set(self, arg: str) -> None:
         name, _, raw = arg.partition(" ")
@@ -208,7 +242,7 @@ class ChatSession:
         except ValueError as exc:
             self.error(str(exc))
             return
-        self.notes.print(f"[dim]{name} = {getattr(self.sampling, name)}[/]")
+        self.notes.print(Text(f"{name} = {getattr(self.sampling, name)}", style="dim"))
 
     def transcript(self) -> dict[str, Any]:
         return {
@@ -228,7 +262,7 @@ class ChatSession:
         except OSError as exc:
             self.error(f"cannot write {path}: {exc.strerror or exc}")
             return
-        self.notes.print(f"[dim]Saved {len(self.turns)} messages to {escape(str(path))}.[/]")
+        self.notes.print(Text(f"Saved {len(self.turns)} messages to {path}.", style="dim"))
 
     async def _stats(self) -> None:
         try:
@@ -237,4 +271,4 @@ class ChatSession:
             self.error(str(exc))
             return
         for label, value in rows:
-            self.notes.print(f"{escape(label)}: {escape(value)}")
+            self.notes.print(Text(f"{label}: {value}"))

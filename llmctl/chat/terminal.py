@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from rich.markup import escape
+from rich.text import Text
 
 from llmctl.chat.session import Answer, ChatSession
 from llmctl.errors import LlmctlError
@@ -16,7 +16,7 @@ from llmctl.errors import LlmctlError
 PROMPT = ">>> "
 
 
-def run_interactive(session: ChatSession, *, banner: list[str], history_file: Path) -> None:
+def run_interactive(session: ChatSession, *, banner: list[Text], history_file: Path) -> None:
     """Read a line, answer it, repeat, until Ctrl-D or /exit."""
     loop = asyncio.new_event_loop()
     readline = _line_editing(history_file)
@@ -57,7 +57,7 @@ def _answer_line(session: ChatSession, loop: asyncio.AbstractEventLoop, line: st
     try:
         answer = loop.run_until_complete(session.ask(line, out.write))
     except asyncio.CancelledError:  # stopped before the request even started
-        session.notes.print("[dim]stopped[/]")
+        session.notes.print(Text("stopped", style="dim"))
         return
     except LlmctlError as exc:
         out.end_line()
@@ -66,7 +66,7 @@ def _answer_line(session: ChatSession, loop: asyncio.AbstractEventLoop, line: st
     finally:
         loop.remove_signal_handler(signal.SIGINT)
     out.end_line()
-    session.notes.print(f"[dim]{escape(answer.summary())}[/]")
+    session.notes.print(Text(answer.summary(), style="dim"))
 
 
 def _cancel_all_tasks(loop: asyncio.AbstractEventLoop) -> None:

@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import typer
-from rich.table import Table
 
-from llmctl.cli.output import console
+from llmctl.cli.output import console, styled, wrapping_table
 from llmctl.cli.schema_flags import schema_options
 
 
@@ -32,7 +31,7 @@ def list_backends(ctx: typer.Context) -> None:
 
     hardware = Hardware.probe()
     profile = selected_profile(None)
-    table = Table(
+    table = wrapping_table(
         "backend",
         "distribution",
         "version",
@@ -43,7 +42,11 @@ def list_backends(ctx: typer.Context) -> None:
     )
     for name, entry in registered_backends().items():
         reasons = entry.backend.check_hardware(hardware)
-        runs = "[green]yes[/]" if not reasons else "[red]no[/]: " + "; ".join(reasons)
+        runs = (
+            styled(("yes", "green"))
+            if not reasons
+            else styled(("no", "red"), ": " + "; ".join(reasons))
+        )
         table.add_row(
             name,
             entry.plugin.distribution,
@@ -55,7 +58,9 @@ def list_backends(ctx: typer.Context) -> None:
     console.print(table)
     console.print(f"This machine: {hardware.describe()}")
     for failure in get_plugin_manager().failed:
-        console.print(f"[red]plugin {failure.name} failed to load[/]: {failure.error} — skipped")
+        console.print(
+            styled((f"plugin {failure.name} failed to load", "red"), f": {failure.error} — skipped")
+        )
 
 
 def cpu_threads(backend, profile) -> str:
@@ -117,11 +122,11 @@ def check(
     verdicts = [assess(b, info, flags, profile_obj, hardware) for b in backends.values()]
     for verdict in verdicts:
         if verdict.reasons:
-            console.print(f"[red]✗ {verdict.backend.name}[/] cannot serve:")
+            console.print(styled((f"✗ {verdict.backend.name}", "red"), " cannot serve:"))
             for reason in verdict.reasons:
                 console.print(f"    - {reason}")
         else:
-            console.print(f"[green]✓ {verdict.backend.name}[/] can serve")
+            console.print(styled((f"✓ {verdict.backend.name}", "green"), " can serve"))
     # What `auto` (or the backend asked for) would do, from the verdicts above.
     asked = (
         verdicts if requested == "auto" else [v for v in verdicts if v.backend.name == requested]
@@ -129,9 +134,9 @@ def check(
     try:
         choice = first_that_serves(asked, info, hardware, requested, backends)
     except BackendError as exc:
-        console.print(f"[red]No backend would be chosen:[/] {exc}")
+        console.print(styled(("No backend would be chosen:", "red"), f" {exc}"))
         raise typer.Exit(1) from None
-    console.print(f"[bold]--backend {requested} would pick {choice.backend.name}[/]")
+    console.print(styled((f"--backend {requested} would pick {choice.backend.name}", "bold")))
     for note in choice.notes:
         console.print(f"  {note}")
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import typer
 
-from llmctl.cli.output import console, err_console
+from llmctl.cli.output import console, err_console, styled
 from llmctl.cli.schema_flags import schema_options
 
 WORKLOAD_PANEL = "Workload"
@@ -236,7 +236,7 @@ def serve(
     }
     _show(serve_table(report), f"Serve load: {model} at {url}", markdown, output, report)
     for example in result["error_examples"]:
-        err_console.print(f"[red]error:[/] {example}")
+        err_console.print(styled(("error:", "red"), f" {example}"))
 
 
 @schema_options("bench", skip=("model",))
@@ -425,7 +425,7 @@ def _progress() -> Any:
     )
 
     return Progress(
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),

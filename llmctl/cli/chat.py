@@ -6,7 +6,7 @@ import sys
 from typing import Any
 
 import typer
-from rich.markup import escape
+from rich.text import Text
 
 from llmctl.cli.output import console, err_console
 from llmctl.cli.schema_flags import schema_options
@@ -102,7 +102,7 @@ def chat(
     session = ChatSession(connection, sampling, system=system, notes=notes)
     if not session.chat_mode:
         warnings.append(continuation_note(connection.model_name))
-    warnings = [f"[yellow]{escape(line)}[/]" for line in warnings]
+    warnings = [Text(line, style="yellow") for line in warnings]
     if piped_text is not None:  # stdout is the answer alone; notes about it go to stderr
         for line in warnings:
             notes.print(line, soft_wrap=True)
@@ -151,7 +151,7 @@ def _connect(
     flags: dict[str, Any],
     profile: str | None,
     ca_cert: str | None = None,
-) -> tuple[Any, str, list[str]]:
+) -> tuple[Any, Text, list[str]]:
     """The connection to chat through, a line introducing it and warnings about it."""
     from llmctl.chat.connection import LocalConnection
     from llmctl.chat.remote import RemoteConnection
@@ -160,13 +160,13 @@ def _connect(
     if url is not None:
         connection = RemoteConnection(url, api_key=api_key, model=remote_model, ca_cert=ca_cert)
         where = f"{connection.model_name} at {connection.base_url}"
-        return connection, f"[bold]Chatting with {escape(where)}.[/] {tail}", []
+        return connection, Text.assemble((f"Chatting with {where}.", "bold"), f" {tail}"), []
     from llmctl.model.demo import DEMO_LABEL
     from llmctl.selection import select
 
     choice = select(model, flags, profile=profile)
     engine = choice.create_engine()
     backend = choice.backend.name
-    intro = f"[bold]Chatting with {escape(engine.model_name)}[/] ({backend}). {tail}"
+    intro = Text.assemble((f"Chatting with {engine.model_name}", "bold"), f" ({backend}). {tail}")
     warnings = [f"Model {DEMO_LABEL}."] if choice.model.is_demo else []
     return LocalConnection(engine), intro, warnings

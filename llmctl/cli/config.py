@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import typer
-from rich.table import Table
 
-from llmctl.cli.output import console
+from llmctl.cli.output import console, wrapping_table
 from llmctl.cli.schema_flags import schema_options
 
 
@@ -41,12 +40,16 @@ def show(
     hardware = Hardware.probe()
     note = ""
     backend = None
+    passed_over: list[str] = []  # why auto did not take the backends before its choice
     if requested == AUTO:
         try:
             info = model_from_options(flags, profile_obj)
             choice = choose(info, flags, profile=profile_obj, hardware=hardware)
             settings, backend = choice.settings, choice.backend
             note = f"backend: auto chooses {choice.backend.name} for {info.name}"
+            passed_over = [
+                f"  {s.backend.name} passed over: {'; '.join(s.reasons)}" for s in choice.skipped
+            ]
         except LlmctlError as exc:
             settings = resolve(flags, profile=profile_obj)
             note = f"backend: auto cannot choose yet ({exc}); showing values without a backend"
@@ -66,9 +69,9 @@ def show(
         else {}
     )
     title = f"profile {profile_obj.name}" if profile_obj else "no profile"
-    table = Table("option", "value", title=f"llmctl configuration ({title})")
+    table = wrapping_table("option", "value", title=f"llmctl configuration ({title})")
     if explain:
-        table.add_column("source")
+        table.add_column("source", overflow="fold")
     secret = {opt.name for opt in all_options() if opt.secret}
     for name, setting in settings.items():
         shown = _format(setting.value)
@@ -79,7 +82,10 @@ def show(
         table.add_row(*row)
     console.print(table)
     if note:
-        console.print(note)
+        console.print(note, soft_wrap=True)
+    if explain:
+        for line in passed_over:
+            console.print(line, soft_wrap=True)
 
 
 def _format(value: Any) -> str:

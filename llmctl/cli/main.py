@@ -7,6 +7,7 @@ inside their bodies.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import typer
@@ -34,12 +35,21 @@ def _version(value: bool) -> None:
 @app.callback()
 def main(
     version: bool = typer.Option(
-        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+        False,
+        "--version",
+        callback=_version,
+        is_eager=True,
+        metavar="",
+        help="Print the version and exit.",
     ),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Log debug details."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", metavar="", help="Log debug details."),
 ) -> None:
     """Serve and chat with large language models through swappable inference backends."""
     setup_logging(logging.DEBUG if verbose else logging.INFO)
+    from llmctl.options import unknown_env_vars
+
+    for warning in unknown_env_vars(os.environ):
+        logging.getLogger("llmctl").warning(warning)
 
 
 def setup_logging(level: int) -> None:
@@ -49,9 +59,14 @@ def setup_logging(level: int) -> None:
 
     logger = logging.getLogger("llmctl")
     if not logger.handlers:
-        handler = RichHandler(
-            console=Console(stderr=True), show_path=False, show_time=False, markup=False
-        )
+        console = Console(stderr=True)
+        if console.is_terminal:
+            handler: logging.Handler = RichHandler(
+                console=console, show_path=False, show_time=False, markup=False
+            )
+        else:  # a file or a pipe: whole lines, never wrapped at a made-up width
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(levelname)-8s %(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
     logger.setLevel(level)
@@ -90,9 +105,9 @@ def run() -> None:
     try:
         app()
     except LlmctlError as exc:
-        from rich.console import Console
+        from llmctl.cli.output import err_console, styled
 
-        Console(stderr=True, highlight=False).print(f"[bold red]Error:[/] {exc}", soft_wrap=True)
+        err_console.print(styled(("Error:", "bold red"), f" {exc}"), soft_wrap=True)
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)

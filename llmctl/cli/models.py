@@ -7,9 +7,8 @@ from collections import Counter
 from typing import TYPE_CHECKING
 
 import typer
-from rich.table import Table
 
-from llmctl.cli.output import console
+from llmctl.cli.output import console, styled, wrapping_table
 
 if TYPE_CHECKING:
     from llmctl.model.check import ModelReport
@@ -54,15 +53,17 @@ def list_models() -> None:
             for p in cache.iterdir()
             if p.name.startswith("models--")
         )
-    table = Table("model", "architecture", "backends that support it", "path", title="Models")
+    table = wrapping_table(
+        "model", "architecture", "backends that support it", "path", title="Models"
+    )
     for name in names:
         try:
             info = resolve_model(name)
         except ModelError as exc:
-            table.add_row(name, "-", f"[red]unusable[/]: {exc}", "-")
+            table.add_row(name, "-", styled(("unusable", "red"), f": {exc}"), "-")
             continue
         if info.problems:
-            status = f"[red]broken[/]: see `llmctl models {name}`"
+            status = styled(("broken", "red"), f": see `llmctl models {name}`")
         else:
             status = ", ".join(_supporting_backends(info)) or "none"
         label = f"{name} (random weights)" if info.is_demo else name
@@ -82,9 +83,9 @@ def show_model(name: str) -> None:
     info = resolve_model(name)
     with console.status("Reading the model's files…"):
         report = info.report
-    table = Table(title=f"Model {info.name}", show_header=False)
-    table.add_column(style="bold")
-    table.add_column()
+    table = wrapping_table(title=f"Model {info.name}", show_header=False)
+    table.add_column(style="bold", overflow="fold")
+    table.add_column(overflow="fold")
     for label, value in _facts(info, report):
         table.add_row(label, value)
     console.print(table)
@@ -92,7 +93,7 @@ def show_model(name: str) -> None:
         console.print("demo has random weights: its text is meaningless")
     if report.problems:
         raise ModelError(report.error_message())
-    console.print(f"[green]No problem found[/]: llmctl serve {name}")
+    console.print(styled(("No problem found", "green"), f": llmctl serve {name}"))
 
 
 def _facts(info: ModelInfo, report: ModelReport) -> list[tuple[str, str]]:

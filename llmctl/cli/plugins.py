@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import typer
-from rich.table import Table
 
-from llmctl.cli.output import console
+from llmctl.cli.output import console, styled, wrapping_table
 
 
 def register(app: typer.Typer) -> None:
@@ -17,7 +16,7 @@ def list_plugins() -> None:
     from llmctl.plugins.manager import allowed_plugin_names, get_plugin_manager
 
     plugins = get_plugin_manager()
-    table = Table("plugin", "distribution", "version", "module", "hooks", title="Plugins")
+    table = wrapping_table("plugin", "distribution", "version", "module", "hooks", title="Plugins")
     for info in plugins.loaded:
         table.add_row(
             info.name, info.distribution, info.version, info.module, ", ".join(info.hooks)
@@ -28,5 +27,8 @@ def list_plugins() -> None:
         console.print(f"LLMCTL_PLUGINS restricts loading to: {', '.join(sorted(allowed))}")
     for failure in plugins.failed:
         console.print(
-            f"[red]failed[/] {failure.name} ({failure.distribution}): {failure.error} — skipped"
+            styled(
+                ("failed", "red"),
+                f" {failure.name} ({failure.distribution}): {failure.error} — skipped",
+            )
         )

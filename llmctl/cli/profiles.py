@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.table import Table
 
-from llmctl.cli.output import console
+from llmctl.cli.output import console, styled, wrapping_table
 
 
 def register(app: typer.Typer) -> None:
@@ -23,7 +22,9 @@ def list_profiles() -> None:
     from llmctl.profiles import load_profiles, profile_search_path
 
     profiles = load_profiles()
-    table = Table("profile", "model", "backend", "backend sections", "file", title="Profiles")
+    table = wrapping_table(
+        "profile", "model", "backend", "backend sections", "file", title="Profiles"
+    )
     for profile in profiles.values():
         table.add_row(
             profile.name,
@@ -43,7 +44,9 @@ def show_profile(name: str = typer.Argument(..., help="Profile name.")) -> None:
     from llmctl.profiles import get_profile
 
     profile = get_profile(name)
-    table = Table("section", "key", "value", "line", title=f"profile {name} ({profile.file})")
+    table = wrapping_table(
+        "section", "key", "value", "line", title=f"profile {name} ({profile.file})"
+    )
     for key, value in profile.common.items():
         table.add_row(f"profiles.{name}", key, str(value), profile.where(key))
     for backend, section in profile.backend_sections.items():
@@ -71,4 +74,6 @@ def validate(
         return
     for path in files:
         profiles = read_profile_file(path)
-        console.print(f"[green]OK[/] {path}: {len(profiles)} profile(s): {', '.join(profiles)}")
+        console.print(
+            styled(("OK", "green"), f" {path}: {len(profiles)} profile(s): {', '.join(profiles)}")
+        )

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from llmctl.cli.output import console, err_console
+from llmctl.cli.output import console, err_console, styled
 from llmctl.cli.schema_flags import schema_options
 
 if TYPE_CHECKING:
@@ -79,30 +79,30 @@ def serve(
 def _print_banner(choice: Choice, engine: Engine, url: str) -> None:
     """What a user needs to know before the first request: what serves, how big, where."""
     options = choice.values
-    console.print(f"[bold]Backend:[/] {choice.backend.name}")
+    console.print(styled(("Backend:", "bold"), f" {choice.backend.name}"))
     for note in choice.notes:
         console.print(f"  {note}")
-    console.print(f"[bold]Model:[/] {engine.model_name} ({choice.model.architecture})")
+    console.print(styled(("Model:", "bold"), f" {engine.model_name} ({choice.model.architecture})"))
     if choice.model.is_demo:
         console.print(
-            "  [yellow]demo has random weights: its text is meaningless[/] (it is for trying "
-            "llmctl out; pass a model directory to serve a real model)"
+            styled(
+                "  ",
+                ("demo has random weights: its text is meaningless", "yellow"),
+                " (it is for trying llmctl out; pass a model directory to serve a real model)",
+            )
         )
-    stats = engine.stats()
-    if stats.kv_blocks_total:
-        cache = (
-            f"{stats.kv_blocks_total} blocks x {stats.block_size} tokens = "
-            f"{stats.kv_blocks_total * stats.block_size} tokens"
-        )
-    else:  # an engine that keeps no KV cache here (a proxy to another server)
-        cache = "none in this process"
     session = f"{engine.max_model_len} tokens" if engine.max_model_len else "not known here"
-    console.print(f"[bold]KV cache:[/] {cache}; session length {session}")
+    # A local engine has logged its KV cache (blocks, tokens, bytes) as it allocated it.
+    cache = "" if engine.stats().kv_blocks_total else "; KV cache: none in this process"
+    console.print(styled(("Session length:", "bold"), f" {session}{cache}"))
     auth = f"{len(options['api_keys'])} API key(s)" if options["api_keys"] else "none (open)"
     console.print(
-        f"[bold]Limits:[/] {options['max_concurrent_requests']} concurrent requests, "
-        f"{options['max_queued_requests']} queued; auth: {auth}"
+        styled(
+            ("Limits:", "bold"),
+            f" {options['max_concurrent_requests']} concurrent requests, "
+            f"{options['max_queued_requests']} queued; auth: {auth}",
+        )
     )
-    console.print(f"[bold green]Serving on {url}[/]  (OpenAI base URL: {url}/v1)")
+    console.print(styled((f"Serving on {url}", "bold green"), f"  (OpenAI base URL: {url}/v1)"))
     if options["web_ui"]:
-        console.print(f"[bold]Chat page:[/] {url}/  (API docs: {url}/docs)")
+        console.print(styled(("Chat page:", "bold"), f" {url}/  (API docs: {url}/docs)"))

@@ -240,6 +240,8 @@ class AsyncEngine(EngineCapabilities):
         joined). ``on_outputs`` is called in the engine thread with each step's outputs
         (to show progress; it must be quick). ``InvalidRequest`` before anything runs if
         one is refused; an error, or an interrupt, aborts the requests still running."""
+        if not requests:  # nothing to wait for: the collector would never be done
+            return []
         collector = _Collector([request.request_id for request in requests], on_outputs)
         for grammar in [self._compile(request) for request in requests]:
             if grammar is not None:

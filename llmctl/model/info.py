@@ -132,7 +132,7 @@ def resolve_model(arg: str) -> ModelInfo:
             )
         raise ModelError(
             f"model {arg!r} is not in the local Hugging Face cache ({hf_hub_cache()}). "
-            "llmctl never downloads: fetch it first (e.g. `huggingface-cli download "
+            "llmctl never downloads: fetch it first (e.g. `hf download "
             f"{arg}`), or pass a local directory or GGUF file, or use the default model "
             f"`{DEFAULT_MODEL}`"
         )

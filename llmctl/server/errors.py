@@ -7,6 +7,7 @@ refuses, a missing API key, a full queue. Clients written for OpenAI read the me
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -82,8 +83,16 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(Exception, known_error)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = describe_validation_errors(exc.errors())
+        content_type = request.headers.get("content-type", "")
+        if "json" not in content_type.lower() and _is_json_object(await request.body()):
+            # A JSON body under another type (curl -d sends a form type): say so exactly.
+            sent = f"as Content-Type {content_type!r}" if content_type else "without a Content-Type"
+            message = (
+                f"the request body is a JSON object but was sent {sent}: send it with the "
+                "header `Content-Type: application/json`"
+            )
         return APIError(400, message, param=param, code="invalid_value").response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -102,13 +111,22 @@ _EXPECTED = {
 }
 
 
+def _is_json_object(body: bytes) -> bool:
+    try:
+        return isinstance(json.loads(body), dict)
+    except ValueError:
+        return False
+
+
 def describe_validation_errors(errors: list[Mapping[str, Any]]) -> tuple[str, str | None]:
     """One sentence naming the offending field, from pydantic's error list."""
     first = errors[0]
     loc = [part for part in first["loc"] if part != "body"]
     if first["type"] == "json_invalid":
         detail = first.get("ctx", {}).get("error", "")
-        where = f" at character {loc[0]}" if loc and isinstance(loc[0], int) else ""
+        where = ""
+        if loc and isinstance(loc[0], int):  # json's own messages may end in "starting at"
+            where = f"{'' if detail.endswith(' at') else ' at'} character {loc[0]}"
         return f"the request body is not valid JSON: {detail}{where}".rstrip(": "), None
     if not loc:
         return (

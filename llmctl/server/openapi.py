@@ -175,6 +175,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int | None
+    # llmctl's: false when the model has no chat template (chat messages are then joined
+    # as plain text); `llmctl chat --url` switches to continuation mode on it.
+    chat_template: bool | None = None
 
 
 class ModelList(BaseModel):
@@ -269,6 +272,7 @@ def install_openapi(app: FastAPI, state: ServerState) -> None:
             _drop_fastapi_validation_errors(schema)
             _add_models(schema["components"]["schemas"], STREAM_CHUNKS)
             _publish_engine_facts(schema["components"]["schemas"], state)
+            _publish_field_rules(schema)
             if state.api_keys.required:
                 _publish_auth(schema)
             app.openapi_schema = schema
@@ -336,6 +340,59 @@ def _below_pattern(limit: int) -> str:
             parts.append(f"{top[:i]}[{low}-{int(digit) - 1}]{tail}")
     parts.append(top)
     return "^(" + "|".join(parts) + ")$"
+
+
+def _allowed_only_with(field: str, needs: str, value: Any) -> dict[str, Any]:
+    """``dependentSchemas`` entry: ``field`` (unless null or 0) needs ``needs: value``."""
+    unset = {"anyOf": [{"type": "null"}, {"const": 0}, {"const": False}]}
+    return {
+        field: {
+            "anyOf": [
+                {"properties": {needs: {"const": value}}, "required": [needs]},
+                {"properties": {field: unset}},
+            ]
+        }
+    }
+
+
+# Rules between fields that JSON Schema states (``dependentSchemas``), per request body.
+_DEPENDENT = {
+    "CompletionRequest": _allowed_only_with("stream_options", "stream", True),
+    "ChatCompletionRequest": {
+        **_allowed_only_with("top_logprobs", "logprobs", True),
+        **_allowed_only_with("stream_options", "stream", True),
+    },
+}
+# The rest, which JSON Schema cannot state, each answered with a 400 and this `code`.
+_SHARED_RULES = [
+    "`min_tokens` <= `max_tokens` (`invalid_combination`)",
+    "prompt tokens + `max_tokens` <= the session length (`context_length_exceeded`)",
+    "`stream_options` only with `stream: true` (`invalid_combination`)",
+]
+_CROSS_FIELD_RULES = {
+    "/v1/completions": [
+        *_SHARED_RULES,
+        "prompts x `n` at most the per-request limit of generations (`invalid_combination`)",
+    ],
+    "/v1/chat/completions": [
+        *_SHARED_RULES,
+        "`top_logprobs` only with `logprobs: true` (`invalid_combination`)",
+        "`max_completion_tokens` wins over `max_tokens`; `min_tokens` <= the one used "
+        "(`invalid_combination`)",
+    ],
+}
+
+
+def _publish_field_rules(schema: dict[str, Any]) -> None:
+    """State each rule between fields: in the body's schema where JSON Schema can, and
+    in the route's 400 description (with its error code) always."""
+    components = schema["components"]["schemas"]
+    for name, dependent in _DEPENDENT.items():
+        components[name]["dependentSchemas"] = dependent
+    for path, rules in _CROSS_FIELD_RULES.items():
+        bad_request = schema["paths"][path]["post"]["responses"]["400"]
+        listed = "; ".join(rules)
+        bad_request["description"] += f" Rules between fields, each a 400 naming it: {listed}."
 
 
 def _choices(prop: dict[str, Any]) -> list[dict[str, Any]]:

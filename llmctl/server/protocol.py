@@ -156,6 +156,12 @@ class _GenerationFields(Strict):
         return "structured_outputs" if self.structured_outputs is not None else "response_format"
 
     def _sampling(self, max_tokens: int | None, logprobs: bool, top_logprobs: int) -> dict:
+        if self.stream_options is not None and not self.stream:  # as vLLM: never ignored
+            raise InvalidRequest(
+                "stream_options: only allowed with stream: true",
+                param="stream_options",
+                code="invalid_combination",
+            )
         return dict(
             max_tokens=max_tokens,
             temperature=self.temperature,

@@ -63,6 +63,7 @@ async def list_models(request: Request) -> dict[str, Any]:
         "created": state.started_at,
         "owned_by": "llmctl",
         "max_model_len": state.engine.max_model_len or None,  # 0: not known (a proxy)
+        "chat_template": getattr(state.engine, "has_chat_template", None),
     }
     return {"object": "list", "data": [model]}
 

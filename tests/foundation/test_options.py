@@ -50,7 +50,7 @@ def test_committed_reference_page_is_current():
     ],
 )
 def test_strings_from_env_convert(name, raw, expected):
-    assert option_named(name).convert(raw, "test") == expected
+    assert option_named(name).convert(raw, "test", text=True) == expected
 
 
 @pytest.mark.parametrize(

@@ -50,15 +50,15 @@ def test_plugin_not_loaded_is_not_listed() -> None:
         assert result.returncode == 0, result.stderr
         assert "openai-proxy" not in result.stdout
         assert "torch" in result.stdout
-    help_text = run_llmctl("serve", "--help", env=WITHOUT_PROXY).stdout
+    help_text = run_llmctl("serve", "--help-all", env=WITHOUT_PROXY).stdout
     assert "--cache-block-seq-len" in help_text
     assert "--proxy-url" not in help_text
 
 
 def test_options_come_from_flags_env_and_profiles(tmp_path: Path) -> None:
     require_plugin_installed()
-    assert "--proxy-url" in run_llmctl("serve", "--help").stdout
-    assert "--proxy-connect-timeout" in run_llmctl("chat", "--help").stdout
+    assert "--proxy-url" in run_llmctl("serve", "--help-all").stdout
+    assert "--proxy-connect-timeout" in run_llmctl("chat", "--help-all").stdout
     (tmp_path / "llmctl.toml").write_text(
         '[profiles.remote]\nbackend = "openai-proxy"\nproxy_url = "http://profile.example:8000"\n'
         "\n[profiles.remote.openai-proxy]\nproxy_timeout = 42.0\n"
@@ -151,4 +151,4 @@ def test_pip_install_and_uninstall_in_a_throwaway_venv(tmp_path: Path) -> None:
     assert any("openai-proxy" in line and DISTRIBUTION in line for line in backends.splitlines())
     pip("uninstall", "-y", DISTRIBUTION)
     assert not listed()
-    assert "--proxy-url" not in run_llmctl("serve", "--help", python=python).stdout
+    assert "--proxy-url" not in run_llmctl("serve", "--help-all", python=python).stdout

@@ -14,7 +14,7 @@ import pytest
 from llmctl.backend import GenerationOutput, GenerationRequest, SamplingParams
 from llmctl.engine.detokenizer import IncrementalDetokenizer
 from llmctl.engine.sampling_params import StructuredOutput
-from llmctl.errors import BackendError, InvalidRequest
+from llmctl.errors import InvalidRequest
 from tests.helpers.tiny_models import hf_greedy, load_hf_model
 from tests.plugins.conftest import require_transformers_plugin
 
@@ -262,23 +262,69 @@ def test_shutdown_ends_requests_in_flight(tiny_non_llama) -> None:
     assert not engine.is_alive()
 
 
-def test_an_architecture_transformers_cannot_batch_fails_at_start(tiny_non_llama) -> None:
-    """The self-test before serving: GPT-NeoX's transformers code cannot run continuous
-    batching (transformers 5.24); if a later transformers can, it must then be right."""
+def test_an_architecture_transformers_cannot_batch_is_served_by_plain_generate(
+    tiny_non_llama,
+) -> None:
+    """GPT-NeoX's transformers code cannot run continuous batching (transformers 5.24):
+    the one-token probe at engine start finds it, and the engine serves the model through
+    plain ``generate`` with dynamic batches, giving transformers' own greedy tokens for
+    requests of different lengths in flight together; an abort ends only its request."""
     model_dir = tiny_non_llama("gpt_neox")
+    engine = open_transformers_engine(model_dir)
+    check_plain_generate(engine, model_dir)
+
+
+def test_plain_generate_serves_any_model_with_dynamic_batches(tiny_non_llama) -> None:
+    """The same path, built directly on a model continuous batching runs too (gpt2), so
+    it is tested whatever the installed transformers can batch."""
+    import transformers
+    from llmctl_transformers.plain_generate import PlainGenerateEngine
+
+    from llmctl.model.tokenizer import Tokenizer
+
+    model_dir = tiny_non_llama("gpt2")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    engine = PlainGenerateEngine(
+        model,
+        Tokenizer.from_dir(model_dir),
+        model_name="gpt2",
+        max_model_len=256,
+        vocab_size=512,
+        max_batch=8,
+        seed=0,
+    )
+    check_plain_generate(engine, model_dir)
+
+
+def check_plain_generate(engine, model_dir) -> None:
+    prompts = random_prompts([3, 20, 9, 14], seed=random.randrange(1 << 20))
+    lengths = [8, 5, 12, 1]
+
+    async def run() -> tuple[list[list[int]], GenerationOutput]:
+        async def one(i: int) -> list[int]:
+            outs = await collect(
+                engine, f"neox-{i}", prompts[i], max_tokens=lengths[i], temperature=0
+            )
+            return tokens(outs)
+
+        async def aborted() -> GenerationOutput:
+            request = GenerationRequest(
+                "neox-abort",
+                prompt_token_ids=prompts[0],
+                sampling=SamplingParams(max_tokens=200, temperature=0),
+            )
+            stream = engine.generate(request)
+            await anext(stream)
+            await engine.abort("neox-abort")
+            return [output async for output in stream][-1]
+
+        *got, last = await asyncio.gather(*(one(i) for i in range(len(prompts))), aborted())
+        return got, last
+
     try:
-        engine = open_transformers_engine(model_dir)
-    except BackendError as exc:
-        message = str(exc)
-        assert "cannot run GPTNeoXForCausalLM with continuous batching" in message
-        assert "another backend" in message
-        return
-    prompts = random_prompts([3, 20])
-    try:
-        got = [
-            tokens(asyncio.run(collect(engine, f"neox-{i}", p, max_tokens=8, temperature=0)))
-            for i, p in enumerate(prompts)
-        ]
+        got, last = asyncio.run(run())
     finally:
         asyncio.run(engine.shutdown())
-    assert got == hf_greedy(load_hf_model(model_dir), prompts, 8)
+    model = load_hf_model(model_dir)
+    assert got == [hf_greedy(model, [p], n)[0] for p, n in zip(prompts, lengths)]
+    assert last.finish_reason == "abort" and last.completion_tokens < 200

@@ -147,15 +147,16 @@ def test_an_explicit_value_it_refuses_stops_serve_with_the_rule(tiny_non_llama) 
     assert chosen.returncode != 0
     message = one_line(chosen.stderr + chosen.stdout)
     assert "Error:" in message and "Traceback" not in message
-    assert "backend transformers cannot use cache_block_seq_len=2" in message
-    assert "--cache-block-seq-len" in message and "at least 4 tokens" in message
+    assert "cache_block_seq_len=2 (set by flag (--cache-block-seq-len)) is refused by" in message
+    assert "transformers: " in message and "at least 4 tokens" in message
     # Under `auto` the refused value is still the news (the proxy tried after it fails
     # for want of an upstream), with the other backends' reasons after it.
     auto = run_llmctl("serve", gpt2, "--cache-block-seq-len", "2", "--port", "0")
     assert auto.returncode != 0
     message = one_line(auto.stderr + auto.stdout)
-    assert "backend transformers cannot use cache_block_seq_len=2" in message
-    assert "at least 4 tokens" in message and "Other backends were skipped: turbo:" in message
+    assert "cache_block_seq_len=2 (set by flag (--cache-block-seq-len)) is refused by" in message
+    assert "is refused by transformers:" in message and "at least 4 tokens" in message
+    assert "Other backends' reasons: turbo:" in message
 
 
 @pytest.mark.parametrize(

@@ -46,7 +46,7 @@ from llmctl.engine.detokenizer import IncrementalDetokenizer
 from llmctl.engine.kv_cache import KVPlan, plan_kv_cache
 from llmctl.engine.request_rules import finish_reason, stop_token_ids, validate_request
 from llmctl.engine.sampling_params import SamplingParams
-from llmctl.errors import BackendError, InvalidRequest, OptionError
+from llmctl.errors import InvalidRequest, OptionError
 from llmctl.kv_budget import format_bytes
 from llmctl.model.gguf import transformers_source
 from llmctl.model.tokenizer import Tokenizer
@@ -68,6 +68,8 @@ def create_transformers_engine(
     device = torch.device(hardware.device_for(config.device))
     if config.cpu_threads and device.type == "cpu":
         torch.set_num_threads(config.cpu_threads)
+    # transformers' tqdm bar ("Loading weights") would cut through llmctl's rich output.
+    transformers.utils.logging.disable_progress_bar()
     source, gguf = transformers_source(model.path)  # a GGUF: transformers dequantizes it
     loaded = transformers.AutoModelForCausalLM.from_pretrained(
         source, dtype=_torch_dtype(config.dtype, device), **gguf
@@ -87,7 +89,25 @@ def create_transformers_engine(
     )
     logger.info("KV cache: %s", plan.describe())
     manager = _start_manager(loaded, config, plan, tokenizer.eos_token_ids)
-    _self_test(manager, model.architecture)
+    if (problem := _probe_continuous_batching(manager)) is not None:
+        from llmctl_transformers.plain_generate import PlainGenerateEngine
+
+        logger.warning(
+            "transformers %s cannot run %s with continuous batching (%s): serving it "
+            "through plain generate with dynamic batches instead (slower)",
+            transformers.__version__,
+            model.architecture,
+            problem,
+        )
+        return PlainGenerateEngine(
+            loaded,
+            tokenizer,
+            model_name=config.served_model_name or model.name,
+            max_model_len=max_model_len,
+            vocab_size=text_config.vocab_size,
+            max_batch=config.max_requests_per_batch,
+            seed=config.seed,
+        )
     _log_what_transformers_chose(manager, config, model.architecture)
     return TransformersEngine(
         manager,
@@ -430,21 +450,21 @@ class TransformersEngine(EngineCapabilities):
         return -(-held_bytes // self._bytes_per_block)
 
 
-def _self_test(manager: Any, architecture: str) -> None:
-    """Generate two tokens before serving: some transformers architectures cannot run
-    continuous batching yet, and that must be a clear error now, not a failed request."""
+def _probe_continuous_batching(manager: Any) -> str | None:
+    """Generate one token before serving: some architectures cannot run transformers'
+    continuous batching (GPT-NeoX in 5.24). That is found here, never at a user's request;
+    the error (``None``: it runs), with the manager stopped."""
     with _quiet(cb_logger):
-        manager.add_request([0], request_id=SELF_TEST_ID, max_new_tokens=2, eos_token_id=[])
+        manager.add_request([0], request_id=SELF_TEST_ID, max_new_tokens=1, eos_token_id=[])
         while (result := manager.get_result(timeout=POLL_S)) is None:
             if not manager.is_running():
                 break
     error = result.error if result is not None else manager.background_thread_status.fatal_error
-    if error is not None:
-        manager.stop(block=True, hard_stop=True)
-        raise BackendError(
-            f"transformers {transformers.__version__} cannot run {architecture} with "
-            f"continuous batching: {error}. Serve it with another backend"
-        )
+    if error is None:
+        return None
+    manager.stop(block=True, hard_stop=True)
+    manager.destroy()  # its cache and buffers: the plain generate path needs none of them
+    return str(error)
 
 
 @contextmanager

@@ -47,6 +47,7 @@ class TransformersBackend(Backend):
     }
     rules = RULES
     supported_architectures = _CausalLMArchitectures()
+    last_resort = True  # slower than the native engines: never taken for an option value
 
     def check_hardware(self, hardware: Hardware) -> list[str]:
         if importlib.util.find_spec("transformers") is None:

@@ -182,3 +182,20 @@ def test_tokens_still_on_the_device_reach_the_other_ranks():
     assert resolved.sampled_tokens is None
     assert resolved.input_ids.tolist() == [5, 42, 7, 43]
     assert batch.input_ids.tolist() == [5, 0, 7, 0]  # the engine's own buffer is untouched
+
+
+def test_a_dropped_sharded_llm_releases_its_ranks_for_the_next():
+    """``del llm`` without ``shutdown()``: the finalizer stops the ranks and leaves the
+    process group, so a second sharded LLM in this process starts."""
+    import gc
+
+    import torch.distributed as dist
+
+    llm = open_llm("demo")
+    worker = next(iter(llm.engine.engine.runner.ranks.workers.values()))
+    del llm
+    gc.collect()
+    assert not dist.is_initialized() and not worker.is_alive()
+    with open_llm("demo") as again:
+        assert len(again.generate([[1, 2, 3]], SamplingParams(max_tokens=3))[0].token_ids) == 3
+    assert not dist.is_initialized()

@@ -118,7 +118,9 @@ def test_turbo_refuses_tp_and_auto_picks_torch(stories_dir):
     refused = run_llmctl("serve", str(stories_dir), "--backend", "turbo", "--tp", "2")
     assert refused.returncode == 1
     message = " ".join(refused.stderr.split())
-    assert "turbo cannot use tensor_parallel_size=2" in message
+    assert "tensor_parallel_size=2 (set by flag (--tensor-parallel-size)) is refused by turbo" in (
+        message
+    )
     assert "one device of one machine" in message
     shown = run_llmctl("config", "show", "--model", str(stories_dir), "--tp", "2")
     assert shown.returncode == 0, shown.stderr
