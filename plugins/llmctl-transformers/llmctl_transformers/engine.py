@@ -174,6 +174,51 @@ def _log_what_transformers_chose(manager: Any, config: TransformersConfig, archi
         )
 
 
+def admit(
+    request: GenerationRequest,
+    tokenizer: Tokenizer,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    block_size: int,
+    num_blocks: int,
+) -> _Request:
+    """llmctl's side of a new request, after refusing what transformers cannot honour and
+    what does not fit (``InvalidRequest``). Shared with ``PlainGenerateEngine``."""
+    if problems := unsupported(request.sampling):
+        raise InvalidRequest(
+            "the transformers backend cannot honour " + "; ".join(problems) + ". Leave "
+            "these at their defaults, or serve the model with another backend"
+        )
+    if request.prompt_token_ids is not None:
+        prompt_ids = list(request.prompt_token_ids)
+    elif request.prompt is not None:
+        prompt_ids = tokenizer.encode(request.prompt)
+    else:
+        prompt_ids = tokenizer.encode_chat(
+            request.messages, tools=request.tools, template_kwargs=request.chat_template_kwargs
+        )
+    sampling = request.sampling
+    validate_request(
+        prompt_ids,
+        sampling,
+        vocab_size=vocab_size,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        num_blocks=num_blocks,
+    )
+    if sampling.max_tokens is None:  # "until the session is full"
+        sampling = replace(sampling, max_tokens=max_model_len - len(prompt_ids))
+    return _Request(
+        request.request_id,
+        asyncio.get_running_loop(),
+        prompt_ids,
+        sampling,
+        IncrementalDetokenizer(tokenizer, prompt_ids, sampling),
+        stop_token_ids(sampling, tokenizer.eos_token_ids),
+    )
+
+
 @dataclass
 class _Request:
     """llmctl's side of one request: where its outputs go, and its text so far."""
@@ -259,31 +304,13 @@ class TransformersEngine(EngineCapabilities):
         Leaving the iteration early (a client disconnecting) aborts the request, which
         frees its pages in transformers' cache.
         """
-        problems = unsupported(request.sampling)
-        if problems:
-            raise InvalidRequest(
-                "the transformers backend cannot honour " + "; ".join(problems) + ". Leave "
-                "these at their defaults, or serve the model with another backend"
-            )
-        prompt_ids = self._prompt_token_ids(request)
-        sampling = request.sampling
-        validate_request(
-            prompt_ids,
-            sampling,
+        state = admit(
+            request,
+            self.tokenizer,
             vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,
             block_size=self.page_size,
             num_blocks=self.num_blocks,
-        )
-        if sampling.max_tokens is None:  # "until the session is full"
-            sampling = replace(sampling, max_tokens=self.max_model_len - len(prompt_ids))
-        state = _Request(
-            request.request_id,
-            asyncio.get_running_loop(),
-            prompt_ids,
-            sampling,
-            IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling),
-            stop_token_ids(sampling, self.tokenizer.eos_token_ids),
         )
         self._submit(state)
 
@@ -329,15 +356,6 @@ class TransformersEngine(EngineCapabilities):
         await asyncio.to_thread(self._stop_threads)
 
     # -- the caller's side --------------------------------------------------------------
-
-    def _prompt_token_ids(self, request: GenerationRequest) -> list[int]:
-        if request.prompt_token_ids is not None:
-            return list(request.prompt_token_ids)
-        if request.prompt is not None:
-            return self.tokenizer.encode(request.prompt)
-        return self.tokenizer.encode_chat(
-            request.messages, tools=request.tools, template_kwargs=request.chat_template_kwargs
-        )
 
     def _submit(self, state: _Request) -> None:
         """Register ``state`` and hand its request to transformers."""
