@@ -288,6 +288,45 @@ CUDA_GRAPHS_RULE = OptionRule(
 )
 
 
+def _speculative_method_problem(value: Any, options: Mapping[str, Any], hw: Hardware) -> str | None:
+    if value == "draft":
+        return (
+            "speculative_method=draft is not available yet (no draft-model proposer); "
+            "use speculative_method=ngram"
+        )
+    return None
+
+
+def _ngram_min_problem(value: Any, options: Mapping[str, Any], hw: Hardware) -> str | None:
+    if value > options.get("ngram_max", value):
+        return f"ngram_min ({value}) must not be larger than ngram_max ({options['ngram_max']})"
+    return None
+
+
+# The speculative-decoding rules both local backends share (llmctl.engine.speculative).
+SPECULATIVE_RULES = (
+    OptionRule(
+        "speculative_method",
+        "`none` or `ngram` (verified in one step over the paged cache); no `draft` yet",
+        _speculative_method_problem,
+    ),
+    OptionRule("ngram_min", "at most ngram_max", _ngram_min_problem),
+)
+
+
+def no_speculation_rule(backend: str) -> OptionRule:
+    """The rule of a backend that never speculates."""
+    return OptionRule(
+        "speculative_method",
+        "`none` only",
+        lambda value, options, hardware: (
+            None
+            if value == "none"
+            else f"{backend} has no speculative decoding; use --backend torch or turbo"
+        ),
+    )
+
+
 class Backend:
     """Base class for backends. Subclasses set the class attributes and override methods.
 
