@@ -53,6 +53,8 @@ class Sequence:
         "row",
         "num_pending_tokens",
         "pending",
+        "proposal",
+        "speculation",
     )
 
     def __init__(
@@ -89,6 +91,10 @@ class Sequence:
         self.num_pending_tokens = 0
         # (the sampler's SampledBatch, this sequence's row); the sampler imports this module
         self.pending: tuple[Any, int] | None = None
+        # Speculative decoding: the tokens proposed for the next step (fed after the last
+        # token and verified by it), and the request's counts (llmctl.engine.speculative).
+        self.proposal: list[int] = []
+        self.speculation: Any = None
 
     @property
     def num_tokens(self) -> int:
