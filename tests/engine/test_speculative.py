@@ -185,11 +185,19 @@ def test_logprobs_of_accepted_tokens_equal_those_without_speculation(stories_tok
 def test_blocks_return_to_zero_after_aborts_mid_speculation(stories_tokenizer):
     engine = make_engine(stories_tokenizer, speculation=NGRAM)
     requests = repetitive_workload(4, 10)
-    for rid, prompt, params in requests:
+    for rid, prompt, _ in requests:
         engine.add_request(rid, prompt, SamplingParams(max_tokens=40, temperature=0))
     verified = 0
+    manager = engine.block_manager
     while engine.has_unfinished():
         engine.step()
+        # Exact counts mid-run: no sequence keeps a block past its tokens (rejected
+        # positions rolled back), and the pool's count is the blocks the tables hold.
+        held = set()
+        for seq in engine.scheduler.running:
+            assert len(seq.block_table) <= manager.blocks_needed(seq.num_tokens), seq
+            held.update(seq.block_table)
+        assert manager.num_used_blocks == len(held)
         if engine.speculator.stats.steps > verified:  # a step verified proposals: abort one
             verified = engine.speculator.stats.steps
             running = engine.scheduler.running
