@@ -112,6 +112,12 @@ class EngineStats:
     kv_blocks_peak: int = 0  # most in use at once (a high-water mark, not a sample)
     block_size: int = 0
     tensor_parallel_size: int = 1  # ranks the model is sharded over
+    # Speculative decoding since the start: tokens proposed and accepted, and by position
+    # (the j-th entry counts the (j+1)-th proposal of a step)
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_proposed_by_position: tuple[int, ...] = ()
+    spec_accepted_by_position: tuple[int, ...] = ()
 
     @property
     def kv_blocks_free(self) -> int:

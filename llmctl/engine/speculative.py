@@ -27,11 +27,10 @@ step costs more than a decode step), so prompts that do not repeat lose almost n
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 from llmctl.engine.config import SpeculativeConfig
 from llmctl.engine.sampler import (
@@ -44,6 +43,7 @@ from llmctl.engine.sampler import (
 )
 from llmctl.engine.sampling_params import SamplingParams
 from llmctl.engine.sequence import Sequence
+from llmctl.engine.step_profile import SpeculationStats
 
 # A request stops proposing when, after this many verification steps, fewer than this
 # many of its proposed tokens are accepted per step on average: a verification step over
@@ -58,61 +58,30 @@ def propose_ngram(
 ) -> list[int]:
     """Prompt lookup: the tokens that followed the latest earlier occurrence of the text's
     last n tokens (the longest n from ``ngram_max`` down to ``ngram_min`` that occurs),
-    at most ``num_tokens`` of them; ``[]`` when no suffix occurs earlier."""
+    at most ``num_tokens`` of them; ``[]`` when no suffix occurs earlier.
+
+    Vectorised over the candidates (the earlier places of the last token, each followed
+    by at least one token): their match length grows one token back at a time, so a
+    lookup costs ``ngram_max`` numpy operations whatever the text's length."""
     tokens = np.asarray(token_ids)
-    length = len(tokens)
-    for n in range(min(ngram_max, length - 1), ngram_min - 1, -1):
-        suffix = tokens[length - n :]
-        # Windows starting at 0 .. length - n - 1: each is followed by at least one token,
-        # and the suffix itself (starting at length - n) is not among them.
-        windows = sliding_window_view(tokens[: length - 1], n)
-        matches = np.flatnonzero((windows == suffix).all(axis=1))
-        if len(matches):
-            start = int(matches[-1]) + n
-            return tokens[start : start + num_tokens].tolist()
-    return []
-
-
-@dataclass
-class SpeculationStats:
-    """Counts over the engine's life: verification steps, tokens proposed and accepted,
-    and by position (``accepted_at[j]``: how often the (j+1)-th proposal was accepted,
-    out of ``proposed_at[j]``)."""
-
-    steps: int = 0
-    proposed: int = 0
-    accepted: int = 0
-    proposed_at: list[int] = field(default_factory=list)
-    accepted_at: list[int] = field(default_factory=list)
-    stopped_requests: int = 0  # requests that stopped proposing (adaptive)
-
-    def record(self, num_proposed: int, num_accepted: int) -> None:
-        self.steps += 1
-        self.proposed += num_proposed
-        self.accepted += num_accepted
-        while len(self.proposed_at) < num_proposed:
-            self.proposed_at.append(0)
-            self.accepted_at.append(0)
-        for position in range(num_proposed):
-            self.proposed_at[position] += 1
-            self.accepted_at[position] += position < num_accepted
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
-
-    def report(self) -> dict:
-        return {
-            "steps": self.steps,
-            "proposed": self.proposed,
-            "accepted": self.accepted,
-            "acceptance_rate": self.acceptance_rate,
-            "acceptance_by_position": [
-                accepted / proposed if proposed else 0.0
-                for accepted, proposed in zip(self.accepted_at, self.proposed_at)
-            ],
-            "stopped_requests": self.stopped_requests,
-        }
+    last = len(tokens) - 1
+    ends = np.flatnonzero(tokens[:last] == tokens[last])  # where a match would end
+    if not len(ends):
+        return []
+    lengths = np.ones(len(ends), dtype=np.int64)
+    alive = np.ones(len(ends), dtype=bool)
+    for back in range(1, ngram_max):
+        before = ends - back
+        alive &= before >= 0
+        alive[alive] = tokens[before[alive]] == tokens[last - back]
+        if not alive.any():
+            break
+        lengths += alive
+    longest = int(lengths.max())
+    if longest < ngram_min:
+        return []
+    start = int(ends[np.flatnonzero(lengths == longest)[-1]]) + 1
+    return tokens[start : start + num_tokens].tolist()
 
 
 @dataclass
