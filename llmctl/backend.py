@@ -309,12 +309,27 @@ def _ngram_min_problem(value: Any, options: Mapping[str, Any], hw: Hardware) -> 
     return None
 
 
+def _speculative_method_note(value: Any, options: Mapping[str, Any], hw: Hardware) -> str | None:
+    """What n-gram speculation does here, as ``config show --explain`` prints it."""
+    if value != "ngram":
+        return None
+    note = (
+        f"prompt lookup proposes up to {options.get('num_speculative_tokens', 4)} tokens "
+        f"per step (suffixes of {options.get('ngram_min', 1)}-{options.get('ngram_max', 4)} "
+        "tokens), verified in one step; greedy output unchanged"
+    )
+    if hw.device_for(options.get("device", "auto")) == "cuda":
+        note += "; on CUDA steps no longer overlap and verification steps run eagerly"
+    return note
+
+
 # The speculative-decoding rules both local backends share (llmctl.engine.speculative).
 SPECULATIVE_RULES = (
     OptionRule(
         "speculative_method",
         "`none` or `ngram` (verified in one step over the paged cache); no `draft` yet",
         _speculative_method_problem,
+        note=_speculative_method_note,
     ),
     OptionRule("ngram_min", "at most ngram_max", _ngram_min_problem),
 )

@@ -6,7 +6,8 @@ Workloads (prompts from the model's own text, so they are in its distribution):
 - ordinary: only the start of such a text (nothing to repeat but what the model
   repeats of its own).
 Each at batch 1 (one request at a time) and batch 16 (16 in flight). Greedy outputs
-with and without speculation must be identical; the script checks it.
+with and without speculation must be identical; the script checks it. Each figure is
+the best of ``--rounds`` alternating runs; acceptance counts are summed over them.
 
     python scripts/bench_speculative.py [MODEL] [--backend turbo] [--max-tokens 128]
 """
@@ -39,6 +40,18 @@ def timed(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int):
     return tokens, sum(map(len, tokens)) / elapsed
 
 
+def best_of(rounds: int, plain: LLM, spec: LLM, prompts, batch: int, max_tokens: int):
+    """The best tokens/s of each over ``rounds`` alternating runs (a shared machine's
+    noise only ever slows a run down)."""
+    best_none = best_ngram = 0.0
+    for _ in range(rounds):
+        want, none_tps = timed(plain, prompts, batch, max_tokens)
+        got, ngram_tps = timed(spec, prompts, batch, max_tokens)
+        assert got == want, f"batch {batch}: speculation changed greedy tokens"
+        best_none, best_ngram = max(best_none, none_tps), max(best_ngram, ngram_tps)
+    return best_none, best_ngram
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model", nargs="?", default=STORIES)
@@ -46,6 +59,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     common = dict(backend=args.backend, device="cpu", enable_prefix_caching=False)
     plain = LLM(args.model, **common)
@@ -66,10 +80,8 @@ def main() -> None:
             timed(plain, prompts[:2], batch, 16)  # warm up both
             timed(spec, prompts[:2], batch, 16)
             before = spec.engine.stats()
-            want, none_tps = timed(plain, prompts, batch, args.max_tokens)
-            got, ngram_tps = timed(spec, prompts, batch, args.max_tokens)
+            none_tps, ngram_tps = best_of(args.rounds, plain, spec, prompts, batch, args.max_tokens)
             after = spec.engine.stats()
-            assert got == want, f"{name} batch {batch}: speculation changed greedy tokens"
             proposed = after.spec_proposed - before.spec_proposed
             accepted = after.spec_accepted - before.spec_accepted
             row = {
