@@ -1,10 +1,10 @@
 """n-gram speculative decoding against none, in the same run, greedy, on the CPU.
 
 Workloads (prompts from the model's own text, so they are in its distribution):
-- grounded: a text the model wrote, then its first tokens again: the answer repeats
-  the prompt's text (what prompt lookup is for);
-- ordinary: only the start of such a text (nothing to repeat but what the model
-  repeats of its own).
+- grounded: the start of a text the model wrote, its greedy answer to that start,
+  then the start again: the answer repeats the prompt's text (what prompt lookup is
+  for);
+- ordinary: only the start (nothing to repeat but what the model repeats of its own).
 Each at batch 1 (one request at a time) and batch 16 (16 in flight). Greedy outputs
 with and without speculation must be identical; the script checks it. Each figure is
 the best of ``--rounds`` alternating runs; acceptance counts are summed over them.
@@ -69,10 +69,14 @@ def main() -> None:
         num_speculative_tokens=args.num_speculative_tokens,
         **common,
     )
-    sources = texts(plain, args.num_prompts, 160)
+    starts = [text[:17] for text in texts(plain, args.num_prompts, 16)]
+    greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    answers = [o.token_ids for o in plain.generate(starts, greedy)]
     workloads = {
-        "grounded": [text + text[1:17] for text in sources],
-        "ordinary": [text[:17] for text in sources],
+        # The start, the model's own answer to it, the start again: the answer is in
+        # the prompt (the "repeat this with one change" case for a model this small).
+        "grounded": [start + answer + start[1:] for start, answer in zip(starts, answers)],
+        "ordinary": starts,
     }
     report = []
     for name, prompts in workloads.items():
