@@ -188,6 +188,8 @@ class LLMEngine:
             sampled = self._sample(step, logits)
         except Exception as exc:
             raise StepFailed([seq.request_id for seq in step.seqs], outputs) from exc
+        if self.speculator is not None and (step.proposed or batch.is_decode):
+            self.speculator.step_seconds(perf_counter() - launched, bool(step.proposed))
         previous, self._in_flight = self._in_flight, (step, sampled)
         profile.steps += 1
         profile.scheduled_seqs += len(step.seqs)

@@ -21,8 +21,9 @@ Verification keeps the output exactly what plain decoding gives:
   without t. Every token is then distributed as p. A seeded request draws from its own
   generator.
 
-Adaptive: a request whose proposals are rarely accepted stops proposing (a verification
-step costs more than a decode step), so prompts that do not repeat lose almost nothing.
+Adaptive: a request whose verification steps yield fewer tokens than they cost (in
+one-token steps, as measured while the engine runs) stops proposing, so prompts that do
+not repeat lose almost nothing.
 """
 
 from __future__ import annotations
@@ -45,13 +46,14 @@ from llmctl.engine.sampling_params import SamplingParams
 from llmctl.engine.sequence import Sequence
 from llmctl.engine.step_profile import SpeculationStats
 
-# A request stops proposing when, after this many verification steps, fewer than this
-# many of its proposed tokens are accepted per step on average: a verification step over
-# k + 1 positions costs more than a one-token step (on this CPU with stories260K, batch 1,
-# n-gram lost at 0.5 accepted per step: scripts/bench_speculative.py), and
-# rarely-accepted proposals do not pay for it.
+# A request stops proposing when, after this many verification steps, its steps yield
+# fewer tokens (accepted proposals + the bonus token) than a verification step costs in
+# one-token steps. That cost is measured as the engine runs (``step_seconds``): on this
+# CPU a 5-token step of a 24M Llama costs about one 1-token step (memory-bound), one of
+# stories260K about two (overhead-bound).
 ADAPTIVE_MIN_STEPS = 8
-ADAPTIVE_MIN_ACCEPTED_PER_STEP = 1.0
+# Weight of the newest step in the running means of the two kinds of step's time.
+STEP_TIME_WEIGHT = 0.05
 
 
 def propose_ngram(
@@ -102,6 +104,26 @@ class Speculator:
         self.config = config
         self.sampler = sampler
         self.stats = SpeculationStats()
+        # Running means of a step's time (model call and sampling or verification), for
+        # steps that verify proposals and for one-token decode steps.
+        self._verify_seconds: float | None = None
+        self._decode_seconds: float | None = None
+
+    def step_seconds(self, seconds: float, verified: bool) -> None:
+        """Note how long a step took (a verification step, or a plain decode step)."""
+        mean = self._verify_seconds if verified else self._decode_seconds
+        mean = seconds if mean is None else mean + STEP_TIME_WEIGHT * (seconds - mean)
+        if verified:
+            self._verify_seconds = mean
+        else:
+            self._decode_seconds = mean
+
+    @property
+    def cost_ratio(self) -> float:
+        """A verification step's time in one-token steps (1 until both are measured)."""
+        if not self._verify_seconds or not self._decode_seconds:
+            return 1.0
+        return self._verify_seconds / self._decode_seconds
 
     def propose(self, seqs: list[Sequence]) -> bool:
         """Set ``seq.proposal`` for every running sequence; whether any got tokens.
@@ -199,10 +221,8 @@ class Speculator:
         state.steps += 1
         state.proposed += num_proposed
         state.accepted += num_accepted
-        if (
-            state.steps >= ADAPTIVE_MIN_STEPS
-            and state.accepted < ADAPTIVE_MIN_ACCEPTED_PER_STEP * state.steps
-        ):
+        tokens_per_step = 1 + state.accepted / state.steps
+        if state.steps >= ADAPTIVE_MIN_STEPS and tokens_per_step < self.cost_ratio:
             state.active = False
             self.stats.stopped_requests += 1
 

@@ -261,3 +261,27 @@ def test_sampled_tokens_are_distributed_as_without_speculation(stories_tokenizer
     for position in range(1, positions):
         p_value = chi_square_p_value(plain[position], spec[position])
         assert p_value > 0.001, (position, plain[position], spec[position])
+
+
+def test_a_request_whose_proposals_do_not_pay_stops_proposing():
+    from llmctl.engine.sampler import Sampler
+    from llmctl.engine.speculative import ADAPTIVE_MIN_STEPS, SpecState, Speculator
+
+    speculator = Speculator(NGRAM, Sampler())
+    speculator.step_seconds(0.002, verified=True)  # a verification step: two decode steps
+    speculator.step_seconds(0.001, verified=False)
+    assert speculator.cost_ratio == pytest.approx(2.0)
+    greedy = SamplingParams(max_tokens=100, temperature=0)
+    rejected, accepted = Sequence("a", [1, 2, 3], greedy), Sequence("b", [1, 2, 3], greedy)
+    rejected.speculation, accepted.speculation = SpecState(), SpecState()
+    logits = torch.full((3, 16), -5.0)
+    logits[:, 7] = 5.0  # the model always says 7
+    for _ in range(ADAPTIVE_MIN_STEPS):
+        assert rejected.speculation.active
+        assert speculator.verify(rejected, [5, 6], logits) == ([7], [None])
+        assert speculator.verify(accepted, [7, 7], logits) == ([7, 7, 7], [None] * 3)
+    assert not rejected.speculation.active  # 1 token per step < a step's cost of 2
+    assert accepted.speculation.active  # 3 tokens per step pay for it
+    assert speculator.stats.stopped_requests == 1
+    assert speculator.stats.accepted_at == [ADAPTIVE_MIN_STEPS, ADAPTIVE_MIN_STEPS]
+    assert speculator.stats.proposed_at == [2 * ADAPTIVE_MIN_STEPS] * 2
