@@ -51,7 +51,7 @@ from llmctl.engine.step_profile import SpeculationStats
 # one-token steps. That cost is measured as the engine runs (``step_seconds``): on this
 # CPU a 5-token step of a 24M Llama costs about one 1-token step (memory-bound), one of
 # stories260K about two (overhead-bound).
-ADAPTIVE_MIN_STEPS = 8
+ADAPTIVE_MIN_STEPS = 4
 # Weight of the newest step in the running means of the two kinds of step's time.
 STEP_TIME_WEIGHT = 0.05
 
