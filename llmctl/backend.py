@@ -332,6 +332,16 @@ SPECULATIVE_RULES = (
         note=_speculative_method_note,
     ),
     OptionRule("ngram_min", "at most ngram_max", _ngram_min_problem),
+    OptionRule(
+        "speculative_model",
+        "only with speculative_method=draft",
+        lambda value, options, hardware: (
+            f"speculative_model is the draft model of speculative_method=draft, not "
+            f"{options.get('speculative_method', 'none')}: set both, or neither"
+            if value and options.get("speculative_method") != "draft"
+            else None
+        ),
+    ),
 )
 
 

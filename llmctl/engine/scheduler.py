@@ -222,6 +222,8 @@ class Scheduler:
             count = min(len(seq.token_ids) + seq.num_pending_tokens - start, budget)
             if seq.proposal:  # verify as many of them as the step's budget leaves room for
                 del seq.proposal[max(0, budget - count) :]
+                if not block_manager.can_append(seq, count + len(seq.proposal)):
+                    seq.proposal.clear()  # proposals never preempt another request
                 count += len(seq.proposal)
             if seq.num_pending_tokens and seq.num_output_tokens + 1 >= seq.sampling.max_tokens:
                 index += 1  # its last token is on the way

@@ -130,3 +130,24 @@ def test_verification_logits_equal_one_token_steps(tiny_model_dir, backend):
         step(0, context, [4, 5])
         last = step(context, chunk, [4, 5])
         torch.testing.assert_close(last, one_by_one[-1:], rtol=1e-4, atol=1e-4)
+
+
+def test_backend_rules_take_ngram_and_refuse_what_they_cannot_do():
+    from llmctl.backend import Hardware
+    from llmctl.selection import installed_backends
+
+    cpu = Hardware(cuda_available=False)
+    backends = installed_backends()
+    ngram = {"speculative_method": "ngram", "ngram_min": 1, "ngram_max": 4}
+    for name in BACKENDS:
+        rules = backends[name]
+        assert rules.option_errors(ngram, cpu) == {}
+        draft = rules.option_errors({"speculative_method": "draft"}, cpu)
+        assert "not available yet" in draft["speculative_method"]
+        swapped = rules.option_errors({**ngram, "ngram_min": 5}, cpu)
+        assert "ngram_min (5) must not be larger than ngram_max (4)" in swapped["ngram_min"]
+        model = rules.option_errors({**ngram, "speculative_model": "/m"}, cpu)
+        assert "speculative_method=draft" in model["speculative_model"]
+    if "transformers" in backends:
+        refused = backends["transformers"].option_errors(ngram, cpu)
+        assert "no speculative decoding" in refused["speculative_method"]
