@@ -8,7 +8,7 @@ one ``generate`` call for it; requests that arrive meanwhile wait for the next b
 streamer hands each step's tokens to their requests as they come, and a stopping
 criterion ends each row on its own (its finish reason, an abort), as llmctl's engines
 do. The request side (validation, detokenizing, stop strings, finish reasons) is the
-continuous-batching engine's own (``engine.admit``).
+continuous-batching engine's (``requests.admit``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest
 from llmctl.engine.async_engine import stream_until_finished
 from llmctl.errors import InvalidRequest
 from llmctl.model.tokenizer import Tokenizer
+from llmctl_transformers.requests import admit
 
 
 class PlainGenerateEngine:
@@ -41,9 +42,6 @@ class PlainGenerateEngine:
         max_batch: int,
         seed: int,
     ) -> None:
-        from llmctl_transformers.engine import admit
-
-        self._admit = admit
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -60,7 +58,7 @@ class PlainGenerateEngine:
         self._worker.start()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
-        state = self._admit(
+        state = admit(
             request,
             self.tokenizer,
             vocab_size=self.vocab_size,
