@@ -118,6 +118,12 @@ class EngineStats:
     kv_blocks_peak: int = 0  # most in use at once (a high-water mark, not a sample)
     block_size: int = 0
     tensor_parallel_size: int = 1  # ranks the model is sharded over
+    # Speculative decoding since the start: tokens proposed and accepted, and by position
+    # (the j-th entry counts the (j+1)-th proposal of a step)
+    spec_proposed: int = 0
+    spec_accepted: int = 0
+    spec_proposed_by_position: tuple[int, ...] = ()
+    spec_accepted_by_position: tuple[int, ...] = ()
 
     @property
     def kv_blocks_free(self) -> int:
@@ -292,6 +298,70 @@ CUDA_GRAPHS_RULE = OptionRule(
     lambda value, options, hardware: None,
     note=cuda_graphs_note,
 )
+
+
+def _speculative_method_problem(value: Any, options: Mapping[str, Any], hw: Hardware) -> str | None:
+    if value == "draft":
+        return (
+            "speculative_method=draft is not available yet (no draft-model proposer); "
+            "use speculative_method=ngram"
+        )
+    return None
+
+
+def _ngram_min_problem(value: Any, options: Mapping[str, Any], hw: Hardware) -> str | None:
+    if value > options.get("ngram_max", value):
+        return f"ngram_min ({value}) must not be larger than ngram_max ({options['ngram_max']})"
+    return None
+
+
+def _speculative_method_note(value: Any, options: Mapping[str, Any], hw: Hardware) -> str | None:
+    """What n-gram speculation does here, as ``config show --explain`` prints it."""
+    if value != "ngram":
+        return None
+    note = (
+        f"prompt lookup proposes up to {options.get('num_speculative_tokens', 4)} tokens "
+        f"per step (suffixes of {options.get('ngram_min', 1)}-{options.get('ngram_max', 4)} "
+        "tokens), verified in one step; greedy output unchanged"
+    )
+    if hw.device_for(options.get("device", "auto")) == "cuda":
+        note += "; on CUDA steps no longer overlap and verification steps run eagerly"
+    return note
+
+
+# The speculative-decoding rules both local backends share (llmctl.engine.speculative).
+SPECULATIVE_RULES = (
+    OptionRule(
+        "speculative_method",
+        "`none` or `ngram` (verified in one step over the paged cache); no `draft` yet",
+        _speculative_method_problem,
+        note=_speculative_method_note,
+    ),
+    OptionRule("ngram_min", "at most ngram_max", _ngram_min_problem),
+    OptionRule(
+        "speculative_model",
+        "only with speculative_method=draft",
+        lambda value, options, hardware: (
+            f"speculative_model is the draft model of speculative_method=draft, not "
+            f"{options.get('speculative_method', 'none')}: set both, or neither"
+            if value and options.get("speculative_method") != "draft"
+            else None
+        ),
+    ),
+)
+
+
+def no_speculation_rule(backend: str) -> OptionRule:
+    """The rule of a backend that never speculates."""
+    return OptionRule(
+        "speculative_method",
+        "`none` only",
+        lambda value, options, hardware: (
+            None
+            if value == "none"
+            else f"{backend} has no speculative decoding; use --backend torch or turbo"
+        ),
+    )
 
 
 class Backend:

@@ -281,6 +281,49 @@ CORE_OPTIONS: tuple[Option, ...] = (
     ),
     Option("seed", "int", 0, "Seed of the engine's random sampling.", metavar="N"),
     Option(
+        "speculative_method",
+        "str",
+        "none",
+        "Speculative decoding: `none`; `ngram` (prompt lookup: the tokens that followed the "
+        "latest earlier occurrence of the last few tokens, in the prompt or the output so "
+        "far, are proposed and the model verifies them all in one step; greedy output is "
+        "unchanged, sampled output keeps its distribution); `draft` (a small draft model "
+        "proposes: `speculative_model`).",
+        choices=("none", "ngram", "draft"),
+    ),
+    Option(
+        "num_speculative_tokens",
+        "int",
+        4,
+        "Most tokens proposed per step and sequence when speculative_method is not `none`.",
+        min=1,
+        max=16,
+        metavar="N",
+    ),
+    Option(
+        "ngram_max",
+        "int",
+        4,
+        "n-gram speculation: the longest suffix of the text looked up for a match.",
+        min=1,
+        metavar="N",
+    ),
+    Option(
+        "ngram_min",
+        "int",
+        1,
+        "n-gram speculation: the shortest suffix looked up (a shorter match proposes nothing).",
+        min=1,
+        metavar="N",
+    ),
+    Option(
+        "speculative_model",
+        "str",
+        None,
+        "The draft model of speculative_method=draft (it must share the model's tokenizer).",
+        metavar="MODEL",
+    ),
+    Option(
         "chat_template",
         "str",
         None,

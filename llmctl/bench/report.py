@@ -108,6 +108,17 @@ def step_profile_table(profile: dict[str, Any]) -> Rows:
         ]
     )
     rows.append(["idle, no work (s)", _num(profile["idle"], 3), "-"])
+    spec = profile.get("speculation") or {}
+    if spec.get("steps"):
+        rows.append(
+            [
+                "speculation: proposed / accepted tokens",
+                f"{spec['proposed']} / {spec['accepted']}",
+                _num(spec["acceptance_rate"] * 100),
+            ]
+        )
+        by_position = " ".join(f"{rate * 100:.0f}" for rate in spec["acceptance_by_position"])
+        rows.append(["speculation: % accepted by position", by_position, "-"])
     return ["phase", "ms per step", "% of step"], rows
 
 

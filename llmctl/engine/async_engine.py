@@ -41,7 +41,7 @@ from llmctl.backend import (
 )
 from llmctl.engine.llm_engine import LLMEngine, StepFailed
 from llmctl.engine.sampling_params import SamplingParams
-from llmctl.engine.step_profile import StepProfile
+from llmctl.engine.step_profile import SpeculationStats, StepProfile
 from llmctl.errors import EngineDead, EngineError, InvalidRequest
 
 logger = logging.getLogger("llmctl")
@@ -303,6 +303,8 @@ class AsyncEngine(EngineCapabilities):
         scheduler, blocks = self.engine.scheduler, self.engine.block_manager
         with self._lock:
             pending = sum(isinstance(c, _Add) for c in self._commands)
+        speculator = self.engine.speculator
+        spec = speculator.stats if speculator is not None else SpeculationStats()
         return EngineStats(
             running=len(scheduler.running),
             waiting=len(scheduler.waiting) + pending,
@@ -311,6 +313,10 @@ class AsyncEngine(EngineCapabilities):
             kv_blocks_peak=blocks.peak_used_blocks,
             block_size=blocks.block_size,
             tensor_parallel_size=self.engine.runner.tensor_parallel_size,
+            spec_proposed=spec.proposed,
+            spec_accepted=spec.accepted,
+            spec_proposed_by_position=tuple(spec.proposed_at),
+            spec_accepted_by_position=tuple(spec.accepted_at),
         )
 
     def reset_peak_kv_blocks(self) -> None:

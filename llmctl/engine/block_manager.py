@@ -111,6 +111,25 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 
+    def truncate(self, seq: Sequence, num_computed: int) -> None:
+        """Roll ``seq``'s computed K/V back to ``num_computed`` tokens (a speculative step's
+        rejected positions) and free the blocks past its tokens. Keyed blocks are never
+        touched: their tokens were all accepted."""
+        if num_computed > seq.num_computed_tokens:
+            raise ValueError(
+                f"cannot roll {seq.request_id} forward ({seq.num_computed_tokens} -> "
+                f"{num_computed} computed tokens)"
+            )
+        keep = max(self.blocks_needed(seq.num_tokens), len(seq.block_hashes))
+        for block_id in reversed(seq.block_table[keep:]):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                self._free.move_to_end(block_id, last=False)  # unkeyed: reuse it first
+        del seq.block_table[keep:]
+        seq.num_computed_tokens = num_computed
+
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Key the blocks of ``seq`` that became full and computed since the last call."""
         if not self.enable_prefix_caching:

@@ -23,6 +23,22 @@ Extra = TypeVar("Extra")
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``llmctl.engine.speculative``): ``method`` ``none`` or
+    ``ngram``; up to ``num_tokens`` proposed per step, from suffixes of ``ngram_min`` to
+    ``ngram_max`` tokens."""
+
+    method: str = "none"
+    num_tokens: int = 4
+    ngram_max: int = 4
+    ngram_min: int = 1
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+
+@dataclass(frozen=True)
 class EngineConfig(Generic[Extra]):
     block_size: int  # tokens per KV-cache block: the user's cache_block_seq_len
     kv_budget: KVBudget = KVBudget("fraction", 0.8)  # cache_max_entry_count
@@ -39,6 +55,7 @@ class EngineConfig(Generic[Extra]):
     cuda_graphs: bool = True  # decode replays CUDA graphs (on CUDA only)
     chat_template: str | None = None  # replaces the model's own template
     served_model_name: str | None = None  # the API's model name (model_name); None: the model
+    speculation: SpeculativeConfig = SpeculativeConfig()  # off unless speculative_method is set
     extra: Extra | None = None  # what only this backend has
 
     def __post_init__(self) -> None:
@@ -74,5 +91,11 @@ class EngineConfig(Generic[Extra]):
             cuda_graphs=options["cuda_graphs"],
             chat_template=options["chat_template"],
             served_model_name=options["model_name"],
+            speculation=SpeculativeConfig(
+                method=options.get("speculative_method", "none"),
+                num_tokens=options.get("num_speculative_tokens", 4),
+                ngram_max=options.get("ngram_max", 4),
+                ngram_min=options.get("ngram_min", 1),
+            ),
             extra=extra,
         )

@@ -146,6 +146,7 @@ class DecodeGraphs:
         guarantees it; a wider one would run eagerly)."""
         return (
             batch.is_decode
+            and batch.logits_indices is None
             and batch.num_seqs <= self.buckets[-1]
             and batch.block_table_array().shape[1] <= self.max_blocks_per_seq
         )

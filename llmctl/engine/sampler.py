@@ -157,13 +157,19 @@ class Sampler:
             noise[index] = noise[index].exponential_(generator=self._shared_generator(probs.device))
         for i, seq in enumerate(seqs):
             if seq.sampling.seed is not None:
-                if seq.generator is None:
-                    seq.generator = torch.Generator(device=probs.device)
-                    seq.generator.manual_seed(seq.sampling.seed)
-                noise[i].exponential_(generator=seq.generator)
+                noise[i].exponential_(generator=self.generator_for(seq, probs.device))
         # q == 0 would turn a masked token's 0 / 0 into NaN, which argmax would pick.
         noise.clamp_min_(torch.finfo(noise.dtype).tiny)
         return (probs / noise).argmax(dim=-1)
+
+    def generator_for(self, seq: Sequence, device: torch.device) -> torch.Generator:
+        """The random stream ``seq`` draws from: its own when seeded, else the shared one."""
+        if seq.sampling.seed is None:
+            return self._shared_generator(device)
+        if seq.generator is None:
+            seq.generator = torch.Generator(device=device)
+            seq.generator.manual_seed(seq.sampling.seed)
+        return seq.generator
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         if self._generator is None:

@@ -41,7 +41,9 @@ class ScheduledStep:
     scheduled) and ``num_new_tokens[i]`` how many there are; ``input_ids`` is all of them
     flattened, with -1 where a token is still on the device (``pending``: its index in
     ``input_ids`` and the sequence). ``ready`` lists the rows that sample a token (a
-    decode, or the last chunk of a prefill).
+    decode, or the last chunk of a prefill). ``proposed`` maps a row to the tokens
+    speculative decoding proposed for it: they follow its token in ``input_ids`` (and in
+    ``num_new_tokens``), and the step is verifying them.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
@@ -51,6 +53,9 @@ class ScheduledStep:
     input_ids: list[int] = field(default_factory=list)
     pending: list[tuple[int, Sequence]] = field(default_factory=list)
     ready: list[int] = field(default_factory=list)
+    proposed: dict[int, list[int]] = field(default_factory=dict)
+    # row -> (tokens, logprobs) of a verified row, filled once its logits are in
+    verified: dict[int, tuple[list[int], list]] = field(default_factory=dict)
 
     def add(self, seq: Sequence, count: int) -> None:
         start = seq.num_computed_tokens
@@ -58,7 +63,13 @@ class ScheduledStep:
         self.num_new_tokens.append(count)
         self.starts.append(start)
         self.rows.append(seq.row)
-        if seq.num_pending_tokens:  # a decode of the token the step in flight samples
+        proposal = seq.proposal
+        if proposal:  # the last token, then the proposals it verifies
+            self.proposed[len(self.seqs) - 1] = proposal
+            self.input_ids.append(seq.token_ids[start])
+            self.input_ids += proposal
+            count -= len(proposal)
+        elif seq.num_pending_tokens:  # a decode of the token the step in flight samples
             self.pending.append((len(self.input_ids), seq))
             self.input_ids.append(-1)
         elif count == 1:
@@ -67,6 +78,12 @@ class ScheduledStep:
             self.input_ids += seq.token_ids[start : start + count]
         if start + count == len(seq.token_ids) + seq.num_pending_tokens:
             self.ready.append(len(self.seqs) - 1)
+
+    def sampled_rows(self) -> list[int]:
+        """The ready rows the sampler serves (those verifying proposals are not)."""
+        if not self.proposed:
+            return self.ready
+        return [index for index in self.ready if index not in self.proposed]
 
 
 class StepBatchBuilder:
@@ -100,6 +117,10 @@ class StepBatchBuilder:
             self.block_tables[row, known : len(table)] = table[known:]
             self._table_lens[row] = len(table)
 
+    def truncate_table(self, seq: Sequence) -> None:
+        """``seq`` lost blocks at the end of its table: rewrite from there when it gains."""
+        self._table_lens[seq.row] = min(self._table_lens[seq.row], len(seq.block_table))
+
     def build(self, step: ScheduledStep) -> StepBatch:
         rows = np.array(step.rows, dtype=np.intp)
         starts = np.array(step.starts, dtype=np.int32)
@@ -117,6 +138,16 @@ class StepBatchBuilder:
         slots = self.block_tables[token_rows, positions // size] * size + positions % size
         context_lens = starts + counts
         width = int(context_lens.max() + size - 1) // size
+        logits_indices = None
+        if step.proposed:  # logits at the last token and every proposal of those rows
+            last = np.cumsum(counts) - 1
+            logits_per_row = np.ones(len(counts), dtype=np.int64)
+            for index, proposal in step.proposed.items():
+                logits_per_row[index] += len(proposal)
+            logits_indices = np.repeat(last + 1 - logits_per_row, logits_per_row) + (
+                np.arange(int(logits_per_row.sum()))
+                - np.repeat(np.cumsum(logits_per_row) - logits_per_row, logits_per_row)
+            )
         return StepBatch(
             input_ids=np.array(step.input_ids, dtype=np.int32),
             positions=positions,
@@ -125,6 +156,7 @@ class StepBatchBuilder:
             block_tables=self.block_tables[rows, :width],
             slot_mapping=slots.astype(np.int32),
             sampled_tokens=_sampled_token_fill(step.pending),
+            logits_indices=logits_indices,
         )
 
 
@@ -188,6 +220,11 @@ class Scheduler:
             seq = running[index]
             start = seq.num_computed_tokens
             count = min(len(seq.token_ids) + seq.num_pending_tokens - start, budget)
+            if seq.proposal:  # verify as many of them as the step's budget leaves room for
+                del seq.proposal[max(0, budget - count) :]
+                if not block_manager.can_append(seq, count + len(seq.proposal)):
+                    seq.proposal.clear()  # proposals never preempt another request
+                count += len(seq.proposal)
             if seq.num_pending_tokens and seq.num_output_tokens + 1 >= seq.sampling.max_tokens:
                 index += 1  # its last token is on the way
                 continue
@@ -277,6 +314,16 @@ class Scheduler:
         self._repeatable = step
         return step
 
+    def forget_repeatable(self) -> None:
+        """The next step is not a repeat of the last (sequences propose tokens)."""
+        self._repeatable = None
+
+    def rollback(self, seq: Sequence, num_computed: int) -> None:
+        """Forget the K/V past ``num_computed`` tokens (a speculative step's rejected
+        positions): the blocks beyond those seq's tokens need go back to the pool."""
+        self.block_manager.truncate(seq, num_computed)
+        self.batches.truncate_table(seq)
+
     def mark_computed(self, step: ScheduledStep) -> None:
         """Record the step's K/V as computed (the device computes it in order, before any
         later step reads it) and key the blocks that became full."""
@@ -306,6 +353,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self._repeatable = None
+        seq.proposal = []
         self.block_manager.free(seq)
         self.batches.release(seq)
         seq.status = SequenceStatus.WAITING

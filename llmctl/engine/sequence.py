@@ -56,6 +56,8 @@ class Sequence:
         "pending",
         "grammar",
         "num_cached_tokens",
+        "proposal",
+        "speculation",
     )
 
     def __init__(
@@ -99,6 +101,10 @@ class Sequence:
         self.grammar = grammar
         # Prompt tokens the prefix cache held at first admission (None until admitted).
         self.num_cached_tokens: int | None = None
+        # Speculative decoding: the tokens proposed for the next step (fed after the last
+        # token and verified by it), and the request's counts (llmctl.engine.speculative).
+        self.proposal: list[int] = []
+        self.speculation: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -41,6 +41,10 @@ class StepBatch:
 
     When ``sampled_tokens`` is set, some ``input_ids`` are placeholders: a runner calls
     ``fill_sampled_tokens`` on its device copy of the input ids before the model runs.
+
+    ``logits_indices`` are the new tokens (indices into ``input_ids``) whose logits the
+    runner returns, in that order; ``None``: the last new token of each sequence. A
+    speculative step sets it to verify every proposed position in one pass.
     """
 
     input_ids: IntArray
@@ -50,6 +54,7 @@ class StepBatch:
     block_tables: list[list[int]] | np.ndarray
     slot_mapping: IntArray
     sampled_tokens: SampledTokenFill | None = None
+    logits_indices: IntArray | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -87,6 +92,14 @@ class StepInputs:
     context_lens: torch.Tensor  # [num_seqs]: 0 for padding, which attends to nothing
     query_start_loc: torch.Tensor  # [num_seqs + 1]
     block_tables: torch.Tensor  # [table_rows, table_width]; rows padded with block 0
+    # [num_logits]: the tokens whose logits the runner returns; None: each sequence's last
+    logits_indices: torch.Tensor | None = None
+
+    def logits_rows(self) -> torch.Tensor:
+        """Indices of the tokens whose logits the step returns."""
+        if self.logits_indices is not None:
+            return self.logits_indices
+        return self.query_start_loc[1:] - 1
 
 
 @dataclass(frozen=True)
@@ -94,14 +107,16 @@ class StepLayout:
     """Where each input sits in a step's packed int32 buffer, in this order:
     ``input_ids``, ``positions``, ``slot_mapping`` (``num_tokens`` each), ``context_lens``
     (``num_seqs``), ``query_start_loc`` (``num_seqs + 1``), then the block tables
-    (``table_rows`` x ``table_width``). The part before the tables depends only on
-    ``num_tokens`` and ``num_seqs``, so a padded decode batch of a given size always
-    finds it at the same offsets (what CUDA graphs need)."""
+    (``table_rows`` x ``table_width``), then ``num_logits`` logits indices (a speculative
+    step's; none otherwise). The part before the tables depends only on ``num_tokens``
+    and ``num_seqs``, so a padded decode batch of a given size always finds it at the
+    same offsets (what CUDA graphs need)."""
 
     num_tokens: int
     num_seqs: int
     table_rows: int
     table_width: int
+    num_logits: int = 0
 
     @property
     def head_size(self) -> int:
@@ -110,14 +125,17 @@ class StepLayout:
 
     @property
     def size(self) -> int:
-        return self.head_size + self.table_rows * self.table_width
+        return self.head_size + self.table_rows * self.table_width + self.num_logits
 
     def unpack(self, packed: torch.Tensor) -> StepInputs:
         """Views of ``packed`` (at least ``size`` entries) as the step's inputs."""
         tokens, seqs = self.num_tokens, self.num_seqs
         table_size = self.table_rows * self.table_width
-        parts = packed[: self.size].split([tokens, tokens, tokens, seqs, seqs + 1, table_size])
-        return StepInputs(*parts[:5], parts[5].view(self.table_rows, self.table_width))
+        parts = packed[: self.size].split(
+            [tokens, tokens, tokens, seqs, seqs + 1, table_size, self.num_logits]
+        )
+        tables = parts[5].view(self.table_rows, self.table_width)
+        return StepInputs(*parts[:5], tables, parts[6] if self.num_logits else None)
 
 
 def pack_step(batch: StepBatch, pad_to: int | None = None) -> tuple[np.ndarray, StepLayout]:
@@ -134,6 +152,9 @@ def pack_step(batch: StepBatch, pad_to: int | None = None) -> tuple[np.ndarray, 
         raise ValueError("only a decode batch (one token per sequence) can be padded")
     if pad < 0:
         raise ValueError(f"cannot pad a batch of {num_seqs} sequences to {pad_to}")
+    logits_indices = np.zeros(0) if batch.logits_indices is None else batch.logits_indices
+    if pad and len(logits_indices):
+        raise ValueError("a batch with logits_indices cannot be padded")
     tables = batch.block_table_array()
     query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(batch.query_lens, out=query_start_loc[1:])
@@ -151,9 +172,12 @@ def pack_step(batch: StepBatch, pad_to: int | None = None) -> tuple[np.ndarray, 
             query_start_loc,
             query_start_loc[-1] + 1 + np.arange(pad),  # one (padding) token per padded sequence
             tables.reshape(-1),
+            logits_indices,
         ]
     ).astype(np.int32)
-    layout = StepLayout(len(batch.input_ids) + pad, num_seqs + pad, *tables.shape)
+    layout = StepLayout(
+        len(batch.input_ids) + pad, num_seqs + pad, *tables.shape, len(logits_indices)
+    )
     return flat, layout
 
 

@@ -19,10 +19,10 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from llmctl.backend import Engine
+from llmctl.backend import Engine, EngineStats
 from llmctl.server.limits import Admission
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -70,6 +70,32 @@ class _LiveGauges(Collector):
         ]
         for name, documentation, value in values:
             yield GaugeMetricFamily(name, documentation, value=value)
+        yield from _speculation_counters(stats)
+
+
+def _speculation_counters(stats: EngineStats) -> Iterator[Metric]:
+    """Speculative decoding's tokens, proposed and accepted, in all and by position."""
+    for name, documentation, total, by_position in (
+        (
+            "llmctl_spec_decode_proposed_tokens",
+            "Tokens proposed by speculative decoding.",
+            stats.spec_proposed,
+            stats.spec_proposed_by_position,
+        ),
+        (
+            "llmctl_spec_decode_accepted_tokens",
+            "Proposed tokens the model accepted.",
+            stats.spec_accepted,
+            stats.spec_accepted_by_position,
+        ),
+    ):
+        yield CounterMetricFamily(name, documentation, value=total)
+        family = CounterMetricFamily(
+            name + "_by_position", documentation + " By position in the step.", labels=["position"]
+        )
+        for position, value in enumerate(by_position):
+            family.add_metric([str(position)], value)
+        yield family
 
 
 class ServerMetrics:

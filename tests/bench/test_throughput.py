@@ -139,3 +139,17 @@ def test_step_profile_shows_where_the_steps_spent_their_time(
     assert profile["step_ms"]["model"] == pytest.approx(profile["model"] * 1000 / 6)
     assert "**Where a step's time goes**" in result.output
     assert "| host work (all but model call and wait) |" in result.output
+
+
+def test_step_profile_shows_speculation(stories_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "speculated.json"
+    result = invoke(
+        f"bench throughput {q(stories_dir)} --backend torch --cache-block-seq-len 16 -n 3 "
+        f"--input-len 8 --output-len 40 --speculative-method ngram --ngram-min 1 "
+        f"--step-profile --output {q(out)} --markdown"
+    )
+    spec = read_json(out)["engine"]["step_profile"]["speculation"]
+    assert spec["proposed"] > 0 and 0 <= spec["accepted"] <= spec["proposed"]
+    assert spec["acceptance_rate"] == pytest.approx(spec["accepted"] / spec["proposed"])
+    assert len(spec["acceptance_by_position"]) == 4  # num_speculative_tokens
+    assert f"{spec['proposed']} / {spec['accepted']}" in result.output

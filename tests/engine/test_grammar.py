@@ -12,6 +12,7 @@ import re
 import jsonschema
 import pytest
 
+from llmctl.engine.config import SpeculativeConfig
 from llmctl.engine.grammar import GrammarCompiler, GrammarState
 from llmctl.engine.sampling_params import SamplingParams, StructuredOutput
 from llmctl.errors import InvalidRequest
@@ -180,3 +181,40 @@ def test_stop_strings_end_a_constrained_request(stories_tokenizer) -> None:
     tokens, reason = run(engine, [("r", [1, 3], params)])["r"]
     assert reason == "stop"
     assert re.fullmatch("ab(c|d)+", engine.tokenizer.decode(tokens).split("x")[0])
+
+
+def test_constrained_rows_do_not_speculate_and_their_batch_mates_stay_exact(
+    stories_tokenizer,
+) -> None:
+    """With n-gram speculation on, a grammar's rows take one token a step (their mask
+    follows each token) while the plain rows beside them verify proposals and keep exactly
+    their greedy tokens."""
+
+    def engine(speculation):
+        return make_engine(
+            stories_tokenizer,
+            vocab_size=512,
+            eos_token_ids=(2,),
+            max_model_len=256,
+            speculation=speculation,
+        )
+
+    loop = [1, 9, 30, 31, 9, 30, 31, 9, 30, 31, 9, 30]  # repeats: prompt lookup proposes
+    plain = [
+        (f"greedy-{i}", loop[i:] + loop[:i], SamplingParams(max_tokens=24, temperature=0))
+        for i in range(3)
+    ]
+    alone = run(engine(SpeculativeConfig()), plain)
+    speculating = engine(SpeculativeConfig(method="ngram", num_tokens=4, ngram_max=3))
+    mixed = plain + [
+        (f"schema-{seed}", loop, constrained(json_schema(SCHEMAS["nested"]), seed))
+        for seed in range(3)
+    ]
+    together = run(speculating, mixed)
+    for request_id, _, _ in plain:
+        assert together[request_id] == alone[request_id]
+    for seed in range(3):
+        tokens, reason = together[f"schema-{seed}"]
+        assert reason == "stop"
+        jsonschema.validate(json.loads(stories_tokenizer.decode(tokens)), SCHEMAS["nested"])
+    assert speculating.speculator.stats.proposed > 0

@@ -46,7 +46,19 @@ def test_packed_step_unpacks_to_the_batch(seed, decode):
     assert inputs.block_tables.shape == (batch.num_seqs, width)
     for row, table in zip(inputs.block_tables.tolist(), batch.block_tables):
         assert row == table + [0] * (width - len(table))
-    assert all(t.dtype == torch.int32 for t in vars(inputs).values())
+    assert inputs.logits_indices is None
+    assert inputs.logits_rows().tolist() == [b - 1 for b in starts[1:]]
+    assert all(t.dtype == torch.int32 for t in vars(inputs).values() if t is not None)
+
+
+def test_logits_indices_travel_after_the_block_tables():
+    rng = random.Random(7)
+    batch = random_batch(rng, 4, decode=False)
+    batch.logits_indices = sorted(rng.sample(range(len(batch.input_ids)), 3))
+    inputs = stage_step(batch, torch.device("cpu"))
+    assert inputs.logits_indices.tolist() == batch.logits_indices
+    assert inputs.logits_rows().tolist() == batch.logits_indices
+    assert inputs.input_ids.tolist() == batch.input_ids
 
 
 @pytest.mark.parametrize("num_seqs, bucket", [(1, 1), (3, 4), (5, 8), (17, 32), (16, 16)])

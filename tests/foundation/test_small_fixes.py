@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from llmctl.errors import BackendError, ModelError
-from llmctl.model.info import resolve_model
+from llmctl.model.info import DEFAULT_MODEL, resolve_model
 from llmctl.selection import select
 from tests.helpers.cli import run_llmctl
 
@@ -53,7 +53,8 @@ def test_more_cpu_threads_than_cores_is_a_warning(caplog):
 def test_a_model_nobody_named_is_called_the_default():
     with pytest.raises(BackendError) as exc:
         select(None, {"backend": "openai-proxy"}, env={})
-    assert "no backend can serve the default model demo (no model was given) here" in str(exc.value)
+    expected = f"no backend can serve the default model {DEFAULT_MODEL} (no model was given) here"
+    assert expected in str(exc.value)
     with pytest.raises(BackendError) as named:
         select("demo", {"backend": "openai-proxy"}, env={})
     assert "no backend can serve demo here" in str(named.value)

@@ -52,9 +52,17 @@ class PagedToyModel:
         assert (input_ids >= 0).all(), "an input token was left a placeholder"
         self.token_cache[slots] = input_ids
         self.position_cache[slots] = torch.tensor(batch.positions, dtype=torch.long)
+        # The tokens whose logits are returned: each sequence's last, or the step's own
+        # list (speculative steps verify several positions of a sequence).
+        ends = torch.tensor(batch.query_lens).cumsum(0)
+        wanted = ends - 1 if batch.logits_indices is None else torch.tensor(batch.logits_indices)
+        owner = torch.searchsorted(ends, wanted, right=True).tolist()
+        token_positions = torch.tensor(batch.positions)[wanted].tolist()
         rows = []
-        for table, length in zip(batch.block_tables, batch.context_lens):
-            positions = torch.arange(length)
+        for seq, position in zip(owner, token_positions):
+            table, length = batch.block_tables[seq], int(batch.context_lens[seq])
+            assert position < length
+            positions = torch.arange(position + 1)  # the context up to that token
             blocks = torch.tensor(table, dtype=torch.long)[positions // self.block_size]
             context_slots = blocks * self.block_size + positions % self.block_size
             assert torch.equal(self.position_cache[context_slots], positions), "stale KV slot"

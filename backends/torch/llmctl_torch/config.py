@@ -14,6 +14,7 @@ from typing import Any
 from llmctl.backend import (
     CUDA_GRAPHS_RULE,
     DEVICE_RULE,
+    SPECULATIVE_RULES,
     TORCH_THREADS_RULE,
     ModelRule,
     OptionRule,
@@ -162,6 +163,7 @@ RULES = (
     ),
     DEVICE_RULE,
     CUDA_GRAPHS_RULE,
+    *SPECULATIVE_RULES,
     OptionRule(
         "tensor_parallel_size",
         "must divide the attention heads and MLP size; KV heads divisible by it, or it a "

@@ -2,7 +2,8 @@
 
 It loads the model, owns the paged KV cache, and runs one scheduler step: the step's
 lists become one tensor, copied to the device once (``stage_step``); the model writes
-the new tokens' K/V and returns the logits of each sequence's last new token.
+the new tokens' K/V and returns the logits of each sequence's last new token (or, in a
+speculative step, of the tokens ``logits_indices`` names).
 
 On a GPU, decode steps replay CUDA graphs captured when the cache is allocated (see
 ``llmctl.engine.cuda_graphs``); prefill and mixed prefill/decode steps run eagerly.
@@ -120,12 +121,11 @@ class TorchModelRunner(PagedRunner):
             query_start_loc=inputs.query_start_loc,
             is_decode=is_decode,
         )
-        last_token_of_each_seq = inputs.query_start_loc[1:] - 1
         return self.model(
             inputs.input_ids,
             inputs.positions,
             meta,
             self.kv_caches,
-            last_token_of_each_seq,
+            inputs.logits_rows(),  # each sequence's last token, or a speculative step's
             self.ops,
         )

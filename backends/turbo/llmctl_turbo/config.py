@@ -12,6 +12,7 @@ from typing import Any
 from llmctl.backend import (
     CUDA_GRAPHS_RULE,
     DEVICE_RULE,
+    SPECULATIVE_RULES,
     Hardware,
     ModelRule,
     OptionRule,
@@ -101,6 +102,7 @@ RULES = (
     ),
     DEVICE_RULE,
     CUDA_GRAPHS_RULE,
+    *SPECULATIVE_RULES,
     *one_device_rules("turbo"),
 )
 

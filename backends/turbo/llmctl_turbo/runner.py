@@ -235,4 +235,5 @@ class TurboModelRunner(PagedRunner):
             self.config.num_heads,
             self.config.rms_norm_eps,
             self.kv_cache_scale,
+            inputs.logits_indices,  # None: each sequence's last token
         )

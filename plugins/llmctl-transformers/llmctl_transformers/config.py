@@ -19,6 +19,7 @@ from llmctl.backend import (
     Hardware,
     OptionRule,
     cuda_graphs_note,
+    no_speculation_rule,
     one_device_rules,
 )
 from llmctl.kv_budget import KVBudget, parse_kv_budget
@@ -161,5 +162,6 @@ RULES = (
     ),
     TORCH_THREADS_RULE,
     DEVICE_RULE,
+    no_speculation_rule("transformers"),
     *one_device_rules("transformers"),
 )

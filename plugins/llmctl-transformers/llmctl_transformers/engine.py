@@ -20,7 +20,6 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 from contextlib import aclosing, contextmanager
-from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -42,16 +41,14 @@ from llmctl.backend import (
 )
 from llmctl.engine.assemble import free_memory_bytes
 from llmctl.engine.async_engine import stream_until_finished
-from llmctl.engine.detokenizer import IncrementalDetokenizer
 from llmctl.engine.kv_cache import KVPlan, plan_kv_cache
-from llmctl.engine.request_rules import finish_reason, stop_token_ids, validate_request
-from llmctl.engine.sampling_params import SamplingParams
 from llmctl.errors import InvalidRequest, OptionError
 from llmctl.kv_budget import format_bytes
 from llmctl.model.gguf import transformers_source
 from llmctl.model.tokenizer import Tokenizer
 from llmctl_transformers.config import TransformersConfig
-from llmctl_transformers.sampling import ENGINE_SAMPLING, processor_kwargs, unsupported
+from llmctl_transformers.requests import RequestState, admit
+from llmctl_transformers.sampling import ENGINE_SAMPLING, processor_kwargs
 
 logger = logging.getLogger("llmctl")
 
@@ -174,56 +171,6 @@ def _log_what_transformers_chose(manager: Any, config: TransformersConfig, archi
         )
 
 
-@dataclass
-class _Request:
-    """llmctl's side of one request: where its outputs go, and its text so far."""
-
-    request_id: str
-    loop: asyncio.AbstractEventLoop
-    prompt_token_ids: list[int]
-    sampling: SamplingParams
-    detokenizer: IncrementalDetokenizer
-    stop_ids: frozenset[int]  # the ids that end it (request_rules.stop_token_ids)
-    outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
-    num_output_tokens: int = 0
-
-    def advance(self, token_id: int) -> GenerationOutput:
-        """The delta for one more generated token; ``finished`` if it ends the request."""
-        self.num_output_tokens += 1
-        reason = finish_reason(
-            token_id, self.num_output_tokens, self.sampling, self.stop_ids, self.detokenizer
-        )
-        return self._output(
-            self.detokenizer.take_new_text(final=reason is not None), [token_id], reason
-        )
-
-    def ended(self, reason: str) -> GenerationOutput:
-        """The last delta of a request transformers ended at a limit it was given."""
-        return self._output(self.detokenizer.take_new_text(final=True), [], reason)
-
-    def aborted(self) -> GenerationOutput:
-        nothing_streamed = self.num_output_tokens == 0
-        return GenerationOutput.aborted(
-            self.request_id,
-            len(self.prompt_token_ids),
-            self.num_output_tokens,
-            prompt_token_ids=self.prompt_token_ids if nothing_streamed else None,
-        )
-
-    def _output(self, text: str, token_ids: list[int], reason: str | None) -> GenerationOutput:
-        first = self.num_output_tokens == len(token_ids)  # nothing was streamed before
-        return GenerationOutput(
-            request_id=self.request_id,
-            text=text,
-            token_ids=token_ids,
-            prompt_tokens=len(self.prompt_token_ids),
-            completion_tokens=self.num_output_tokens,
-            finished=reason is not None,
-            finish_reason=reason,
-            prompt_token_ids=self.prompt_token_ids if first else None,
-        )
-
-
 class TransformersEngine(EngineCapabilities):
     def __init__(
         self,
@@ -246,7 +193,7 @@ class TransformersEngine(EngineCapabilities):
         self.vocab_size = vocab_size
         self._bytes_per_block = bytes_per_block
         self._lock = threading.Lock()  # guards _requests and _stopping
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._stopping = False
         self._router = threading.Thread(
             target=self._route, name="llmctl-transformers-router", daemon=True
@@ -259,31 +206,13 @@ class TransformersEngine(EngineCapabilities):
         Leaving the iteration early (a client disconnecting) aborts the request, which
         frees its pages in transformers' cache.
         """
-        problems = unsupported(request.sampling)
-        if problems:
-            raise InvalidRequest(
-                "the transformers backend cannot honour " + "; ".join(problems) + ". Leave "
-                "these at their defaults, or serve the model with another backend"
-            )
-        prompt_ids = self._prompt_token_ids(request)
-        sampling = request.sampling
-        validate_request(
-            prompt_ids,
-            sampling,
+        state = admit(
+            request,
+            self.tokenizer,
             vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,
             block_size=self.page_size,
             num_blocks=self.num_blocks,
-        )
-        if sampling.max_tokens is None:  # "until the session is full"
-            sampling = replace(sampling, max_tokens=self.max_model_len - len(prompt_ids))
-        state = _Request(
-            request.request_id,
-            asyncio.get_running_loop(),
-            prompt_ids,
-            sampling,
-            IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling),
-            stop_token_ids(sampling, self.tokenizer.eos_token_ids),
         )
         self._submit(state)
 
@@ -330,16 +259,7 @@ class TransformersEngine(EngineCapabilities):
 
     # -- the caller's side --------------------------------------------------------------
 
-    def _prompt_token_ids(self, request: GenerationRequest) -> list[int]:
-        if request.prompt_token_ids is not None:
-            return list(request.prompt_token_ids)
-        if request.prompt is not None:
-            return self.tokenizer.encode(request.prompt)
-        return self.tokenizer.encode_chat(
-            request.messages, tools=request.tools, template_kwargs=request.chat_template_kwargs
-        )
-
-    def _submit(self, state: _Request) -> None:
+    def _submit(self, state: RequestState) -> None:
         """Register ``state`` and hand its request to transformers."""
         sampling = state.sampling
         with self._lock:
@@ -428,7 +348,7 @@ class TransformersEngine(EngineCapabilities):
             self.manager.cancel_request(result.request_id)
 
     @staticmethod
-    def _deliver(state: _Request, item: GenerationOutput | BaseException) -> None:
+    def _deliver(state: RequestState, item: GenerationOutput | BaseException) -> None:
         try:
             state.loop.call_soon_threadsafe(state.outputs.put_nowait, item)
         except RuntimeError:  # its event loop is closed: nobody is listening any more

@@ -8,7 +8,7 @@ one ``generate`` call for it; requests that arrive meanwhile wait for the next b
 streamer hands each step's tokens to their requests as they come, and a stopping
 criterion ends each row on its own (its finish reason, an abort), as llmctl's engines
 do. The request side (validation, detokenizing, stop strings, finish reasons) is the
-continuous-batching engine's own ``_Request``.
+continuous-batching engine's (``requests.admit``).
 """
 
 from __future__ import annotations
@@ -16,17 +16,18 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import replace
+from contextlib import aclosing
+from functools import partial
 from typing import Any
 
 import torch
 import transformers
 
 from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest
-from llmctl.engine.detokenizer import IncrementalDetokenizer
-from llmctl.engine.request_rules import stop_token_ids, validate_request
+from llmctl.engine.async_engine import stream_until_finished
 from llmctl.errors import InvalidRequest
 from llmctl.model.tokenizer import Tokenizer
+from llmctl_transformers.requests import admit
 
 
 class PlainGenerateEngine:
@@ -41,9 +42,6 @@ class PlainGenerateEngine:
         max_batch: int,
         seed: int,
     ) -> None:
-        from llmctl_transformers.engine import _Request
-
-        self._request_class = _Request
         self.model = model
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -60,32 +58,13 @@ class PlainGenerateEngine:
         self._worker.start()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
-        from llmctl_transformers.sampling import unsupported
-
-        if problems := unsupported(request.sampling):
-            raise InvalidRequest(
-                "the transformers backend cannot honour " + "; ".join(problems) + ". Leave "
-                "these at their defaults, or serve the model with another backend"
-            )
-        prompt_ids = self._prompt_token_ids(request)
-        sampling = request.sampling
-        validate_request(
-            prompt_ids,
-            sampling,
+        state = admit(
+            request,
+            self.tokenizer,
             vocab_size=self.vocab_size,
             max_model_len=self.max_model_len,
             block_size=1,
             num_blocks=self.max_model_len,  # no paged cache: only the session bounds apply
-        )
-        if sampling.max_tokens is None:
-            sampling = replace(sampling, max_tokens=self.max_model_len - len(prompt_ids))
-        state = self._request_class(
-            request.request_id,
-            asyncio.get_running_loop(),
-            prompt_ids,
-            sampling,
-            IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling),
-            stop_token_ids(sampling, self.tokenizer.eos_token_ids),
         )
         with self._lock:
             if self._stopping:
@@ -96,18 +75,14 @@ class PlainGenerateEngine:
                 raise InvalidRequest(f"request id {request.request_id!r} is already in use")
             self._waiting.append(state)
             self._lock.notify()
-        finished = False
-        try:
-            while not finished:
-                item = await state.outputs.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                await self.abort(request.request_id)
+
+        async def take() -> list[GenerationOutput | BaseException]:
+            return [await state.outputs.get()]
+
+        abort = partial(self._abort, request.request_id)
+        async with aclosing(stream_until_finished(take, abort)) as outputs:
+            async for output in outputs:
+                yield output
 
     @property
     def has_chat_template(self) -> bool:
@@ -117,6 +92,9 @@ class PlainGenerateEngine:
         return self._worker.is_alive() and not self._stopping
 
     async def abort(self, request_id: str) -> None:
+        self._abort(request_id)
+
+    def _abort(self, request_id: str) -> None:
         with self._lock:
             waiting = next((w for w in self._waiting if w.request_id == request_id), None)
             if waiting is not None:
@@ -138,13 +116,6 @@ class PlainGenerateEngine:
             self._waiting.clear()
             self._lock.notify()
         await asyncio.to_thread(self._worker.join)
-
-    def _prompt_token_ids(self, request: GenerationRequest) -> list[int]:
-        if request.prompt_token_ids is not None:
-            return list(request.prompt_token_ids)
-        if request.prompt is not None:
-            return self.tokenizer.encode(request.prompt)
-        return self.tokenizer.encode_chat(request.messages)
 
     # -- the worker thread --------------------------------------------------------------
 

@@ -183,4 +183,14 @@ void check_positions(const at::Tensor& positions, int64_t max_positions) {
   }
 }
 
+void check_token_indices(const at::Tensor& indices, int64_t num_tokens) {
+  TORCH_CHECK(indices.is_contiguous(), "logits_indices must be contiguous");
+  if (!indices.device().is_cpu()) return;
+  const int32_t* index = indices.data_ptr<int32_t>();
+  for (int64_t i = 0; i < indices.size(0); ++i) {
+    TORCH_CHECK(index[i] >= 0 && index[i] < num_tokens, "logits_indices[", i, "] = ", index[i],
+                " is not one of the step's ", num_tokens, " tokens");
+  }
+}
+
 }  // namespace turbo

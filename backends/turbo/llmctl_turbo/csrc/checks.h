@@ -62,4 +62,7 @@ void check_token_ids(const at::Tensor& input_ids, int64_t vocab_size);
 // Every position has a row in the cos/sin cache.
 void check_positions(const at::Tensor& positions, int64_t max_positions);
 
+// Every logits index names one of the step's num_tokens tokens (CPU tensors only).
+void check_token_indices(const at::Tensor& indices, int64_t num_tokens);
+
 }  // namespace turbo

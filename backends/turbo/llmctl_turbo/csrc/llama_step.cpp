@@ -53,7 +53,8 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
                       const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                       at::TensorList weights, at::Tensor kv_cache,
                       const at::Tensor& cos_sin_cache, int64_t num_heads, double rms_norm_eps,
-                      const std::optional<at::Tensor>& kv_cache_scale) {
+                      const std::optional<at::Tensor>& kv_cache_scale,
+                      const std::optional<at::Tensor>& logits_indices) {
   // No autograd bookkeeping for any ATen call below.
   c10::InferenceMode inference_mode;
 
@@ -144,11 +145,19 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
   }
   add_rms_norm(normed, residual, projected, weights[1], rms_norm_eps);
 
-  // Logits only for each sequence's last new token (all tokens when every one decodes).
-  const at::Tensor last_rows =
-      num_tokens == num_seqs ? normed
-                             : at::index_select(normed, 0, query_start_loc.narrow(0, 1, num_seqs).sub(1));
-  at::Tensor logits = at::empty({num_seqs, embed.size(0)}, options);
+  // Logits only for the tokens asked for (a speculative step's), else for each sequence's
+  // last new token (all tokens when every one decodes).
+  at::Tensor last_rows;
+  if (logits_indices.has_value()) {
+    check_tensor(*logits_indices, "logits_indices", at::kInt, 1, embed);
+    check_token_indices(*logits_indices, num_tokens);
+    last_rows = at::index_select(normed, 0, *logits_indices);
+  } else {
+    last_rows = num_tokens == num_seqs
+                    ? normed
+                    : at::index_select(normed, 0, query_start_loc.narrow(0, 1, num_seqs).sub(1));
+  }
+  at::Tensor logits = at::empty({last_rows.size(0), embed.size(0)}, options);
   linear(logits, last_rows, weights[2], no_bias, no_bias);  // the LM head: never int8
   return logits.scalar_type() == at::kFloat ? logits : logits.to(at::kFloat);
 }

@@ -13,7 +13,9 @@ constexpr int64_t kHeadWeights = 3;
 constexpr int64_t kLayerWeights = 12;
 
 // Runs every layer over the step's T new tokens and returns fp32 logits [B, vocab] for
-// the last new token of each of the B sequences.
+// the last new token of each of the B sequences, or with logits_indices (int32 [N], token
+// indices: a speculative step verifying several positions per sequence) [N, vocab] for
+// those tokens.
 //
 // weights (prepared once at load by runner.py; each matrix is the checkpoint's [out, in]
 // weight, or on the CPU that weight packed for turbo's kernels: see linear in kernels.h):
@@ -32,6 +34,7 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
                       const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                       at::TensorList weights, at::Tensor kv_cache,
                       const at::Tensor& cos_sin_cache, int64_t num_heads, double rms_norm_eps,
-                      const std::optional<at::Tensor>& kv_cache_scale);
+                      const std::optional<at::Tensor>& kv_cache_scale,
+                      const std::optional<at::Tensor>& logits_indices);
 
 }  // namespace turbo

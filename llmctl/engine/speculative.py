@@ -1,0 +1,265 @@
+"""Speculative decoding: propose a few tokens cheaply, verify them all in one model step.
+
+A decoding sequence normally feeds one token per step. With ``speculative_method=ngram``
+the engine first looks for its last few tokens earlier in its own text (prompt lookup,
+``propose_ngram``) and feeds the tokens that followed there as well: the step then
+computes the target model's logits at every one of those k + 1 positions (the runner's
+``logits_indices``), and ``verify`` keeps the longest run of proposals the model agrees
+with, plus one token of its own (the "bonus": the model's token after the last accepted
+one, or in place of the first rejected one). The K/V of rejected positions are rolled
+back (``Scheduler.rollback``).
+
+Verification keeps the output exactly what plain decoding gives:
+
+- greedy: a proposal is accepted while it is the model's argmax (after penalties), so the
+  tokens are those of one-at-a-time greedy decoding;
+- sampling: the proposal distribution of prompt lookup is a point mass on token t, so
+  (Leviathan et al., Chen et al.) t is accepted with probability p(t), p the request's
+  distribution at that position after penalties, min_tokens, temperature, top-k, top-p
+  and min-p, exactly as the sampler builds it with the accepted tokens as history;
+  otherwise the token is drawn from the residual max(p - q, 0) normalized, which is p
+  without t. Every token is then distributed as p. A seeded request draws from its own
+  generator.
+
+Adaptive: a request whose verification steps yield fewer tokens than they cost (in
+one-token steps, as measured while the engine runs) stops proposing, so prompts that do
+not repeat lose almost nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from llmctl.engine.config import SpeculativeConfig
+from llmctl.engine.sampler import (
+    SampledToken,
+    Sampler,
+    apply_penalties,
+    apply_truncation,
+    argmax_rows,
+    mask_stops_before_min_tokens,
+)
+from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.sequence import Sequence
+from llmctl.engine.step_profile import SpeculationStats
+
+# A request stops proposing when, after this many verification steps, its steps yield
+# fewer tokens (accepted proposals + the bonus token) than a verification step costs in
+# one-token steps. That cost is measured as the engine runs (``step_seconds``): on this
+# CPU a 5-token step of a 24M Llama costs about one 1-token step (memory-bound), one of
+# stories260K about two (overhead-bound).
+ADAPTIVE_MIN_STEPS = 4
+# Weight of the newest step in the running means of the two kinds of step's time.
+STEP_TIME_WEIGHT = 0.05
+
+
+def propose_ngram(
+    token_ids: list[int] | np.ndarray, ngram_min: int, ngram_max: int, num_tokens: int
+) -> list[int]:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the text's
+    last n tokens (the longest n from ``ngram_max`` down to ``ngram_min`` that occurs),
+    at most ``num_tokens`` of them; ``[]`` when no suffix occurs earlier.
+
+    Vectorised over the candidates (the earlier places of the last token, each followed
+    by at least one token): their match length grows one token back at a time, so a
+    lookup costs ``ngram_max`` numpy operations whatever the text's length."""
+    tokens = np.asarray(token_ids)
+    last = len(tokens) - 1
+    ends = np.flatnonzero(tokens[:last] == tokens[last])  # where a match would end
+    if not len(ends):
+        return []
+    lengths = np.ones(len(ends), dtype=np.int64)
+    alive = np.ones(len(ends), dtype=bool)
+    for back in range(1, ngram_max):
+        before = ends - back
+        alive &= before >= 0
+        alive[alive] = tokens[before[alive]] == tokens[last - back]
+        if not alive.any():
+            break
+        lengths += alive
+    longest = int(lengths.max())
+    if longest < ngram_min:
+        return []
+    start = int(ends[np.flatnonzero(lengths == longest)[-1]]) + 1
+    return tokens[start : start + num_tokens].tolist()
+
+
+@dataclass
+class SpecState:
+    """One request's speculation: its counts, and whether it still proposes."""
+
+    steps: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    active: bool = True
+
+
+class Speculator:
+    """Proposes tokens for decoding sequences and verifies them after the model step."""
+
+    def __init__(self, config: SpeculativeConfig, sampler: Sampler) -> None:
+        self.config = config
+        self.sampler = sampler
+        self.stats = SpeculationStats()
+        # Running means of a step's time (model call and sampling or verification), for
+        # steps that verify proposals and for one-token decode steps.
+        self._verify_seconds: float | None = None
+        self._decode_seconds: float | None = None
+
+    def step_seconds(self, seconds: float, verified: bool) -> None:
+        """Note how long a step took (a verification step, or a plain decode step)."""
+        mean = self._verify_seconds if verified else self._decode_seconds
+        mean = seconds if mean is None else mean + STEP_TIME_WEIGHT * (seconds - mean)
+        if verified:
+            self._verify_seconds = mean
+        else:
+            self._decode_seconds = mean
+
+    @property
+    def cost_ratio(self) -> float:
+        """A verification step's time in one-token steps (1 until both are measured)."""
+        if not self._verify_seconds or not self._decode_seconds:
+            return 1.0
+        return self._verify_seconds / self._decode_seconds
+
+    def propose(self, seqs: list[Sequence]) -> bool:
+        """Set ``seq.proposal`` for every running sequence; whether any got tokens.
+
+        Only a sequence without a grammar that decodes (all its tokens but the last computed, none still
+        on the device) proposes, and never more tokens than its max_tokens leaves room
+        for beside the bonus token."""
+        config = self.config
+        any_proposed = False
+        for seq in seqs:
+            seq.proposal = []
+            if seq.grammar is not None:
+                continue  # its mask follows one token at a time: verified tokens would skip it
+            state = seq.speculation
+            if state is None:
+                state = seq.speculation = SpecState()
+            if not state.active or seq.num_pending_tokens:
+                continue
+            if seq.num_computed_tokens != len(seq.token_ids) - 1:
+                continue  # still prefilling
+            room = min(config.num_tokens, seq.sampling.max_tokens - seq.num_output_tokens - 1)
+            if room <= 0:
+                continue
+            proposal = propose_ngram(seq.token_ids, config.ngram_min, config.ngram_max, room)
+            if proposal:
+                seq.proposal = proposal
+                any_proposed = True
+        return any_proposed
+
+    def verify(
+        self, seq: Sequence, proposal: list[int], logits: torch.Tensor
+    ) -> tuple[list[int], list[SampledToken | None]]:
+        """The tokens ``seq`` gets from one verification step (the accepted proposals and
+        the bonus token) and, if it asked, their logprobs. ``logits`` are the model's
+        ``[len(proposal) + 1, vocab]`` at the positions of the step's last token and each
+        proposal."""
+        if seq.plain_greedy:  # no penalties, no logprobs: the argmax of the raw logits
+            targets = argmax_rows(logits).tolist()
+            tokens = _accept_greedy(proposal, targets)
+            logprobs: list[SampledToken | None] = [None] * len(tokens)
+        else:
+            tokens, logprobs = self._verify_processed(seq, proposal, logits)
+        self._record(seq, len(proposal), len(tokens) - 1)
+        return tokens, logprobs
+
+    def _verify_processed(
+        self, seq: Sequence, proposal: list[int], logits: torch.Tensor
+    ) -> tuple[list[int], list[SampledToken | None]]:
+        """Verification through the sampler's processing, position by position (each
+        position's history holds the proposals before it, as if they were accepted)."""
+        sampling = seq.sampling
+        views = [_Position(seq, proposal[:j]) for j in range(len(proposal) + 1)]
+        logits = logits.float().clone()
+        apply_penalties(logits, views)
+        mask_stops_before_min_tokens(logits, views, self.sampler.eos_token_ids)
+        if sampling.greedy:
+            tokens = _accept_greedy(proposal, argmax_rows(logits).tolist())
+        else:
+            logits.div_(sampling.temperature)
+            probs = apply_truncation(logits.clone(), views).softmax(dim=-1)
+            tokens = self._accept_sampled(seq, proposal, probs)
+        if not (sampling.logprobs or sampling.top_logprobs):
+            return tokens, [None] * len(tokens)
+        rows = logits[: len(tokens)]
+        logprobs = torch.log_softmax(rows, dim=-1)
+        ids = torch.tensor(tokens, dtype=torch.int64, device=logprobs.device)
+        chosen = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+        width = min(sampling.top_logprobs, logprobs.shape[1])
+        top_values, top_ids = logprobs.topk(width, dim=-1) if width else (None, None)
+        out: list[SampledToken | None] = []
+        for j, token in enumerate(tokens):
+            top = []
+            if width:
+                top = list(zip(top_ids[j].tolist(), top_values[j].tolist()))
+            out.append(SampledToken(token, chosen[j], top))
+        return tokens, out
+
+    def _accept_sampled(self, seq: Sequence, proposal: list[int], probs: torch.Tensor) -> list[int]:
+        """Rejection sampling against a point-mass proposal (see the module docstring)."""
+        generator = self.sampler.generator_for(seq, probs.device)
+        uniforms = torch.rand(len(proposal), generator=generator, device=probs.device).tolist()
+        tokens = []
+        for j, token in enumerate(proposal):
+            if uniforms[j] < float(probs[j, token]):
+                tokens.append(token)
+                continue
+            residual = probs[j].clone()
+            residual[token] = 0.0
+            tokens.append(_draw(residual, generator))
+            return tokens
+        tokens.append(_draw(probs[len(proposal)], generator))
+        return tokens
+
+    def _record(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
+        self.stats.record(num_proposed, num_accepted)
+        state = seq.speculation
+        state.steps += 1
+        state.proposed += num_proposed
+        state.accepted += num_accepted
+        tokens_per_step = 1 + state.accepted / state.steps
+        if state.steps >= ADAPTIVE_MIN_STEPS and tokens_per_step < self.cost_ratio:
+            state.active = False
+            self.stats.stopped_requests += 1
+
+
+def _accept_greedy(proposal: list[int], targets: list[int]) -> list[int]:
+    """Proposals while they equal the model's argmax, then the model's own next token."""
+    accepted = 0
+    while accepted < len(proposal) and targets[accepted] == proposal[accepted]:
+        accepted += 1
+    return proposal[:accepted] + [targets[accepted]]
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token from ``probs`` (unnormalized is fine): the sampler's exponential race."""
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    return int((probs / noise).argmax())
+
+
+class _Position:
+    """A sequence as the sampler's processing sees it at one verified position: its
+    tokens so far plus the proposals before that position."""
+
+    __slots__ = ("sampling", "token_ids", "num_prompt_tokens")
+    num_pending_tokens = 0
+
+    def __init__(self, seq: Sequence, proposed: list[int]) -> None:
+        self.sampling: SamplingParams = seq.sampling
+        self.token_ids = seq.token_ids + proposed
+        self.num_prompt_tokens = seq.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens

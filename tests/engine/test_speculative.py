@@ -1,0 +1,287 @@
+"""Speculative decoding in the shared engine, over the paged toy model: the n-gram
+proposer against a plain-Python lookup, KV rollback in the block manager, greedy output
+unchanged token for token (block sizes, preemption, the prefix cache, stops), blocks
+back to zero after aborts mid-speculation, and sampled output distributed as without
+speculation (chi-square)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from llmctl.engine.block_manager import BlockManager
+from llmctl.engine.config import SpeculativeConfig
+from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.sequence import Sequence
+from llmctl.engine.speculative import propose_ngram
+from tests.helpers.paged_toy_model import make_engine, run
+
+NGRAM = SpeculativeConfig(method="ngram", num_tokens=4, ngram_max=3, ngram_min=1)
+
+
+def reference_lookup(tokens: list[int], ngram_min: int, ngram_max: int, k: int) -> list[int]:
+    """The latest earlier occurrence of the longest suffix, by brute force."""
+    for n in range(min(ngram_max, len(tokens) - 1), ngram_min - 1, -1):
+        suffix = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_ngram_proposer_matches_a_brute_force_lookup():
+    rng = random.Random(0)
+    for _ in range(400):
+        vocab = rng.randrange(2, 12)
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+        low = rng.randrange(1, 4)
+        high = rng.randrange(low, 6)
+        k = rng.randrange(1, 6)
+        assert propose_ngram(tokens, low, high, k) == reference_lookup(tokens, low, high, k)
+
+
+def test_ngram_proposer_prefers_the_longest_suffix():
+    # "1 2" occurred followed by 7, but "9 1 2" occurred followed by 5: the longer wins.
+    tokens = [9, 1, 2, 5, 6, 1, 2, 7, 8, 9, 1, 2]
+    assert propose_ngram(tokens, 1, 3, 2) == [5, 6]
+    assert propose_ngram(tokens, 1, 2, 2) == [7, 8]
+    assert propose_ngram([1, 2, 3], 1, 3, 4) == []
+
+
+def seq_with(tokens: int, request_id: str = "r") -> Sequence:
+    return Sequence(request_id, list(range(100, 100 + tokens)), SamplingParams(max_tokens=64))
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_truncate_returns_exactly_the_blocks_past_the_tokens(block_size):
+    manager = BlockManager(num_blocks=32, block_size=block_size, enable_prefix_caching=True)
+    seq = seq_with(2 * block_size - 1)
+    manager.allocate(seq)
+    seq.num_computed_tokens = seq.num_tokens - 1
+    # A verification step of 1 + 2 * block_size positions: two more blocks.
+    count = 1 + 2 * block_size
+    manager.append_slots(seq, count)
+    seq.num_computed_tokens += count
+    assert len(seq.block_table) == 4
+    assert manager.num_free_blocks == 32 - 4
+    manager.cache_computed_blocks(seq)  # what the engine does not do: it waits
+    # Three proposals accepted (token ids on the host now), the rest rejected.
+    seq.token_ids += [1, 2, 3, 4]  # accepted + bonus
+    seq.block_hashes = seq.block_hashes[: (seq.num_tokens - 1) // block_size]
+    manager.truncate(seq, seq.num_tokens - 1)
+    assert seq.num_computed_tokens == seq.num_tokens - 1
+    assert len(seq.block_table) == manager.blocks_needed(seq.num_tokens)
+    assert manager.num_free_blocks == 32 - len(seq.block_table)
+    manager.free(seq)
+    assert manager.num_free_blocks == 32
+
+
+def test_truncate_refuses_to_roll_forward():
+    manager = BlockManager(num_blocks=8, block_size=4)
+    seq = seq_with(5)
+    manager.allocate(seq)
+    with pytest.raises(ValueError, match="roll"):
+        manager.truncate(seq, 3)
+
+
+def repetitive_workload(seed: int, count: int, vocab: int = 64, sampled: bool = False):
+    """Prompts that repeat a short phrase (so prompt lookup proposes), some not at all."""
+    rng = random.Random(seed)
+    requests = []
+    for i in range(count):
+        phrase = [rng.randrange(3, vocab) for _ in range(rng.randrange(2, 6))]
+        prompt = phrase * rng.randrange(1, 5) + [rng.randrange(3, vocab)]
+        if i % 4 == 3:
+            prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 20))]
+        params = SamplingParams(max_tokens=rng.randrange(1, 30), temperature=0)
+        if sampled and i % 2:
+            params = SamplingParams(max_tokens=rng.randrange(1, 30), temperature=1.0, seed=i)
+        requests.append((f"r{i}", prompt, params))
+    return requests
+
+
+@pytest.mark.parametrize("block_size", [4, 16, 64, 128])
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_greedy_output_is_unchanged_by_speculation(stories_tokenizer, block_size, prefix_caching):
+    requests = repetitive_workload(block_size, 16)
+    # Twice the same workload, so the second round hits the prefix cache.
+    requests += [(f"again-{rid}", prompt, params) for rid, prompt, params in requests]
+    options = dict(block_size=block_size, enable_prefix_caching=prefix_caching)
+    plain = run(make_engine(stories_tokenizer, **options), requests)
+    engine = make_engine(stories_tokenizer, speculation=NGRAM, **options)
+    assert run(engine, requests) == plain
+    stats = engine.speculator.stats
+    assert stats.proposed > 0 and 0 < stats.accepted <= stats.proposed
+    # After the first step (every prompt), steps verified several positions at once.
+    assert any(max(lens) > 1 for lens in engine.runner.query_lens[1:])
+
+
+def test_greedy_output_is_unchanged_under_preemption(stories_tokenizer):
+    requests = repetitive_workload(1, 12)
+    # 24 blocks of 4 tokens for 12 requests of up to ~50 tokens: they preempt each other.
+    options = dict(num_blocks=24, block_size=4, max_model_len=96, enable_prefix_caching=True)
+    plain = run(make_engine(stories_tokenizer, **options), requests)
+    engine = make_engine(stories_tokenizer, speculation=NGRAM, **options)
+    assert run(engine, requests) == plain
+    assert engine.scheduler.num_preemptions > 0
+    assert engine.speculator.stats.accepted > 0
+
+
+def test_stop_tokens_and_max_tokens_are_exact(stories_tokenizer):
+    requests = repetitive_workload(2, 16)
+    plain = run(make_engine(stories_tokenizer), requests)
+    # Stop at a token each greedy answer produces in the middle: never one past it.
+    stopped = []
+    for request_id, prompt, params in requests:
+        tokens, _ = plain[request_id]
+        if len(tokens) > 3:
+            stop = SamplingParams(
+                max_tokens=params.max_tokens, temperature=0, stop_token_ids=[tokens[2]]
+            )
+            stopped.append((request_id, prompt, stop))
+    want = run(make_engine(stories_tokenizer), stopped)
+    got = run(make_engine(stories_tokenizer, speculation=NGRAM), stopped)
+    assert got == want
+    assert all(reason == "stop" for _, reason in got.values())
+    for request_id, _, params in requests:
+        assert len(plain[request_id][0]) == params.max_tokens
+
+
+def test_logprobs_of_accepted_tokens_equal_those_without_speculation(stories_tokenizer):
+    requests = [
+        (
+            rid,
+            prompt,
+            SamplingParams(
+                max_tokens=params.max_tokens, temperature=0, logprobs=True, top_logprobs=2
+            ),
+        )
+        for rid, prompt, params in repetitive_workload(3, 8)
+    ]
+
+    def collect(engine):
+        for rid, prompt, params in requests:
+            engine.add_request(rid, prompt, params)
+        got = {rid: [] for rid, _, _ in requests}
+        while engine.has_unfinished():
+            for out in engine.step():
+                got[out.request_id] += [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs]
+        return got
+
+    want = collect(make_engine(stories_tokenizer))
+    engine = make_engine(stories_tokenizer, speculation=NGRAM)
+    got = collect(engine)
+    assert engine.speculator.stats.accepted > 0
+    for rid in want:
+        assert [t for t, _, _ in got[rid]] == [t for t, _, _ in want[rid]]
+        for (_, a, top_a), (_, b, top_b) in zip(got[rid], want[rid]):
+            assert a == pytest.approx(b, abs=1e-5)
+            assert [i for i, _, _ in top_a] == [i for i, _, _ in top_b]
+
+
+def test_blocks_return_to_zero_after_aborts_mid_speculation(stories_tokenizer):
+    engine = make_engine(stories_tokenizer, speculation=NGRAM)
+    requests = repetitive_workload(4, 10)
+    for rid, prompt, _ in requests:
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=40, temperature=0))
+    verified = 0
+    manager = engine.block_manager
+    while engine.has_unfinished():
+        engine.step()
+        # Exact counts mid-run: no sequence keeps a block past its tokens (rejected
+        # positions rolled back), and the pool's count is the blocks the tables hold.
+        held = set()
+        for seq in engine.scheduler.running:
+            assert len(seq.block_table) <= manager.blocks_needed(seq.num_tokens), seq
+            held.update(seq.block_table)
+        assert manager.num_used_blocks == len(held)
+        if engine.speculator.stats.steps > verified:  # a step verified proposals: abort one
+            verified = engine.speculator.stats.steps
+            running = engine.scheduler.running
+            if running:
+                engine.abort(running[len(running) // 2].request_id)
+    assert verified > 0
+    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    assert all(block.ref_count == 0 for block in engine.block_manager.blocks)
+
+
+def chi_square_p_value(a: np.ndarray, b: np.ndarray) -> float:
+    """Two-sample chi-square test of homogeneity on counts ``a`` and ``b``."""
+    keep = (a + b) > 0
+    a, b = a[keep].astype(float), b[keep].astype(float)
+    total = a + b
+    expected_a = total * a.sum() / total.sum()
+    expected_b = total * b.sum() / total.sum()
+    stat = (((a - expected_a) ** 2) / expected_a + ((b - expected_b) ** 2) / expected_b).sum()
+    dof = len(a) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        dict(temperature=1.0),
+        pytest.param(
+            dict(temperature=1.5, top_k=6, top_p=0.95, repetition_penalty=1.1),
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["plain", "top-k-top-p-penalty"],
+)
+def test_sampled_tokens_are_distributed_as_without_speculation(stories_tokenizer, params):
+    """Over 1,500 seeds, the tokens at output positions 1-4 (where proposals are verified)
+    follow the same distribution with and without speculation: a chi-square test of
+    homogeneity at 0.1 % significance, per position, on an 8-token vocabulary."""
+    vocab, seeds, positions = 8, 1500, 4
+    # Every token occurs in the prompt, so prompt lookup proposes at every step.
+    prompt = [3, 4, 5, 0, 1, 2, 6, 7, 3, 4, 5, 0, 1, 2, 6, 7, 3, 4]
+
+    def frequencies(speculation):
+        engine = make_engine(
+            stories_tokenizer, vocab_size=vocab, num_blocks=4096, speculation=speculation
+        )
+        requests = [
+            (f"s{seed}", prompt, SamplingParams(max_tokens=positions, seed=seed, **params))
+            for seed in range(seeds)
+        ]
+        results = run(engine, requests)
+        counts = np.zeros((positions, vocab), dtype=np.int64)
+        for tokens, _ in results.values():
+            for position, token in enumerate(tokens):
+                counts[position, token] += 1
+        return counts, engine
+
+    plain, _ = frequencies(SpeculativeConfig())
+    spec, engine = frequencies(SpeculativeConfig("ngram", num_tokens=3, ngram_max=3))
+    assert engine.speculator.stats.steps >= seeds  # every request speculated
+    assert 0 < engine.speculator.stats.accepted < engine.speculator.stats.proposed
+    for position in range(1, positions):
+        p_value = chi_square_p_value(plain[position], spec[position])
+        assert p_value > 0.001, (position, plain[position], spec[position])
+
+
+def test_a_request_whose_proposals_do_not_pay_stops_proposing():
+    from llmctl.engine.sampler import Sampler
+    from llmctl.engine.speculative import ADAPTIVE_MIN_STEPS, SpecState, Speculator
+
+    speculator = Speculator(NGRAM, Sampler())
+    speculator.step_seconds(0.002, verified=True)  # a verification step: two decode steps
+    speculator.step_seconds(0.001, verified=False)
+    assert speculator.cost_ratio == pytest.approx(2.0)
+    greedy = SamplingParams(max_tokens=100, temperature=0)
+    rejected, accepted = Sequence("a", [1, 2, 3], greedy), Sequence("b", [1, 2, 3], greedy)
+    rejected.speculation, accepted.speculation = SpecState(), SpecState()
+    logits = torch.full((3, 16), -5.0)
+    logits[:, 7] = 5.0  # the model always says 7
+    for _ in range(ADAPTIVE_MIN_STEPS):
+        assert rejected.speculation.active
+        assert speculator.verify(rejected, [5, 6], logits) == ([7], [None])
+        assert speculator.verify(accepted, [7, 7], logits) == ([7, 7, 7], [None] * 3)
+    assert not rejected.speculation.active  # 1 token per step < a step's cost of 2
+    assert accepted.speculation.active  # 3 tokens per step pay for it
+    assert speculator.stats.stopped_requests == 1
+    assert speculator.stats.accepted_at == [ADAPTIVE_MIN_STEPS, ADAPTIVE_MIN_STEPS]
+    assert speculator.stats.proposed_at == [2 * ADAPTIVE_MIN_STEPS] * 2
