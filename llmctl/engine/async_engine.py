@@ -31,7 +31,6 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from functools import partial
 from time import perf_counter
-from typing import TypeVar
 
 from llmctl.backend import (
     EngineCapabilities,
@@ -50,7 +49,6 @@ logger = logging.getLogger("llmctl")
 MAX_FAILED_STEPS_IN_A_ROW = 3
 
 Item = GenerationOutput | BaseException
-Result = TypeVar("Result")
 
 
 async def stream_until_finished(
@@ -73,25 +71,6 @@ async def stream_until_finished(
     finally:
         if not finished:
             abort()
-
-
-async def in_thread(func: Callable[[], Result]) -> Result:
-    """``func()`` run on a thread of its own, awaited. Shutdowns use it rather than
-    ``asyncio.to_thread``: an ``LLM`` dropped at interpreter exit is shut down by its
-    finalizer after Python has closed its thread pools to new work."""
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future = loop.create_future()
-
-    def run() -> None:
-        try:
-            result = func()
-        except BaseException as exc:  # handed to the awaiting task
-            loop.call_soon_threadsafe(done.set_exception, exc)
-        else:
-            loop.call_soon_threadsafe(done.set_result, result)
-
-    threading.Thread(target=run, name="llmctl-shutdown", daemon=True).start()
-    return await done
 
 
 class _Stream:
@@ -367,8 +346,8 @@ class AsyncEngine(EngineCapabilities):
         with self._lock:
             self._stopping = True
             self._lock.notify()
-        await in_thread(self._thread.join)
-        await in_thread(self.engine.runner.close)
+        await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(self.engine.runner.close)
 
     def _prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         if request.prompt_token_ids is not None:

@@ -14,6 +14,7 @@ engines; so any event loop may use the engine.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -39,7 +40,7 @@ from llmctl.backend import (
     ModelInfo,
 )
 from llmctl.engine.assemble import free_memory_bytes
-from llmctl.engine.async_engine import in_thread, stream_until_finished
+from llmctl.engine.async_engine import stream_until_finished
 from llmctl.engine.kv_cache import KVPlan, plan_kv_cache
 from llmctl.errors import InvalidRequest, OptionError
 from llmctl.kv_budget import format_bytes
@@ -254,7 +255,7 @@ class TransformersEngine(EngineCapabilities):
             in_flight = list(self._requests)
         for request_id in in_flight:
             self._abort(request_id)
-        await in_thread(self._stop_threads)
+        await asyncio.to_thread(self._stop_threads)
 
     # -- the caller's side --------------------------------------------------------------
 

@@ -13,6 +13,7 @@ continuous-batching engine's (``requests.admit``).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -23,7 +24,7 @@ import torch
 import transformers
 
 from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest
-from llmctl.engine.async_engine import in_thread, stream_until_finished
+from llmctl.engine.async_engine import stream_until_finished
 from llmctl.errors import InvalidRequest
 from llmctl.model.tokenizer import Tokenizer
 from llmctl_transformers.requests import admit
@@ -114,7 +115,7 @@ class PlainGenerateEngine:
                 _deliver(state, state.aborted())
             self._waiting.clear()
             self._lock.notify()
-        await in_thread(self._worker.join)
+        await asyncio.to_thread(self._worker.join)
 
     # -- the worker thread --------------------------------------------------------------
 
