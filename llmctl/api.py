@@ -20,7 +20,7 @@ import os
 import warnings
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from llmctl.backend import (
@@ -36,16 +36,42 @@ Message = dict[str, Any]
 
 
 @dataclass
+class CompletionOutput:
+    """One choice of a prompt's result (``SamplingParams.n`` of them)."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
 class RequestOutput:
-    """The whole result of one prompt."""
+    """The whole result of one prompt: its choices in ``outputs``. ``text``,
+    ``token_ids``, ``finish_reason`` and ``logprobs`` are the first choice's, the whole
+    answer when ``n`` is 1."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    logprobs: list[TokenLogprob] | None = None
+    outputs: list[CompletionOutput]
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self.outputs[0].logprobs
 
 
 class LLM:
@@ -79,19 +105,17 @@ class LLM:
         prompts: str | Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Complete each prompt (text, or a list of token ids); results in prompt order."""
+        """Complete each prompt (text, or a list of token ids); results in prompt order,
+        each with ``n`` choices."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        requests = [
-            GenerationRequest(
-                request_id=self._next_id(),
-                prompt=p if isinstance(p, str) else None,
-                prompt_token_ids=None if isinstance(p, str) else list(p),
-                sampling=params,
-            )
-            for p, params in zip(prompts, _per_prompt(sampling_params, len(prompts)))
-        ]
-        return self._run(requests)
+        return self._run(
+            [
+                {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)}
+                for p in prompts
+            ],
+            _per_prompt(sampling_params, len(prompts)),
+        )
 
     def chat(
         self,
@@ -100,11 +124,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of messages) or several, via the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        requests = [
-            GenerationRequest(request_id=self._next_id(), messages=list(m), sampling=params)
-            for m, params in zip(conversations, _per_prompt(sampling_params, len(conversations)))
-        ]
-        return self._run(requests)
+        return self._run(
+            [{"messages": list(m)} for m in conversations],
+            _per_prompt(sampling_params, len(conversations)),
+        )
 
     def shutdown(self) -> None:
         """Stop the engine and release what it holds (worker ranks); safe to call twice."""
@@ -116,29 +139,42 @@ class LLM:
     def __exit__(self, *exc_info) -> None:
         self.shutdown()
 
-    def _next_id(self) -> str:
-        return f"llm-{next(self._ids)}"
-
-    def _run(self, requests: list[GenerationRequest]) -> list[RequestOutput]:
+    def _run(
+        self, prompts: list[dict[str, Any]], params: list[SamplingParams]
+    ) -> list[RequestOutput]:
+        """One engine request per choice of each prompt; the outputs grouped back."""
+        results, requests, slots = [], [], []
+        for prompt, sampling in zip(prompts, params):
+            request_id = f"llm-{next(self._ids)}"
+            choices = sampling.choices()
+            result = RequestOutput(
+                request_id=request_id,
+                prompt=prompt.get("prompt"),
+                prompt_token_ids=list(prompt.get("prompt_token_ids") or []),
+                outputs=[CompletionOutput(index=j) for j in range(len(choices))],
+            )
+            results.append(result)
+            for j, choice in enumerate(choices):
+                rid = request_id if len(choices) == 1 else f"{request_id}-{j}"
+                requests.append(GenerationRequest(request_id=rid, sampling=choice, **prompt))
+                slots.append((result, result.outputs[j]))
         if not requests:
-            return []
+            return results
         engine = capabilities(self.engine)
         if engine.can_generate_all:  # a local engine: no event loop needed
-            results = [_empty_result(request) for request in requests]
-            for result, output in zip(results, engine.generate_all(requests)):
-                _merge(result, output)
+            for (result, choice), output in zip(slots, engine.generate_all(requests)):
+                _merge(result, choice, output)
             return results
 
-        async def run_all() -> list[RequestOutput]:
-            return list(await asyncio.gather(*(self._collect(r) for r in requests)))
+        async def collect(request: GenerationRequest, result, choice) -> None:
+            async for output in self.engine.generate(request):
+                _merge(result, choice, output)
 
-        return _run_sync(run_all())
+        async def run_all() -> None:
+            await asyncio.gather(*(collect(r, *slot) for r, slot in zip(requests, slots)))
 
-    async def _collect(self, request: GenerationRequest) -> RequestOutput:
-        result = _empty_result(request)
-        async for output in self.engine.generate(request):
-            _merge(result, output)
-        return result
+        _run_sync(run_all())
+        return results
 
 
 def checked_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -156,26 +192,15 @@ def checked_options(options: dict[str, Any]) -> dict[str, Any]:
     return checked
 
 
-def _empty_result(request: GenerationRequest) -> RequestOutput:
-    return RequestOutput(
-        request_id=request.request_id,
-        prompt=request.prompt,
-        prompt_token_ids=list(request.prompt_token_ids or []),
-        text="",
-        token_ids=[],
-        finish_reason=None,
-    )
-
-
-def _merge(result: RequestOutput, output: GenerationOutput) -> None:
+def _merge(result: RequestOutput, choice: CompletionOutput, output: GenerationOutput) -> None:
     if output.prompt_token_ids is not None:
         result.prompt_token_ids = list(output.prompt_token_ids)
-    result.text += output.text
-    result.token_ids.extend(output.token_ids)
+    choice.text += output.text
+    choice.token_ids.extend(output.token_ids)
     if output.logprobs is not None:
-        result.logprobs = (result.logprobs or []) + output.logprobs
+        choice.logprobs = (choice.logprobs or []) + output.logprobs
     if output.finished:
-        result.finish_reason = output.finish_reason
+        choice.finish_reason = output.finish_reason
 
 
 def _per_prompt(

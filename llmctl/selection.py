@@ -131,7 +131,10 @@ def select(
         log.warning(warning)
     for note in choice.notes:
         log.info(note)
-    log.info("backend %s chosen for %s", choice.backend.name, info.name)
+    # Said only when llmctl chose: a named backend is the user's own choice, and a tool
+    # that opens several engines on it (``bench quality``) would repeat the line for each.
+    if choice.values.get("backend") == AUTO:
+        log.info("backend %s chosen for %s", choice.backend.name, info.name)
     return choice
 
 

@@ -44,6 +44,7 @@ class RemoteConnection:
         # llmctl's server says whether the model has a chat template; other servers do
         # not (they refuse chat messages instead, which ChatSession.ask handles).
         self.has_chat_template = entry.get("chat_template") is not False
+        self._continuous_usage = True  # until the server refuses it (see stream)
         # No read timeout: an answer may wait in the server's queue before its first token.
         self.client = httpx.AsyncClient(
             base_url=self.base_url,
@@ -58,37 +59,48 @@ class RemoteConnection:
         messages: list[dict[str, str]] | None = None,
         prompt: str | None = None,
     ) -> AsyncIterator[Delta]:
-        body: dict[str, Any] = {
-            "model": self.model_name,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            **_sampling_fields(sampling),
-        }
-        if messages is not None:
-            path, body["messages"] = "/v1/chat/completions", messages
-        else:
-            path, body["prompt"] = "/v1/completions", prompt
-        try:
-            # Leaving this block closes the HTTP stream, which tells the server to stop.
-            async with self.client.stream("POST", path, json=body) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    message = _error_text(response)
-                    if (
-                        response.status_code == 400
-                        and messages is not None
-                        and "no chat template" in message.lower()
-                    ):
-                        raise NoChatTemplate(message)
-                    raise ServerError(
-                        _http_error(self.base_url, response.status_code, message),
-                        code=_error_code(response),
-                    )
-                async with aclosing(_sse_events(response)) as events:
-                    async for event in events:
-                        yield chunk_delta(event)
-        except httpx.HTTPError as exc:
-            raise ServerError(f"lost the connection to {self.base_url}: {exc}") from None
+        # vLLM's and llmctl's continuous_usage_stats put the usage on every chunk, so an
+        # answer stopped with Ctrl-C still counts tokens; a server that refuses the field
+        # is asked once more without it (then a stopped answer counts chunks).
+        while True:
+            body: dict[str, Any] = {
+                "model": self.model_name,
+                "stream": True,
+                "stream_options": {
+                    "include_usage": True,
+                    **({"continuous_usage_stats": True} if self._continuous_usage else {}),
+                },
+                **_sampling_fields(sampling),
+            }
+            if messages is not None:
+                path, body["messages"] = "/v1/chat/completions", messages
+            else:
+                path, body["prompt"] = "/v1/completions", prompt
+            try:
+                # Leaving this block closes the HTTP stream, which tells the server to stop.
+                async with self.client.stream("POST", path, json=body) as response:
+                    if response.status_code != 200:
+                        await response.aread()
+                        message = _error_text(response)
+                        if self._continuous_usage and "continuous_usage_stats" in message:
+                            self._continuous_usage = False
+                            continue
+                        if (
+                            response.status_code == 400
+                            and messages is not None
+                            and "no chat template" in message.lower()
+                        ):
+                            raise NoChatTemplate(message)
+                        raise ServerError(
+                            _http_error(self.base_url, response.status_code, message),
+                            code=_error_code(response),
+                        )
+                    async with aclosing(_sse_events(response)) as events:
+                        async for event in events:
+                            yield chunk_delta(event)
+                    return
+            except httpx.HTTPError as exc:
+                raise ServerError(f"lost the connection to {self.base_url}: {exc}") from None
 
     async def stats(self) -> list[tuple[str, str]]:
         try:

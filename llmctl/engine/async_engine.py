@@ -73,6 +73,14 @@ async def stream_until_finished(
             abort()
 
 
+async def joined(thread: threading.Thread) -> None:
+    """Wait for ``thread`` to end without blocking the event loop. It polls rather than
+    join on ``asyncio.to_thread``: shutdowns use it, and an ``LLM`` dropped at interpreter
+    exit is shut down by its finalizer after Python has closed its thread pools to work."""
+    while thread.is_alive():
+        await asyncio.sleep(0.005)
+
+
 class _Stream:
     """What one asyncio consumer receives: items appended on its event loop, and the
     future it waits on while there are none."""
@@ -346,8 +354,8 @@ class AsyncEngine(EngineCapabilities):
         with self._lock:
             self._stopping = True
             self._lock.notify()
-        await asyncio.to_thread(self._thread.join)
-        await asyncio.to_thread(self.engine.runner.close)
+        await joined(self._thread)
+        self.engine.runner.close()  # at shutdown nothing else waits on this loop
 
     def _prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         if request.prompt_token_ids is not None:

@@ -6,7 +6,7 @@ Kept free of torch so the server and the CLI can build them without heavy import
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from annotated_types import Interval
@@ -17,6 +17,7 @@ from llmctl.errors import InvalidRequest
 # against it and the server publishes it in its OpenAPI schema (pydantic reads
 # ``annotated_types`` constraints). An int bound reads "at least N" in messages.
 BOUNDS: dict[str, Interval] = {
+    "n": Interval(ge=1),
     "max_tokens": Interval(ge=1),
     "temperature": Interval(ge=0.0),
     "top_p": Interval(gt=0.0, le=1.0),
@@ -71,10 +72,12 @@ class SamplingParams:
 
     ``temperature`` under 1e-5 (0 included) means greedy. ``top_k <= 0`` disables
     top-k. ``max_tokens=None`` means "until the session is full" (OpenAI's chat
-    default); the engine fills it in. Every value is checked in ``__post_init__``; a bad
+    default); the engine fills it in. ``n`` choices per prompt run as ``n`` engine
+    requests (``choices()``); the engine itself sees one each. Every value is checked in ``__post_init__``; a bad
     one raises ``InvalidRequest`` naming the field in ``param``.
     """
 
+    n: int = 1
     max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -129,6 +132,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    def choices(self) -> list[SamplingParams]:
+        """The ``n`` single-choice params one prompt runs as. Choice ``j`` of a seeded
+        request uses seed + j, so the choices differ yet the whole result reproduces."""
+        return [
+            replace(self, n=1, seed=None if self.seed is None else self.seed + j)
+            for j in range(self.n)
+        ]
 
 
 def _within(value: Any, bounds: Interval) -> bool:

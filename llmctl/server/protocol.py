@@ -85,6 +85,11 @@ Prompt = (
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(
+        False,
+        description="vLLM's: with include_usage, every chunk carries the usage so far "
+        "(a client stopped mid-stream still knows its token count).",
+    )
 
 
 class _GenerationFields(Strict):
@@ -134,6 +139,10 @@ class _GenerationFields(Strict):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
     def structured_spec(self) -> StructuredOutput | None:
         """The grammar the output must follow (``None``: free text)."""

@@ -91,6 +91,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         stream=body.stream,
         n=body.n,
         grammar_param=body.structured_param,
+        continuous_usage=body.continuous_usage,
     )
 
 
@@ -134,6 +135,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         stream=body.stream,
         n=body.n,
         grammar_param=body.structured_param,
+        continuous_usage=body.continuous_usage,
     )
 
 
@@ -170,14 +172,11 @@ def _check_session_bounds(state: ServerState, body: CompletionRequest | ChatComp
 def _engine_requests(
     response_id: str, prompts: list[dict[str, Any]], sampling: SamplingParams, n: int
 ) -> list[GenerationRequest]:
-    """``n`` engine requests per prompt; choice ``j`` of a seeded request uses seed + j,
-    so the choices differ yet the whole response reproduces."""
+    """``n`` engine requests per prompt (``SamplingParams.choices``), ids in choice order."""
+    choices = dataclasses.replace(sampling, n=n).choices()
     requests = []
     for prompt in prompts:
-        for j in range(n):
-            params = sampling
-            if sampling.seed is not None and j:
-                params = dataclasses.replace(sampling, seed=sampling.seed + j)
+        for params in choices:
             index = len(requests)
             requests.append(
                 GenerationRequest(request_id=f"{response_id}-{index}", sampling=params, **prompt)
@@ -194,6 +193,7 @@ async def _respond(
     stream: bool,
     n: int,
     grammar_param: str | None = None,
+    continuous_usage: bool = False,
 ) -> Response:
     arrived_at = time.monotonic()
     _log_start(state, formatter.id, requests)
@@ -211,7 +211,9 @@ async def _respond(
 
     if stream:
         return EventStreamResponse(
-            _events(generation, formatter, n), on_close=finish, send_timeout=state.client_timeout
+            _events(generation, formatter, n, continuous_usage),
+            on_close=finish,
+            send_timeout=state.client_timeout,
         )
     try:
         result = await unless_disconnected(request, _collect(generation, formatter, n))
@@ -246,11 +248,20 @@ async def _begin(
         raise
 
 
-async def _events(generation: GenerationStream, formatter: Formatter, n: int) -> AsyncIterator[str]:
+async def _events(
+    generation: GenerationStream, formatter: Formatter, n: int, continuous_usage: bool
+) -> AsyncIterator[str]:
+    sent = [0] * len(generation.requests)  # each choice's tokens in the chunks so far
     try:
         async for index, output in generation.outputs():
+            sent[index] = output.completion_tokens
             chunk = formatter.stream_chunk(index, output)
             if chunk is not None:
+                if continuous_usage:  # the tokens sent, not those the engine is ahead by
+                    usage = generation.usage(n)
+                    usage["completion_tokens"] = sum(sent)
+                    usage["total_tokens"] = usage["prompt_tokens"] + sum(sent)
+                    chunk["usage"] = usage
                 yield sse_event(chunk)
         if formatter.include_usage:
             yield sse_event(formatter.usage_chunk(generation.usage(n)))

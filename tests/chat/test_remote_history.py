@@ -101,3 +101,33 @@ def test_a_message_too_long_on_its_own_is_refused_and_leaves_no_trace(stories: P
         with pytest.raises(InvalidRequest):
             asyncio.run(session.ask(" ".join(LINES * 3), lambda piece: None))
         assert [m["content"] for m in session.turns if m["role"] == "user"] == [LINES[0]]
+
+
+def test_an_answer_stopped_with_ctrl_c_counts_tokens(stories_server: str) -> None:
+    """The server's usage rides on every chunk (continuous_usage_stats), so an answer
+    cut short still reports tokens, not chunks."""
+    from tests.chat.conftest import API_KEY
+
+    session = ChatSession(
+        RemoteConnection(stories_server, api_key=API_KEY),
+        SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
+        notes=Console(file=io.StringIO()),
+    )
+    pieces: list[str] = []
+
+    def write_then_stop(piece: str) -> None:
+        pieces.append(piece)
+        if len(pieces) == 5:  # Ctrl-C: the terminal cancels the task that streams
+            asyncio.current_task().cancel()
+
+    async def run():
+        try:
+            return await session.ask("Once upon a time", write_then_stop)
+        finally:
+            await session.connection.close()
+
+    answer = asyncio.run(run())
+    assert answer.finish_reason is None  # stopped
+    assert answer.exact_count and 5 <= answer.tokens < 64
+    assert answer.summary().startswith(f"{answer.tokens} tokens in ")
+    assert "chunks" not in answer.summary()

@@ -88,6 +88,36 @@ def test_streamed_completion_equals_whole_one(
     assert usage_chunk.usage.prompt_tokens == len(case["prompt_ids"])
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(
+    server: Server, model: str, reference: list[dict], n: int
+) -> None:
+    """vLLM's extra: each chunk's usage counts the tokens sent up to it, so a client that
+    stops reading knows its count; the last chunk is still the whole usage."""
+    case = reference[0]
+    chunks = list(
+        sync_client(server).completions.create(
+            model=model,
+            prompt=case["prompt"],
+            max_tokens=12,
+            temperature=0,
+            n=n,
+            stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": True},
+        )
+    )
+    text_chunks, usage_chunk = chunks[:-1], chunks[-1]
+    prompt_tokens = len(case["prompt_ids"])
+    counts = [chunk.usage.completion_tokens for chunk in text_chunks]
+    for chunk in text_chunks:
+        assert chunk.usage.prompt_tokens == prompt_tokens
+        assert chunk.usage.total_tokens == prompt_tokens + chunk.usage.completion_tokens
+    # From the first token, growing with the chunks, to the whole count.
+    assert counts[0] >= 1 and counts == sorted(counts) and counts[-1] == 12 * n
+    assert len(set(counts)) > 2  # counted as they came, not only at the end
+    assert usage_chunk.usage.completion_tokens == 12 * n
+
+
 def test_async_chat_streaming_and_whole(server: Server, model: str, reference: list[dict]) -> None:
     """stories260K has no chat template: the engine continues the message text."""
     case = reference[0]

@@ -14,7 +14,6 @@ engines; so any event loop may use the engine.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
@@ -255,7 +254,9 @@ class TransformersEngine(EngineCapabilities):
             in_flight = list(self._requests)
         for request_id in in_flight:
             self._abort(request_id)
-        await asyncio.to_thread(self._stop_threads)
+        # Called on this loop, not asyncio.to_thread: the API's finalizer runs this at
+        # interpreter exit, when Python's thread pools refuse work (see ``joined``).
+        self._stop_threads()
 
     # -- the caller's side --------------------------------------------------------------
 
@@ -355,7 +356,10 @@ class TransformersEngine(EngineCapabilities):
             pass
 
     def _stop_threads(self) -> None:
-        self.manager.stop(block=True, hard_stop=True)
+        # At interpreter exit transformers' loop has already ended by itself (it watches
+        # the main thread), and stopping it again only logs a warning.
+        if self.manager.is_running():
+            self.manager.stop(block=True, hard_stop=True)
         self._router.join()
         self.manager.destroy()
 

@@ -13,7 +13,6 @@ continuous-batching engine's (``requests.admit``).
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -24,7 +23,7 @@ import torch
 import transformers
 
 from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest
-from llmctl.engine.async_engine import stream_until_finished
+from llmctl.engine.async_engine import joined, stream_until_finished
 from llmctl.errors import InvalidRequest
 from llmctl.model.tokenizer import Tokenizer
 from llmctl_transformers.requests import admit
@@ -115,7 +114,7 @@ class PlainGenerateEngine:
                 _deliver(state, state.aborted())
             self._waiting.clear()
             self._lock.notify()
-        await asyncio.to_thread(self._worker.join)
+        await joined(self._worker)
 
     # -- the worker thread --------------------------------------------------------------
 
