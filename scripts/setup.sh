@@ -20,6 +20,22 @@ if [ -d plugins/llmctl-openai-proxy ]; then
 fi
 if [ -d plugins/llmctl-transformers ]; then
     pip install -q -e plugins/llmctl-transformers
+    # The oldest transformers the plugin declares, beside the newest: its tests also run
+    # against it (tests/plugins/test_transformers_oldest.py puts this folder first on
+    # PYTHONPATH). --no-deps: the rest of the environment serves both.
+    oldest=$(python - <<'PY'
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+
+for requirement in map(Requirement, requires("llmctl-transformers")):
+    if requirement.name == "transformers":
+        print(next(s.version for s in requirement.specifier if s.operator == ">="))
+PY
+)
+    if ! ls -d .venv/oldest-transformers/transformers-"$oldest"*.dist-info >/dev/null 2>&1; then
+        rm -rf .venv/oldest-transformers
+        pip install -q --no-deps --target .venv/oldest-transformers "transformers==$oldest"
+    fi
 fi
 # Build turbo's native ops ahead of time (cached; otherwise they build on first use).
 llmctl backends build turbo || echo "turbo could not be built; llmctl falls back to torch"

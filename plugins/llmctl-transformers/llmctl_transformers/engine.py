@@ -28,7 +28,6 @@ from transformers.generation.continuous_batching.utils import (
     find_head_dim,
     find_num_key_value_heads,
 )
-from transformers.generation.continuous_batching.utils import logger as cb_logger
 
 from llmctl.backend import (
     EngineCapabilities,
@@ -48,6 +47,10 @@ from llmctl.model.tokenizer import Tokenizer
 from llmctl_transformers.config import TransformersConfig
 from llmctl_transformers.requests import RequestState, admit
 from llmctl_transformers.sampling import ENGINE_SAMPLING, processor_kwargs
+
+# transformers' continuous-batching logger, by its name: the module holding it moved
+# between releases (requests.py in 5.18, utils.py later).
+CB_LOGGER = logging.getLogger("ContinuousBatchingLogger")
 
 logger = logging.getLogger("llmctl")
 
@@ -378,7 +381,7 @@ def _probe_continuous_batching(manager: Any) -> str | None:
     """Generate one token before serving: some architectures cannot run transformers'
     continuous batching (GPT-NeoX in 5.24). That is found here, never at a user's request;
     the error (``None``: it runs), with the manager stopped."""
-    with _quiet(cb_logger):
+    with _quiet(CB_LOGGER):
         manager.add_request([0], request_id=SELF_TEST_ID, max_new_tokens=1, eos_token_id=[])
         while (result := manager.get_result(timeout=POLL_S)) is None:
             if not manager.is_running():

@@ -20,8 +20,10 @@ from llmctl_transformers.config import (
     TransformersConfig,
 )
 
-# The first transformers with this continuous-batching API (page_size replaced block_size).
-MIN_TRANSFORMERS = (5, 17)
+# The first transformers with this continuous-batching API (page_size replaced block_size;
+# find_head_dim and find_num_key_value_heads in its utils), as pyproject.toml declares:
+# tests/plugins/test_transformers_oldest.py runs the plugin's tests against it.
+MIN_TRANSFORMERS = (5, 18)
 
 
 class _CausalLMArchitectures:
@@ -50,11 +52,11 @@ class TransformersBackend(Backend):
     last_resort = True  # slower than the native engines: never taken for an option value
 
     def check_hardware(self, hardware: Hardware) -> list[str]:
+        wanted = ".".join(map(str, MIN_TRANSFORMERS))
         if importlib.util.find_spec("transformers") is None:
-            return ["transformers is not installed (pip install 'transformers>=5.17')"]
+            return [f"transformers is not installed (pip install 'transformers>={wanted}')"]
         version = importlib.metadata.version("transformers")
         if _release(version) < MIN_TRANSFORMERS:
-            wanted = ".".join(map(str, MIN_TRANSFORMERS))
             return [
                 f"transformers {version} is too old for this backend: it needs the "
                 f"continuous-batching API of transformers >= {wanted} "
