@@ -301,10 +301,17 @@ CUDA_GRAPHS_RULE = OptionRule(
 
 
 def _speculative_method_problem(value: Any, options: Mapping[str, Any], hw: Hardware) -> str | None:
-    if value == "draft":
+    if value != "draft":
+        return None
+    if not options.get("speculative_model"):
         return (
-            "speculative_method=draft is not available yet (no draft-model proposer); "
-            "use speculative_method=ngram"
+            "speculative_method=draft needs speculative_model: a small model that shares "
+            "this model's tokenizer (or use speculative_method=ngram)"
+        )
+    if options.get("tensor_parallel_size", 1) > 1:
+        return (
+            "speculative_method=draft runs the draft model unsharded, so not with "
+            "tensor_parallel_size > 1; use speculative_method=ngram"
         )
     return None
 
@@ -316,14 +323,22 @@ def _ngram_min_problem(value: Any, options: Mapping[str, Any], hw: Hardware) -> 
 
 
 def _speculative_method_note(value: Any, options: Mapping[str, Any], hw: Hardware) -> str | None:
-    """What n-gram speculation does here, as ``config show --explain`` prints it."""
-    if value != "ngram":
+    """What speculation does here, as ``config show --explain`` prints it."""
+    tokens = options.get("num_speculative_tokens", 4)
+    if value == "ngram":
+        note = (
+            f"prompt lookup proposes up to {tokens} tokens per step (suffixes of "
+            f"{options.get('ngram_min', 1)}-{options.get('ngram_max', 4)} tokens), verified "
+            "in one step; greedy output unchanged"
+        )
+    elif value == "draft":
+        note = (
+            f"the draft model {options.get('speculative_model')} proposes up to {tokens} "
+            "tokens per step (its greedy tokens, over its own paged cache), verified in one "
+            "step; output unchanged"
+        )
+    else:
         return None
-    note = (
-        f"prompt lookup proposes up to {options.get('num_speculative_tokens', 4)} tokens "
-        f"per step (suffixes of {options.get('ngram_min', 1)}-{options.get('ngram_max', 4)} "
-        "tokens), verified in one step; greedy output unchanged"
-    )
     if hw.device_for(options.get("device", "auto")) == "cuda":
         note += "; on CUDA steps no longer overlap and verification steps run eagerly"
     return note
@@ -333,7 +348,8 @@ def _speculative_method_note(value: Any, options: Mapping[str, Any], hw: Hardwar
 SPECULATIVE_RULES = (
     OptionRule(
         "speculative_method",
-        "`none` or `ngram` (verified in one step over the paged cache); no `draft` yet",
+        "`none`, `ngram` or `draft` (with speculative_model, not with tensor parallelism); "
+        "verified in one step over the paged cache",
         _speculative_method_problem,
         note=_speculative_method_note,
     ),

@@ -24,14 +24,16 @@ Extra = TypeVar("Extra")
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding (``llmctl.engine.speculative``): ``method`` ``none`` or
-    ``ngram``; up to ``num_tokens`` proposed per step, from suffixes of ``ngram_min`` to
-    ``ngram_max`` tokens."""
+    """Speculative decoding (``llmctl.engine.speculative``): ``method`` ``none``,
+    ``ngram`` or ``draft``; up to ``num_tokens`` proposed per step, by n-gram lookup
+    (suffixes of ``ngram_min`` to ``ngram_max`` tokens) or by the draft model ``model``
+    (a model argument, as the CLI takes it: ``llmctl.engine.draft``)."""
 
     method: str = "none"
     num_tokens: int = 4
     ngram_max: int = 4
     ngram_min: int = 1
+    model: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -96,6 +98,7 @@ class EngineConfig(Generic[Extra]):
                 num_tokens=options.get("num_speculative_tokens", 4),
                 ngram_max=options.get("ngram_max", 4),
                 ngram_min=options.get("ngram_min", 1),
+                model=options.get("speculative_model"),
             ),
             extra=extra,
         )

@@ -30,6 +30,7 @@ from llmctl.backend import GenerationOutput, TokenLogprob
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.config import EngineConfig
 from llmctl.engine.detokenizer import IncrementalDetokenizer
+from llmctl.engine.draft import DraftModel
 from llmctl.engine.faults import FaultPlan
 from llmctl.engine.request_rules import finish_reason, validate_request
 from llmctl.engine.runner import ModelRunner
@@ -84,9 +85,14 @@ class LLMEngine:
         eos_token_ids: tuple[int, ...] = (),
         vocab_size: int | None = None,
         overlap: bool | None = None,
+        draft_runner: ModelRunner | None = None,
     ) -> None:
+        """``draft_runner``: the draft model of ``speculative_method=draft``, its cache
+        allocated with as many blocks as ``runner``'s (``llmctl.engine.draft``)."""
         if runner.num_blocks < 1:
             raise ValueError("the runner's KV cache must be allocated before the engine starts")
+        if draft_runner is not None and draft_runner.num_blocks != runner.num_blocks:
+            raise ValueError("the draft model's KV cache must have the target's blocks")
         self.runner = runner
         self.tokenizer = tokenizer
         self.block_size = runner.block_size
@@ -106,7 +112,10 @@ class LLMEngine:
         self.overlap = runner.device.type == "cuda" if overlap is None else overlap
         self.speculator: Speculator | None = None
         if config.speculation.enabled:
-            self.speculator = Speculator(config.speculation, self.sampler)
+            draft = None
+            if draft_runner is not None:
+                draft = DraftModel(draft_runner, vocab_size or tokenizer.vocab_size)
+            self.speculator = Speculator(config.speculation, self.sampler, draft)
             # Proposals are read from each request's tokens, which must be on the host.
             self.overlap = False
         self._in_flight: tuple[ScheduledStep, SampledBatch] | None = None
@@ -205,6 +214,9 @@ class LLMEngine:
             if self.has_unfinished():  # validation guarantees every request fits alone
                 raise RuntimeError("the scheduler could not run any waiting request")
             return outputs
+        drafting = perf_counter()
+        if self.speculator is not None:
+            self.speculator.fill_proposals(step)  # a draft model's, once blocks are there
         scheduled = perf_counter()
         batch = self.scheduler.batches.build(step)
         masks = self._start_masks(step)
@@ -222,7 +234,9 @@ class LLMEngine:
         except Exception as exc:
             raise StepFailed([seq.request_id for seq in step.seqs], outputs) from exc
         if self.speculator is not None and (step.proposed or batch.is_decode):
-            self.speculator.step_seconds(perf_counter() - launched, bool(step.proposed))
+            # A verification step costs its drafting too (what adaptive stopping weighs).
+            cost = perf_counter() - launched + (scheduled - drafting if step.proposed else 0.0)
+            self.speculator.step_seconds(cost, bool(step.proposed))
         previous, self._in_flight = self._in_flight, (step, sampled)
         profile.steps += 1
         profile.scheduled_seqs += len(step.seqs)

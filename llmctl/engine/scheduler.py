@@ -354,6 +354,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self._repeatable = None
         seq.proposal = []
+        seq.draft_computed = 0  # its blocks go: when it runs again, the draft starts over
         self.block_manager.free(seq)
         self.batches.release(seq)
         seq.status = SequenceStatus.WAITING

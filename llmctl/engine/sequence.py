@@ -58,6 +58,7 @@ class Sequence:
         "num_cached_tokens",
         "proposal",
         "speculation",
+        "draft_computed",
     )
 
     def __init__(
@@ -105,6 +106,9 @@ class Sequence:
         # token and verified by it), and the request's counts (llmctl.engine.speculative).
         self.proposal: list[int] = []
         self.speculation: Any = None
+        # Tokens whose K/V the draft model holds (speculative_method=draft): never more
+        # than num_computed_tokens counts (llmctl.engine.draft).
+        self.draft_computed = 0
 
     @property
     def num_tokens(self) -> int:

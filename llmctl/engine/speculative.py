@@ -2,7 +2,8 @@
 
 A decoding sequence normally feeds one token per step. With ``speculative_method=ngram``
 the engine first looks for its last few tokens earlier in its own text (prompt lookup,
-``propose_ngram``) and feeds the tokens that followed there as well: the step then
+``propose_ngram``) and feeds the tokens that followed there as well (with
+``speculative_method=draft`` a small model writes them: ``llmctl.engine.draft``): the step then
 computes the target model's logits at every one of those k + 1 positions (the runner's
 ``logits_indices``), and ``verify`` keeps the longest run of proposals the model agrees
 with, plus one token of its own (the "bonus": the model's token after the last accepted
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 
 from llmctl.engine.config import SpeculativeConfig
+from llmctl.engine.draft import DraftModel
 from llmctl.engine.sampler import (
     SampledToken,
     Sampler,
@@ -43,6 +45,7 @@ from llmctl.engine.sampler import (
     mask_stops_before_min_tokens,
 )
 from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.scheduler import ScheduledStep
 from llmctl.engine.sequence import Sequence
 from llmctl.engine.step_profile import SpeculationStats
 
@@ -52,6 +55,10 @@ from llmctl.engine.step_profile import SpeculationStats
 # CPU a 5-token step of a 24M Llama costs about one 1-token step (memory-bound), one of
 # stories260K about two (overhead-bound).
 ADAPTIVE_MIN_STEPS = 4
+# A verification step never costs less than a plain one (it feeds more tokens, and a
+# draft model's steps come on top), whatever a noisy measurement says: a request must
+# gain this much per step to go on proposing.
+MIN_COST_RATIO = 1.05
 # Weight of the newest step in the running means of the two kinds of step's time.
 STEP_TIME_WEIGHT = 0.05
 
@@ -98,11 +105,17 @@ class SpecState:
 
 
 class Speculator:
-    """Proposes tokens for decoding sequences and verifies them after the model step."""
+    """Proposes tokens for decoding sequences and verifies them after the model step.
+    With a ``draft`` model (``speculative_method=draft``) the proposals are placeholders
+    until the step is scheduled: ``fill_proposals`` has the draft write them into the
+    blocks the scheduler allocated."""
 
-    def __init__(self, config: SpeculativeConfig, sampler: Sampler) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, sampler: Sampler, draft: DraftModel | None = None
+    ) -> None:
         self.config = config
         self.sampler = sampler
+        self.draft = draft
         self.stats = SpeculationStats()
         # Running means of a step's time (model call and sampling or verification), for
         # steps that verify proposals and for one-token decode steps.
@@ -120,10 +133,11 @@ class Speculator:
 
     @property
     def cost_ratio(self) -> float:
-        """A verification step's time in one-token steps (1 until both are measured)."""
+        """A verification step's time in one-token steps, at least ``MIN_COST_RATIO``
+        (also until both are measured: with a draft model every decode step proposes)."""
         if not self._verify_seconds or not self._decode_seconds:
-            return 1.0
-        return self._verify_seconds / self._decode_seconds
+            return MIN_COST_RATIO
+        return max(self._verify_seconds / self._decode_seconds, MIN_COST_RATIO)
 
     def propose(self, seqs: list[Sequence]) -> bool:
         """Set ``seq.proposal`` for every running sequence; whether any got tokens.
@@ -147,11 +161,28 @@ class Speculator:
             room = min(config.num_tokens, seq.sampling.max_tokens - seq.num_output_tokens - 1)
             if room <= 0:
                 continue
-            proposal = propose_ngram(seq.token_ids, config.ngram_min, config.ngram_max, room)
+            if self.draft is not None:  # room for the draft's tokens (fill_proposals)
+                proposal = [seq.token_ids[-1]] * room
+            else:
+                proposal = propose_ngram(seq.token_ids, config.ngram_min, config.ngram_max, room)
             if proposal:
                 seq.proposal = proposal
                 any_proposed = True
         return any_proposed
+
+    def fill_proposals(self, step: ScheduledStep) -> None:
+        """A draft model's tokens in place of the placeholders of the step's proposing
+        rows, as many as the scheduler kept for each (in the proposals and the step's
+        input ids: each row feeds its last token, then its proposals)."""
+        if self.draft is None or not step.proposed:
+            return
+        rows = list(step.proposed)
+        self.draft.fill([step.seqs[i] for i in rows], [step.proposed[i] for i in rows])
+        starts = np.cumsum([0, *step.num_new_tokens])
+        for i in rows:
+            proposal = step.proposed[i]
+            first = int(starts[i]) + 1
+            step.input_ids[first : first + len(proposal)] = proposal
 
     def verify(
         self, seq: Sequence, proposal: list[int], logits: torch.Tensor

@@ -1,7 +1,10 @@
-"""n-gram speculative decoding on both native backends (CPU), on random tiny Llama,
-Qwen2 (q/k/v biases) and Mistral (one KV head) models: greedy tokens equal those without
-speculation, token for token, for block sizes 16, 64 and 128, with the prefix cache, and
-under a KV budget so small that requests preempt each other; the KV blocks all come back.
+"""Speculative decoding on both native backends (CPU), n-gram and draft-model proposals,
+on random tiny Llama, Qwen2 (q/k/v biases) and Mistral (one KV head) models: greedy
+tokens equal those without speculation, token for token, for block sizes 16, 64 and 128,
+with the prefix cache, and under a KV budget so small that requests preempt each other;
+the KV blocks all come back. A draft model that is the target itself has every proposal
+accepted; another one (same tokenizer) changes nothing of the output; one with another
+tokenizer is refused, naming both vocabularies.
 A verification step's logits at every position equal a plain step's (the runners'
 ``logits_indices``)."""
 
@@ -143,7 +146,11 @@ def test_backend_rules_take_ngram_and_refuse_what_they_cannot_do():
         rules = backends[name]
         assert rules.option_errors(ngram, cpu) == {}
         draft = rules.option_errors({"speculative_method": "draft"}, cpu)
-        assert "not available yet" in draft["speculative_method"]
+        assert "needs speculative_model" in draft["speculative_method"]
+        with_model = {"speculative_method": "draft", "speculative_model": "/m"}
+        assert rules.option_errors(with_model, cpu) == {}
+        sharded = rules.option_errors({**with_model, "tensor_parallel_size": 2}, cpu)
+        assert "tensor_parallel_size > 1" in sharded.get("speculative_method", ""), sharded
         swapped = rules.option_errors({**ngram, "ngram_min": 5}, cpu)
         assert "ngram_min (5) must not be larger than ngram_max (4)" in swapped["ngram_min"]
         model = rules.option_errors({**ngram, "speculative_model": "/m"}, cpu)
@@ -151,3 +158,76 @@ def test_backend_rules_take_ngram_and_refuse_what_they_cannot_do():
     if "transformers" in backends:
         refused = backends["transformers"].option_errors(ngram, cpu)
         assert "no speculative decoding" in refused["speculative_method"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "draft_kind", "block_size"),
+    [("llama3-rope", "same", 16), ("qwen2", "llama-mqa", 64), ("mistral-one-kv-head", "same", 128)],
+)
+def test_draft_model_greedy_tokens_equal_without_speculation(
+    tiny_model_dir, tmp_path, backend, kind, draft_kind, block_size
+):
+    from tests.helpers.tiny_models import make_tiny_model
+
+    model_dir = tiny_model_dir(kind)
+    draft = model_dir if draft_kind == "same" else make_tiny_model(tmp_path, draft_kind, seed=5)
+    prompts = repetitive_prompts(block_size + 1, 7)
+    params = SamplingParams(max_tokens=40, temperature=0)
+    want, _, _ = generate(model_dir, backend, prompts, params, cache_block_seq_len=block_size)
+    got, stats, _ = generate(
+        model_dir,
+        backend,
+        prompts,
+        params,
+        cache_block_seq_len=block_size,
+        speculative_method="draft",
+        speculative_model=str(draft),
+        num_speculative_tokens=4,
+    )
+    assert got == want
+    assert stats.proposed > 0
+    if draft_kind == "same":  # the target's own argmax: every proposal is accepted
+        assert stats.accepted == stats.proposed, stats
+
+
+def test_draft_model_under_preemption(tiny_model_dir, backend):
+    """Preempted sequences lose their blocks, the draft's K/V with them: it starts over."""
+    model_dir = tiny_model_dir("qwen2")
+    prompts = repetitive_prompts(11, 9)
+    params = SamplingParams(max_tokens=48, temperature=0)
+    options = dict(cache_block_seq_len=16, cache_max_entry_count=8, session_len=128)
+    want, _, _ = generate(model_dir, backend, prompts, params, **options)
+    got, stats, preemptions = generate(
+        model_dir,
+        backend,
+        prompts,
+        params,
+        speculative_method="draft",
+        speculative_model=str(model_dir),
+        **options,
+    )
+    assert got == want
+    assert preemptions > 0 and stats.accepted == stats.proposed > 0
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(tiny_model_dir, tmp_path):
+    import shutil
+
+    from llmctl.errors import OptionError
+    from tests.helpers.trained_tokenizers import trained
+
+    model_dir = tiny_model_dir("llama3-rope")
+    draft = shutil.copytree(model_dir, tmp_path / "draft")
+    other = trained("metaspace")  # a BPE of its own: 300 tokens, other ids
+    other.hf_tokenizer.save(str(draft / "tokenizer.json"))
+    with pytest.raises(OptionError) as refused:
+        LLM(
+            str(model_dir),
+            backend="torch",
+            device="cpu",
+            speculative_method="draft",
+            speculative_model=str(draft),
+        )
+    message = str(refused.value)
+    assert "does not share the model's tokenizer" in message
+    assert f"has {other.vocab_size} tokens, the model's 512" in message, message

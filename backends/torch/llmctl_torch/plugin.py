@@ -51,6 +51,7 @@ class TorchBackend(Backend):
         sharded = []  # the tensor-parallel runner, once loaded
 
         def load_runner(
+            loaded: ModelInfo,
             model_config: ModelConfig,
             config: TorchConfig,
             dtype: str,
@@ -59,12 +60,13 @@ class TorchBackend(Backend):
         ) -> TorchModelRunner:
             if config.extra.tensor_parallel_size == 1:
                 return TorchModelRunner(
-                    model.path,
+                    loaded.path,
                     model_config,
                     dtype=dtype,
                     device=device,
                     block_size=config.block_size,
-                    adapters=config.extra.lora_adapters,
+                    # The adapters are the served model's, never a draft model's.
+                    adapters=config.extra.lora_adapters if loaded is model else (),
                     max_num_seqs=config.max_num_seqs,
                     max_model_len=max_model_len,
                     cuda_graphs=config.cuda_graphs,
@@ -75,7 +77,7 @@ class TorchBackend(Backend):
             from llmctl_torch.tp_runner import TensorParallelRunner, topology_for
 
             runner = TensorParallelRunner(
-                model.path,
+                loaded.path,
                 model_config,
                 topology_for(config, device),
                 dtype=dtype,

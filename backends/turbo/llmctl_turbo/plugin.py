@@ -51,6 +51,7 @@ class TurboBackend(Backend):
         from llmctl_turbo.runner import TurboModelRunner
 
         def load_runner(
+            loaded: ModelInfo,
             model_config: ModelConfig,
             config: EngineConfig,
             dtype: str,
@@ -58,7 +59,7 @@ class TurboBackend(Backend):
             max_model_len: int,
         ) -> TurboModelRunner:
             return TurboModelRunner(
-                model.path,
+                loaded.path,
                 model_config,
                 dtype=dtype,
                 device=device,
