@@ -1,4 +1,5 @@
-"""n-gram speculative decoding against none, in the same run, greedy, on the CPU.
+"""Speculative decoding (n-gram, or a draft model) against none, in the same run,
+greedy, on the CPU.
 
 Workloads (prompts from the model's own text, so they are in its distribution):
 - grounded: the start of a text the model wrote, its greedy answer to that start,
@@ -8,8 +9,10 @@ Workloads (prompts from the model's own text, so they are in its distribution):
 Each at batch 1 (one request at a time) and batch 16 (16 in flight). Greedy outputs
 with and without speculation must be identical; the script checks it. Each figure is
 the best of ``--rounds`` alternating runs; acceptance counts are summed over them.
+A table at the end gives each speedup (speculation's tokens/s over none's).
 
     python scripts/bench_speculative.py [MODEL] [--backend turbo] [--max-tokens 128]
+    python scripts/bench_speculative.py MODEL --method draft --draft SMALL_MODEL
 """
 
 from __future__ import annotations
@@ -18,16 +21,23 @@ import argparse
 import json
 import time
 
+from rich.console import Console
+from rich.table import Table
+
 from llmctl import LLM, SamplingParams
 
 STORIES = "/work/shared/models/stories260K"
 
 
 def texts(llm: LLM, count: int, length: int) -> list[list[int]]:
-    """``count`` texts of ``length`` tokens the model writes from BOS, sampled (seeded)."""
+    """``count`` texts of ``length`` tokens the model writes from its BOS token (or from
+    "The" when it has none), sampled (seeded)."""
+    tokenizer = llm.engine.tokenizer
+    first = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    first = first or tokenizer.encode("The")
     params = [SamplingParams(max_tokens=length, temperature=0.8, seed=i) for i in range(count)]
-    outputs = [llm.generate([[1]], p)[0] for p in params]
-    return [[1, *o.token_ids] for o in outputs]
+    outputs = [llm.generate([first], p)[0] for p in params]
+    return [[*first, *o.token_ids] for o in outputs]
 
 
 def timed(llm: LLM, prompts: list[list[int]], batch: int, max_tokens: int):
@@ -60,15 +70,17 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--method", choices=("ngram", "draft"), default="ngram")
+    parser.add_argument("--draft", help="the draft model of --method draft")
     args = parser.parse_args()
+    if (args.method == "draft") != (args.draft is not None):
+        parser.error("--draft MODEL goes with --method draft, and only with it")
     common = dict(backend=args.backend, device="cpu", enable_prefix_caching=False)
     plain = LLM(args.model, **common)
-    spec = LLM(
-        args.model,
-        speculative_method="ngram",
-        num_speculative_tokens=args.num_speculative_tokens,
-        **common,
-    )
+    method = {"speculative_method": args.method}
+    if args.draft:
+        method["speculative_model"] = args.draft
+    spec = LLM(args.model, num_speculative_tokens=args.num_speculative_tokens, **method, **common)
     starts = [text[:17] for text in texts(plain, args.num_prompts, 16)]
     greedy = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     answers = [o.token_ids for o in plain.generate(starts, greedy)]
@@ -92,7 +104,7 @@ def main() -> None:
                 "workload": name,
                 "batch": batch,
                 "none_tokens_per_s": round(none_tps, 1),
-                "ngram_tokens_per_s": round(ngram_tps, 1),
+                f"{args.method}_tokens_per_s": round(ngram_tps, 1),
                 "speedup": round(ngram_tps / none_tps, 2),
                 "proposed": proposed,
                 "accepted": accepted,
@@ -100,6 +112,20 @@ def main() -> None:
             }
             report.append(row)
             print(json.dumps(row), flush=True)
+    table = Table(title=f"{args.method} speculation on {args.model} ({args.backend}, greedy)")
+    for column in ("workload", "batch", "none tok/s", f"{args.method} tok/s", "speedup"):
+        table.add_column(column)
+    table.add_column("accepted / proposed")
+    for row in report:
+        table.add_row(
+            row["workload"],
+            str(row["batch"]),
+            str(row["none_tokens_per_s"]),
+            str(row[f"{args.method}_tokens_per_s"]),
+            f"{row['speedup']}x",
+            f"{row['accepted']} / {row['proposed']} ({row['acceptance_rate']:.0%})",
+        )
+    Console().print(table)
 
 
 if __name__ == "__main__":
