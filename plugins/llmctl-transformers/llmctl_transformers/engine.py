@@ -38,7 +38,6 @@ from llmctl.backend import (
     ModelInfo,
 )
 from llmctl.engine.assemble import free_memory_bytes
-from llmctl.engine.async_engine import stream_until_finished
 from llmctl.engine.kv_cache import KVPlan, plan_kv_cache
 from llmctl.errors import InvalidRequest, OptionError
 from llmctl.kv_budget import format_bytes
@@ -218,11 +217,7 @@ class TransformersEngine(EngineCapabilities):
         )
         self._submit(state)
 
-        async def take() -> list[GenerationOutput | BaseException]:
-            return [await state.outputs.get()]
-
-        abort = partial(self._abort, request.request_id)
-        async with aclosing(stream_until_finished(take, abort)) as outputs:
+        async with aclosing(state.stream(partial(self._abort, request.request_id))) as outputs:
             async for output in outputs:
                 yield output
 

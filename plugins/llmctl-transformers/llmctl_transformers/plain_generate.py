@@ -23,7 +23,7 @@ import torch
 import transformers
 
 from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest
-from llmctl.engine.async_engine import joined, stream_until_finished
+from llmctl.engine.async_engine import joined
 from llmctl.errors import InvalidRequest
 from llmctl.model.tokenizer import Tokenizer
 from llmctl_transformers.requests import admit
@@ -75,11 +75,7 @@ class PlainGenerateEngine:
             self._waiting.append(state)
             self._lock.notify()
 
-        async def take() -> list[GenerationOutput | BaseException]:
-            return [await state.outputs.get()]
-
-        abort = partial(self._abort, request.request_id)
-        async with aclosing(stream_until_finished(take, abort)) as outputs:
+        async with aclosing(state.stream(partial(self._abort, request.request_id))) as outputs:
             async for output in outputs:
                 yield output
 

@@ -5,9 +5,12 @@ honour and what does not fit, and ``RequestState`` turns its tokens into outputs
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 
 from llmctl.backend import GenerationOutput, GenerationRequest
+from llmctl.engine.async_engine import stream_until_finished
 from llmctl.engine.detokenizer import IncrementalDetokenizer
 from llmctl.engine.request_rules import finish_reason, stop_token_ids, validate_request
 from llmctl.engine.sampling_params import SamplingParams
@@ -73,6 +76,17 @@ class RequestState:
     stop_ids: frozenset[int]  # the ids that end it (request_rules.stop_token_ids)
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     num_output_tokens: int = 0
+
+    async def stream(self, abort: Callable[[], None]) -> AsyncIterator[GenerationOutput]:
+        """The request's outputs as its engine delivers them, until it finishes;
+        ``abort()`` if the consumer leaves first (``stream_until_finished``)."""
+
+        async def take() -> list[GenerationOutput | BaseException]:
+            return [await self.outputs.get()]
+
+        async with aclosing(stream_until_finished(take, abort)) as outputs:
+            async for output in outputs:
+                yield output
 
     def advance(self, token_id: int) -> GenerationOutput:
         """The delta for one more generated token; ``finished`` if it ends the request."""
