@@ -233,10 +233,10 @@ class LLMEngine:
             sampled = self._sample(step, logits, masks)
         except Exception as exc:
             raise StepFailed([seq.request_id for seq in step.seqs], outputs) from exc
-        if self.speculator is not None and (step.proposed or batch.is_decode):
+        if self.speculator is not None:
             # A verification step costs its drafting too (what adaptive stopping weighs).
-            cost = perf_counter() - launched + (scheduled - drafting if step.proposed else 0.0)
-            self.speculator.step_seconds(cost, bool(step.proposed))
+            seconds = perf_counter() - launched + (scheduled - drafting if step.proposed else 0)
+            self.speculator.step_seconds(len(batch.input_ids), seconds)
         previous, self._in_flight = self._in_flight, (step, sampled)
         profile.steps += 1
         profile.scheduled_seqs += len(step.seqs)

@@ -22,9 +22,10 @@ Verification keeps the output exactly what plain decoding gives:
   without t. Every token is then distributed as p. A seeded request draws from its own
   generator.
 
-Adaptive: a request whose verification steps yield fewer tokens than they cost (in
-one-token steps, as measured while the engine runs) stops proposing, so prompts that do
-not repeat lose almost nothing.
+Adaptive: a request whose accepted proposals do not pay for what they add to a step's
+time (``Speculator.pays``, from step times measured while the engine runs) stops
+proposing, so prompts that do not repeat lose almost nothing, and large batches, whose
+steps grow with every token, speculate only where nearly every proposal is accepted.
 """
 
 from __future__ import annotations
@@ -49,18 +50,39 @@ from llmctl.engine.scheduler import ScheduledStep
 from llmctl.engine.sequence import Sequence
 from llmctl.engine.step_profile import SpeculationStats
 
-# A request stops proposing when, after this many verification steps, its steps yield
-# fewer tokens (accepted proposals + the bonus token) than a verification step costs in
-# one-token steps. That cost is measured as the engine runs (``step_seconds``): on this
-# CPU a 5-token step of a 24M Llama costs about one 1-token step (memory-bound), one of
-# stories260K about two (overhead-bound).
+# After this many verification steps, a request whose proposals do not pay for what they
+# cost stops proposing (``Speculator.pays``).
 ADAPTIVE_MIN_STEPS = 4
-# A verification step never costs less than a plain one (it feeds more tokens, and a
-# draft model's steps come on top), whatever a noisy measurement says: a request must
-# gain this much per step to go on proposing.
-MIN_COST_RATIO = 1.05
-# Weight of the newest step in the running means of the two kinds of step's time.
+# Weight of the newest step in the fit of a step's time to its tokens (``StepCost``).
 STEP_TIME_WEIGHT = 0.05
+
+
+class StepCost:
+    """A step's time as ``a + b * tokens`` (its new tokens), fitted as the engine runs:
+    exponentially weighted least squares over every step (decodes, verifications with
+    their drafting, prefill chunks). ``a`` is what a step costs whatever it feeds (the
+    weights read once, the per-step overheads), ``b`` what each token adds."""
+
+    def __init__(self) -> None:
+        self._sums = np.zeros(5)  # weight, x, y, x*x, x*y
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self._sums *= 1.0 - STEP_TIME_WEIGHT
+        self._sums += (1.0, tokens, seconds, tokens * tokens, tokens * seconds)
+
+    def token_share(self, tokens: int) -> float | None:
+        """The part of a step of ``tokens`` tokens that grows with them, ``b*n / (a +
+        b*n)``; ``None`` until steps of different sizes have been measured."""
+        weight, x, y, xx, xy = self._sums
+        if weight < 2:
+            return None
+        mean_x, mean_y = x / weight, y / weight
+        variance = xx / weight - mean_x * mean_x
+        if variance < 1e-6:
+            return None
+        b = max((xy / weight - mean_x * mean_y) / variance, 0.0)
+        a = max(mean_y - b * mean_x, 1e-9)
+        return b * tokens / (a + b * tokens)
 
 
 def propose_ngram(
@@ -117,27 +139,23 @@ class Speculator:
         self.sampler = sampler
         self.draft = draft
         self.stats = SpeculationStats()
-        # Running means of a step's time (model call and sampling or verification), for
-        # steps that verify proposals and for one-token decode steps.
-        self._verify_seconds: float | None = None
-        self._decode_seconds: float | None = None
+        self.cost = StepCost()
+        self._step_tokens = 1  # new tokens of the latest step (of which proposals pay part)
 
-    def step_seconds(self, seconds: float, verified: bool) -> None:
-        """Note how long a step took (a verification step, or a plain decode step)."""
-        mean = self._verify_seconds if verified else self._decode_seconds
-        mean = seconds if mean is None else mean + STEP_TIME_WEIGHT * (seconds - mean)
-        if verified:
-            self._verify_seconds = mean
-        else:
-            self._decode_seconds = mean
+    def step_seconds(self, tokens: int, seconds: float) -> None:
+        """Note how long a step of ``tokens`` new tokens took (with its drafting)."""
+        self.cost.add(tokens, seconds)
+        self._step_tokens = tokens
 
-    @property
-    def cost_ratio(self) -> float:
-        """A verification step's time in one-token steps, at least ``MIN_COST_RATIO``
-        (also until both are measured: with a draft model every decode step proposes)."""
-        if not self._verify_seconds or not self._decode_seconds:
-            return MIN_COST_RATIO
-        return max(self._verify_seconds / self._decode_seconds, MIN_COST_RATIO)
+    def pays(self, state: SpecState) -> bool:
+        """Whether a request's proposals are worth their cost. A request's k proposals
+        make a step of n tokens cost ``b*k`` more and yield its accepted ones: the
+        batch's tokens per second rise if accepted/proposed exceeds ``b*n / (a + b*n)``
+        (``StepCost.token_share``). At batch 1 on a memory-bound model that share is small
+        and nearly any acceptance pays; in a large batch whose step is compute-bound only
+        near-certain proposals do. Until the cost is known, a request goes on."""
+        share = self.cost.token_share(self._step_tokens)
+        return share is None or state.accepted > share * state.proposed
 
     def propose(self, seqs: list[Sequence]) -> bool:
         """Set ``seq.proposal`` for every running sequence; whether any got tokens.
@@ -254,8 +272,7 @@ class Speculator:
         state.steps += 1
         state.proposed += num_proposed
         state.accepted += num_accepted
-        tokens_per_step = 1 + state.accepted / state.steps
-        if state.steps >= ADAPTIVE_MIN_STEPS and tokens_per_step < self.cost_ratio:
+        if state.steps >= ADAPTIVE_MIN_STEPS and not self.pays(state):
             state.active = False
             self.stats.stopped_requests += 1
 

@@ -268,9 +268,11 @@ def test_a_request_whose_proposals_do_not_pay_stops_proposing():
     from llmctl.engine.speculative import ADAPTIVE_MIN_STEPS, SpecState, Speculator
 
     speculator = Speculator(NGRAM, Sampler())
-    speculator.step_seconds(0.002, verified=True)  # a verification step: two decode steps
-    speculator.step_seconds(0.001, verified=False)
-    assert speculator.cost_ratio == pytest.approx(2.0)
+    # Steps cost 0.75 ms plus 0.25 ms per token: a 3-token step spends half on its tokens.
+    for tokens in (1, 5, 1, 5, 3):
+        speculator.step_seconds(tokens, 0.00075 + 0.00025 * tokens)
+    assert speculator.cost.token_share(3) == pytest.approx(0.5)
+    assert speculator.cost.token_share(1) == pytest.approx(0.25)
     greedy = SamplingParams(max_tokens=100, temperature=0)
     rejected, accepted = Sequence("a", [1, 2, 3], greedy), Sequence("b", [1, 2, 3], greedy)
     rejected.speculation, accepted.speculation = SpecState(), SpecState()
@@ -280,8 +282,23 @@ def test_a_request_whose_proposals_do_not_pay_stops_proposing():
         assert rejected.speculation.active
         assert speculator.verify(rejected, [5, 6], logits) == ([7], [None])
         assert speculator.verify(accepted, [7, 7], logits) == ([7, 7, 7], [None] * 3)
-    assert not rejected.speculation.active  # 1 token per step < a step's cost of 2
-    assert accepted.speculation.active  # 3 tokens per step pay for it
+    assert not rejected.speculation.active  # nothing accepted: never pays
+    assert accepted.speculation.active  # every proposal accepted: pays
     assert speculator.stats.stopped_requests == 1
     assert speculator.stats.accepted_at == [ADAPTIVE_MIN_STEPS, ADAPTIVE_MIN_STEPS]
     assert speculator.stats.proposed_at == [2 * ADAPTIVE_MIN_STEPS] * 2
+
+
+def test_half_accepted_pays_at_batch_one_but_not_in_a_compute_bound_batch():
+    from llmctl.engine.sampler import Sampler
+    from llmctl.engine.speculative import SpecState, Speculator
+
+    speculator = Speculator(NGRAM, Sampler())
+    half = SpecState(steps=8, proposed=16, accepted=8)
+    for tokens in (1, 5, 2, 6):
+        speculator.step_seconds(tokens, 0.00075 + 0.00025 * tokens)
+    speculator.step_seconds(1, 0.001)  # the latest step: one token, a quarter of it per token
+    assert speculator.pays(half)
+    speculator.step_seconds(40, 0.00075 + 0.00025 * 40)  # 93 % of it grows with its tokens
+    assert not speculator.pays(half)
+    assert speculator.pays(SpecState(steps=8, proposed=16, accepted=16))
