@@ -46,6 +46,8 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
+    # One per prompt token (the first's logprob None), when SamplingParams asked for them.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 class LLM:
@@ -170,6 +172,8 @@ def _empty_result(request: GenerationRequest) -> RequestOutput:
 def _merge(result: RequestOutput, output: GenerationOutput) -> None:
     if output.prompt_token_ids is not None:
         result.prompt_token_ids = list(output.prompt_token_ids)
+    if output.prompt_logprobs is not None:
+        result.prompt_logprobs = list(output.prompt_logprobs)
     result.text += output.text
     result.token_ids.extend(output.token_ids)
     if output.logprobs is not None:

@@ -29,6 +29,7 @@ BOUNDS: dict[str, Interval] = {
     "seed": Interval(ge=-(2**53 - 1), le=2**53 - 1),
     "min_tokens": Interval(ge=0),
     "top_logprobs": Interval(ge=0, le=20),
+    "prompt_logprobs": Interval(ge=0, le=20),
 }
 
 # logit_bias values, as OpenAI bounds them.
@@ -95,6 +96,9 @@ class SamplingParams:
     # Added to the logits of these token ids before sampling (OpenAI's logit_bias).
     logit_bias: dict[int, float] = field(default_factory=dict)
     structured: StructuredOutput | None = None
+    # The logprob of each prompt token given the ones before it, with this many most
+    # likely alternatives (vLLM's prompt_logprobs; ``echo`` with logprobs); None: not asked.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

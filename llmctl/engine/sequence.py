@@ -58,6 +58,7 @@ class Sequence:
         "num_cached_tokens",
         "proposal",
         "speculation",
+        "prompt_logprobs",
     )
 
     def __init__(
@@ -105,6 +106,9 @@ class Sequence:
         # token and verified by it), and the request's counts (llmctl.engine.speculative).
         self.proposal: list[int] = []
         self.speculation: Any = None
+        # Asked for prompt logprobs: one TokenLogprob per prompt token scored so far (the
+        # engine puts the first token's in at admission, later ones come from the logits).
+        self.prompt_logprobs: list[Any] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -121,6 +125,14 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether some prompt tokens still wait for their logprobs: the steps feeding
+        its prompt return logits at every position, and no prefix comes from the cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
+            self.prompt_token_ids
+        )
 
     @property
     def needs_host_tokens(self) -> bool:
