@@ -192,7 +192,17 @@ class CompletionRequest(_GenerationFields):
         f"lists; prompts x n at most {MAX_CHOICES}."
     )
     logprobs: _bounded(int, "top_logprobs") | None = None
-    echo: bool = Field(False, description="Start each choice's text with its prompt.")
+    echo: bool = Field(
+        False,
+        description="Start each choice's text with its prompt; with logprobs, the prompt's "
+        "tokens lead the logprobs too (the first one's logprob null).",
+    )
+    prompt_logprobs: _bounded(int, "prompt_logprobs") | None = Field(
+        None,
+        description="vLLM's: each choice gets prompt_logprobs, one entry per prompt token "
+        "(null for the first): its logprob given the tokens before it, with this many "
+        "most likely alternatives, keyed by token id.",
+    )
 
     def prompts(self) -> list[dict[str, Any]]:
         """One engine prompt per entry: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``.
@@ -221,15 +231,13 @@ class CompletionRequest(_GenerationFields):
     def sampling_params(self) -> SamplingParams:
         """Raises ``InvalidRequest`` naming the field when values do not go together."""
         wanted = self.logprobs is not None
-        if self.echo and wanted:
-            raise InvalidRequest(
-                "echo with logprobs would need the prompt's own logprobs, which the "
-                "engine does not compute yet; drop logprobs (or echo)",
-                param="echo",
-                code="invalid_combination",
-            )
+        scored = [self.prompt_logprobs, self.logprobs if self.echo else None]
+        scored = [k for k in scored if k is not None]
         max_tokens = DEFAULT_COMPLETION_TOKENS if self.max_tokens is None else self.max_tokens
-        return SamplingParams(**self._sampling(max_tokens, wanted, self.logprobs or 0))
+        return SamplingParams(
+            **self._sampling(max_tokens, wanted, self.logprobs or 0),
+            prompt_logprobs=max(scored) if scored else None,
+        )
 
 
 class TextPart(Strict):

@@ -81,7 +81,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     requests = _engine_requests(response_id, prompts, body.sampling_params(), body.n)
     echoes = [_prompt_text(state, p) for p in prompts for _ in range(body.n)] if body.echo else None
     formatter = CompletionFormatter(
-        response_id, state.engine.model_name, body.include_usage, len(requests), echoes
+        response_id,
+        state.engine.model_name,
+        body.include_usage,
+        len(requests),
+        echoes,
+        echo_logprobs=body.echo and body.logprobs is not None,
+        prompt_logprobs=body.prompt_logprobs is not None,
     )
     return await _respond(
         request,
