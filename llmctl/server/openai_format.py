@@ -166,7 +166,8 @@ def _vllm_prompt_logprobs(entries: list[TokenLogprob]) -> list[dict[str, dict] |
 class ChatFormatter(_Formatter):
     """``chat.completion`` objects and ``chat.completion.chunk`` deltas. With
     ``tool_family`` each choice's text is read for tool calls in that family's format;
-    with ``reasoning``, ``<think>...</think>`` becomes ``reasoning_content``."""
+    with ``reasoning``, ``<think>...</think>`` becomes ``reasoning_content`` (with
+    ``in_reasoning`` the text starts inside it: the prompt opened ``<think>``)."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
@@ -179,10 +180,13 @@ class ChatFormatter(_Formatter):
         num_choices: int,
         tool_family: str | None = None,
         reasoning: bool = False,
+        in_reasoning: bool = False,
     ):
         super().__init__(response_id, model, include_usage)
         self._announced = [False] * num_choices
-        self._readers = [ChoiceReader(tool_family, reasoning) for _ in range(num_choices)]
+        self._readers = [
+            ChoiceReader(tool_family, reasoning, in_reasoning) for _ in range(num_choices)
+        ]
 
     def stream_chunk(self, index: int, output: GenerationOutput) -> dict[str, Any] | None:
         delta: dict[str, Any] = {}
