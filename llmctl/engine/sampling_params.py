@@ -36,7 +36,7 @@ BOUNDS: dict[str, Interval] = {
 LOGIT_BIAS_BOUNDS = Interval(ge=-100.0, le=100.0)
 
 # What a grammar constrains the output to; the value's meaning depends on the kind.
-GRAMMAR_KINDS = ("json", "json_schema", "regex", "choice", "ebnf", "structural_tag")
+GRAMMAR_KINDS = ("json", "json_schema", "regex", "choice", "ebnf", "lark", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,8 @@ class StructuredOutput:
     ``kind`` is one of ``GRAMMAR_KINDS``: ``json`` (any JSON object, ``value`` empty),
     ``json_schema`` (``value``: the schema as JSON text), ``regex`` (the pattern),
     ``choice`` (``value``: a JSON list of the allowed strings), ``ebnf`` (a GBNF/EBNF
-    grammar whose start rule is ``root``) or ``structural_tag`` (xgrammar's structural
+    grammar whose start rule is ``root``), ``lark`` (a Lark grammar whose start rule is
+    ``start``) or ``structural_tag`` (xgrammar's structural
     tag as JSON: tool calls in a model family's format, their arguments by schema). Frozen and hashable: compiled grammars are
     cached by it.
     """

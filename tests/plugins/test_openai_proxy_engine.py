@@ -90,6 +90,8 @@ def test_grammars_and_logit_bias_travel_upstream_in_openai_and_vllm_shapes() -> 
     assert choice["structured_outputs"] == {"choice": ["x", "y"]}
     grammar = body_for(StructuredOutput("ebnf", 'root ::= "a"'))
     assert grammar["structured_outputs"] == {"grammar": 'root ::= "a"'}
+    lark = body_for(StructuredOutput("lark", 'start: "a"'))
+    assert lark["structured_outputs"] == {"grammar": 'start: "a"'}
 
 
 def test_prompt_logprobs_are_refused_by_name() -> None:

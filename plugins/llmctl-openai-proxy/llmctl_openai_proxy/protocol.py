@@ -100,7 +100,8 @@ def _structured_fields(spec: StructuredOutput) -> dict[str, Any]:
         }
     if spec.kind == "choice":
         return {"structured_outputs": {"choice": json.loads(spec.value)}}
-    return {"structured_outputs": {"grammar" if spec.kind == "ebnf" else spec.kind: spec.value}}
+    grammar = spec.kind in ("ebnf", "lark")  # vLLM's one field for both
+    return {"structured_outputs": {"grammar" if grammar else spec.kind: spec.value}}
 
 
 async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:
