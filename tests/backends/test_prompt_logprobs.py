@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from llmctl import LLM, SamplingParams
+from llmctl.engine.llm_engine import LLMEngine
 from tests.helpers.tiny_models import load_hf_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -60,6 +61,11 @@ def prompts(seed: int) -> list[list[int]]:
     return made
 
 
+def random_prompt_of(length: int) -> list[int]:
+    rng = random.Random(length)
+    return [rng.randrange(3, 512) for _ in range(length)]
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -70,13 +76,32 @@ def prompts(seed: int) -> list[list[int]]:
             "session_len": 128,
             "max_prefill_token_num": 40,
         },  # preempted mid-prompt
+        {  # chunked prompts scored beside decoding rows that verify n-gram proposals
+            "max_prefill_token_num": 24,
+            "speculative_method": "ngram",
+            "num_speculative_tokens": 3,
+            "ngram_min": 1,
+        },
     ],
-    ids=["whole", "chunked", "preempted"],
+    ids=["whole", "chunked", "preempted", "speculating"],
 )
-def test_prompt_logprobs_equal_transformers(tiny_model_dir, backend, options):
+def test_prompt_logprobs_equal_transformers(tiny_model_dir, backend, options, monkeypatch):
     model_dir = tiny_model_dir("llama3-rope")
     model = load_hf_model(model_dir)
     batch = prompts(len(options))
+    speculating = "speculative_method" in options
+    if speculating:  # repetitive prompts decode (and propose) while the long last one is scored
+        batch = [[5, 6, 7] * 4, [9, 10, 11] * 3, *batch, random_prompt_of(120)]
+    # Count the steps that score prompts beside rows verifying proposals.
+    beside_proposals = []
+    score = LLMEngine._score_prompts
+    monkeypatch.setattr(
+        LLMEngine,
+        "_score_prompts",
+        lambda self, step, logits: (
+            beside_proposals.append(bool(step.proposed)) or score(self, step, logits)
+        ),
+    )
     scored = SamplingParams(max_tokens=24, temperature=0, prompt_logprobs=TOP)
     plain = SamplingParams(max_tokens=24, temperature=0)
     with LLM(
@@ -93,8 +118,12 @@ def test_prompt_logprobs_equal_transformers(tiny_model_dir, backend, options):
         again = llm.generate(batch, scored)
         assert llm.engine.stats().kv_blocks_used == 0
         preemptions = llm.engine.engine.scheduler.num_preemptions
+        speculator = llm.engine.engine.speculator
     if "cache_max_entry_count" in options:
         assert preemptions > 0
+    if speculating:
+        assert speculator.stats.accepted > 0, speculator.stats
+        assert any(beside_proposals), "no step scored a prompt beside proposals"
     for i, prompt in enumerate(batch):
         want = reference(model, prompt)
         assert mixed[i].token_ids == alone[i].token_ids
