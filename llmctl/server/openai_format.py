@@ -181,8 +181,10 @@ class ChatFormatter(_Formatter):
         tool_family: str | None = None,
         reasoning: bool = False,
         in_reasoning: bool = False,
+        prompt_logprobs: bool = False,
     ):
         super().__init__(response_id, model, include_usage)
+        self._prompt_logprobs = prompt_logprobs
         self._announced = [False] * num_choices
         self._readers = [
             ChoiceReader(tool_family, reasoning, in_reasoning) for _ in range(num_choices)
@@ -227,7 +229,11 @@ class ChatFormatter(_Formatter):
             }
             for index in range(len(texts))
         ]
-        return {**self._envelope(self.object_name, choices), "usage": usage}
+        response = {**self._envelope(self.object_name, choices), "usage": usage}
+        scores = progress[0].prompt_logprobs if progress else None
+        if self._prompt_logprobs and scores is not None:  # vLLM's: one prompt, top level
+            response["prompt_logprobs"] = _vllm_prompt_logprobs(scores)
+        return response
 
 
 def _chat_logprobs(entries: list[TokenLogprob] | None) -> dict | None:

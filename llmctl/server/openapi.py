@@ -140,6 +140,11 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        None,
+        description="With the request's prompt_logprobs (vLLM's): per token of the rendered "
+        "prompt, null for the first, token id -> its score.",
+    )
 
 
 class FunctionCallDelta(BaseModel):
@@ -390,6 +395,7 @@ _CROSS_FIELD_RULES = {
     "/v1/chat/completions": [
         *_SHARED_RULES,
         "`top_logprobs` only with `logprobs: true` (`invalid_combination`)",
+        "`prompt_logprobs` not with `stream: true`, as vLLM (`invalid_combination`)",
         "`max_completion_tokens` wins over `max_tokens`; `min_tokens` <= the one used "
         "(`invalid_combination`)",
     ],

@@ -296,6 +296,11 @@ class ChatCompletionRequest(_GenerationFields):
     top_logprobs: _bounded(int, "top_logprobs") | None = Field(
         None, description="Needs logprobs: true."
     )
+    prompt_logprobs: _bounded(int, "prompt_logprobs") | None = Field(
+        None,
+        description="vLLM's: the response gets prompt_logprobs, one entry per token of the "
+        "rendered prompt (null for the first), with this many alternatives; not with stream.",
+    )
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
         None, description="Functions the model may call; the chat template receives them."
     )
@@ -380,9 +385,15 @@ class ChatCompletionRequest(_GenerationFields):
             if self.max_completion_tokens is not None
             else self.max_tokens
         )
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM
+            raise InvalidRequest(
+                "prompt_logprobs is not available with stream: true",
+                param="prompt_logprobs",
+                code="invalid_combination",
+            )
         self.check_tools()
         fields = self._sampling(max_tokens, self.logprobs, self.top_logprobs or 0)
-        return SamplingParams(**fields)
+        return SamplingParams(**fields, prompt_logprobs=self.prompt_logprobs)
 
     def tool_sampling(self, sampling: SamplingParams, family: str) -> SamplingParams:
         """``sampling`` with the grammar of a forced call in ``family``'s format, and the

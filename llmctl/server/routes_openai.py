@@ -134,6 +134,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         tool_family=family,
         reasoning=reasoning,
         in_reasoning=reasoning and _prompt_opens_reasoning(state, prompt),
+        prompt_logprobs=body.prompt_logprobs is not None,
     )
     return await _respond(
         request,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 import torch
@@ -150,6 +151,30 @@ def test_vllm_prompt_logprobs_and_streaming(client, model) -> None:
     ]
     assert streamed == whole.choices[0].logprobs.token_logprobs
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+
+
+def test_chat_prompt_logprobs_score_the_rendered_prompt(client, model) -> None:
+    messages = [{"role": "user", "content": "Score this prompt."}]
+    root = str(client.base_url).removesuffix("/v1/")
+    prompt = httpx.post(f"{root}/tokenize", json={"messages": messages}).json()["tokens"]
+    want = reference(model, prompt)
+    answer = client.chat.completions.create(
+        model="demo", messages=messages, max_tokens=2, extra_body={"prompt_logprobs": 1}
+    )
+    scores = answer.model_extra["prompt_logprobs"]
+    assert len(scores) == len(prompt) and scores[0] is None
+    for j, token in enumerate(prompt[1:]):
+        assert scores[j + 1][str(token)]["logprob"] == pytest.approx(
+            want[j][token].item(), abs=2e-4
+        )
+    with pytest.raises(openai.BadRequestError, match="not available with stream"):
+        client.chat.completions.create(
+            model="demo",
+            messages=messages,
+            max_tokens=2,
+            stream=True,
+            extra_body={"prompt_logprobs": 1},
+        )
 
 
 def test_bad_prompt_logprobs_is_a_400(client) -> None:
