@@ -47,9 +47,9 @@ class StructuredOutput:
     ``json_schema`` (``value``: the schema as JSON text), ``regex`` (the pattern),
     ``choice`` (``value``: a JSON list of the allowed strings), ``ebnf`` (a GBNF/EBNF
     grammar whose start rule is ``root``), ``lark`` (a Lark grammar whose start rule is
-    ``start``) or ``structural_tag`` (xgrammar's structural
-    tag as JSON: tool calls in a model family's format, their arguments by schema). Frozen and hashable: compiled grammars are
-    cached by it.
+    ``start``) or ``structural_tag`` (xgrammar's structural tag as JSON: tool calls in a
+    model family's format, their arguments by schema). Frozen and hashable: compiled
+    grammars are cached by it.
     """
 
     kind: str

@@ -78,7 +78,7 @@ class ScheduledStep:
             self.input_ids.append(seq.token_ids[start])
         else:
             self.input_ids += seq.token_ids[start : start + count]
-        if seq.prompt_logprobs is not None and seq.scores_prompt:
+        if seq.scores_prompt:
             self.scored.add(len(self.seqs) - 1)
         if start + count == len(seq.token_ids) + seq.num_pending_tokens:
             self.ready.append(len(self.seqs) - 1)
