@@ -56,6 +56,8 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    # One per prompt token (the first's logprob None), when SamplingParams asked for them.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @property
     def text(self) -> str:
@@ -195,6 +197,8 @@ def checked_options(options: dict[str, Any]) -> dict[str, Any]:
 def _merge(result: RequestOutput, choice: CompletionOutput, output: GenerationOutput) -> None:
     if output.prompt_token_ids is not None:
         result.prompt_token_ids = list(output.prompt_token_ids)
+    if output.prompt_logprobs is not None:
+        result.prompt_logprobs = list(output.prompt_logprobs)
     choice.text += output.text
     choice.token_ids.extend(output.token_ids)
     if output.logprobs is not None:

@@ -59,12 +59,17 @@ class GenerationRequest:
 
 @dataclass
 class TokenLogprob:
-    """The log-probability of one generated token, with the most likely alternatives."""
+    """The log-probability of one token, with the most likely alternatives.
+
+    A prompt token's (``prompt_logprobs``) also has its ``rank`` in the distribution (1:
+    the most likely); the first prompt token has no prefix to be scored by, so its
+    ``logprob`` is None."""
 
     token_id: int
     token: str
-    logprob: float
+    logprob: float | None
     top: list[tuple[int, str, float]] = field(default_factory=list)
+    rank: int | None = None
 
 
 @dataclass
@@ -87,6 +92,8 @@ class GenerationOutput:
     # Prompt tokens whose KV came from the prefix cache, on the first output only
     # (None: the engine does not say).
     cached_tokens: int | None = None
+    # One per prompt token when the request asked for prompt logprobs, on the first output only.
+    prompt_logprobs: list[TokenLogprob] | None = None
 
     @classmethod
     def aborted(

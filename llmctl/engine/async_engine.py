@@ -132,6 +132,7 @@ class _Collector:
         self._logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid in request_ids}
         self._prompt_ids: dict[str, list[int] | None] = dict.fromkeys(request_ids)
         self._cached: dict[str, int | None] = dict.fromkeys(request_ids)
+        self._prompt_logprobs: dict[str, list[TokenLogprob] | None] = dict.fromkeys(request_ids)
         self._last: dict[str, GenerationOutput] = {}
 
     def receive(self, batch: list[tuple[_Collector, Item]]) -> None:
@@ -150,6 +151,8 @@ class _Collector:
                 self._prompt_ids[request_id] = item.prompt_token_ids
             if item.cached_tokens is not None:
                 self._cached[request_id] = item.cached_tokens
+            if item.prompt_logprobs is not None:
+                self._prompt_logprobs[request_id] = item.prompt_logprobs
             self._last[request_id] = item
             received.append(item)
             if item.finished:
@@ -173,6 +176,7 @@ class _Collector:
             logprobs=self._logprobs[request_id] or None,
             prompt_token_ids=self._prompt_ids[request_id],
             cached_tokens=self._cached[request_id],
+            prompt_logprobs=self._prompt_logprobs[request_id],
         )
 
 

@@ -150,10 +150,11 @@ class BlockManager:
         """(key, block) of seq's leading blocks already in the cache.
 
         At most ``num_tokens - 1`` tokens are matched: the model must run on at least
-        the last token to produce the logits of the next one.
+        the last token to produce the logits of the next one. Nothing for a sequence that
+        asked for prompt logprobs it has not got yet.
         """
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.scores_prompt:
+            return []  # a cached prefix has no logits to score its prompt tokens with
         hits: list[tuple[bytes, int]] = []
         parent = b""
         size = self.block_size

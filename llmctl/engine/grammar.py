@@ -24,6 +24,7 @@ The parts:
 from __future__ import annotations
 
 import json
+import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -144,15 +145,23 @@ class GrammarCompiler:
                 for tag in json.loads(value)["format"]["tags"]:
                     _check_schema(json.dumps(tag["content"]["json_schema"]))
                 return compiler.compile_structural_tag(value)
+            if kind == "lark":  # xgrammar's own Lark reader: line and column in its errors
+                return compiler.compile_grammar(xgr.Grammar.from_lark(value))
             return compiler.compile_grammar(value)
         except InvalidRequest:
             raise
         except Exception as exc:  # xgrammar raises RuntimeError / ValueError subclasses
-            message = str(exc).strip().splitlines()
+            lines = _SOURCE_PREFIX.sub("", str(exc).strip()).splitlines()
+            problem = lines[0] if lines else repr(exc)
             raise InvalidRequest(
-                f"the {_NAMES[kind]} does not compile: {message[0] if message else exc!r}",
+                f"the {_NAMES[kind]} does not compile: {problem}",
                 code="invalid_grammar",
             ) from None
+
+
+# xgrammar's C++ errors carry "[11:54:17] /project/cpp/regex_converter.cc:94: ": not the
+# user's concern.
+_SOURCE_PREFIX = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: ")
 
 
 _NAMES = {
@@ -161,6 +170,7 @@ _NAMES = {
     "regex": "regex",
     "choice": "choice list",
     "ebnf": "grammar",
+    "lark": "Lark grammar",
     "structural_tag": "tool-call grammar",
 }
 

@@ -168,6 +168,9 @@ class LLMEngine:
         seq = Sequence(
             request_id, prompt_token_ids, sampling, detokenizer, self.eos_token_ids, grammar
         )
+        if sampling.prompt_logprobs is not None:  # the first token has nothing before it
+            first = prompt_token_ids[0]
+            seq.prompt_logprobs = [TokenLogprob(first, self.tokenizer.token_text(first), None)]
         self._seqs[request_id] = seq
         self._num_needing_host_tokens += seq.needs_host_tokens
         self._num_constrained += grammar is not None
@@ -260,6 +263,8 @@ class LLMEngine:
     ) -> SampledBatch | None:
         """Sample the ready rows; their tokens are pending until ``_process``. Rows that
         verify proposals are verified here, their tokens kept in ``step.verified``."""
+        if step.scored:
+            logits = self._score_prompts(step, logits)
         if step.proposed:
             logits = self._verify(step, logits)
         ready, seqs = step.sampled_rows(), step.seqs
@@ -273,6 +278,54 @@ class LLMEngine:
             seq.num_pending_tokens += 1
             seq.pending = (sampled, row)
         return sampled
+
+    def _score_prompts(self, step: ScheduledStep, logits: torch.Tensor) -> torch.Tensor:
+        """Record the prompt logprobs of the scored rows (``logits`` has a row per new token
+        of those, per verified position of proposing rows, and one per other sequence);
+        the same logits without the scored rows' earlier positions."""
+        keep: list[int] = []
+        row = 0
+        for index, (seq, start, count) in enumerate(
+            zip(step.seqs, step.starts, step.num_new_tokens)
+        ):
+            if index in step.scored:
+                self._record_prompt_logprobs(seq, start, logits[row : row + count])
+                row += count
+                keep.append(row - 1)
+            else:
+                width = len(step.proposed.get(index, ())) + 1
+                keep.extend(range(row, row + width))
+                row += width
+        return take_rows(logits, keep)
+
+    def _record_prompt_logprobs(self, seq: Sequence, start: int, logits: torch.Tensor) -> None:
+        """``logits[j]`` (from position ``start + j``) scores prompt token ``start + j + 1``:
+        append the logprobs of the tokens not scored yet (a recompute after preemption
+        feeds scored positions again), from the model's own distribution."""
+        scored = seq.prompt_logprobs
+        first = len(scored) - 1 - start  # the row of the first token not scored yet
+        end = min(len(logits), seq.num_prompt_tokens - 1 - start)
+        if first < 0:
+            raise RuntimeError(f"{seq.request_id}: prompt scored out of order")
+        if first >= end:
+            return
+        targets = seq.prompt_token_ids[start + first + 1 : start + end + 1]
+        logprobs = torch.log_softmax(logits[first:end].float(), dim=-1)
+        target_ids = torch.tensor(targets, dtype=torch.int64, device=logprobs.device)
+        chosen = logprobs.gather(1, target_ids.unsqueeze(1))
+        ranks = (logprobs > chosen).sum(dim=1) + 1
+        k = seq.sampling.prompt_logprobs
+        top_values, top_ids = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
+        text = self.tokenizer.token_text
+        for token_id, logprob, rank, values, ids in zip(
+            targets,
+            chosen.squeeze(1).tolist(),
+            ranks.tolist(),
+            top_values.tolist(),
+            top_ids.tolist(),
+        ):
+            top = [(i, text(i), v) for i, v in zip(ids, values)]
+            scored.append(TokenLogprob(token_id, text(token_id), logprob, top, rank))
 
     def _verify(self, step: ScheduledStep, logits: torch.Tensor) -> torch.Tensor:
         """Verify the proposing rows of a speculative step (``logits`` has a row per
@@ -348,6 +401,7 @@ class LLMEngine:
                     None if sampled_token is None else [self._token_logprob(sampled_token)],
                     seq.prompt_token_ids if num_output == 1 else None,
                     seq.num_cached_tokens if num_output == 1 else None,
+                    seq.prompt_logprobs if num_output == 1 else None,
                 )
             )
             if done:

@@ -30,13 +30,14 @@ BOUNDS: dict[str, Interval] = {
     "seed": Interval(ge=-(2**53 - 1), le=2**53 - 1),
     "min_tokens": Interval(ge=0),
     "top_logprobs": Interval(ge=0, le=20),
+    "prompt_logprobs": Interval(ge=0, le=20),
 }
 
 # logit_bias values, as OpenAI bounds them.
 LOGIT_BIAS_BOUNDS = Interval(ge=-100.0, le=100.0)
 
 # What a grammar constrains the output to; the value's meaning depends on the kind.
-GRAMMAR_KINDS = ("json", "json_schema", "regex", "choice", "ebnf", "structural_tag")
+GRAMMAR_KINDS = ("json", "json_schema", "regex", "choice", "ebnf", "lark", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,10 @@ class StructuredOutput:
     ``kind`` is one of ``GRAMMAR_KINDS``: ``json`` (any JSON object, ``value`` empty),
     ``json_schema`` (``value``: the schema as JSON text), ``regex`` (the pattern),
     ``choice`` (``value``: a JSON list of the allowed strings), ``ebnf`` (a GBNF/EBNF
-    grammar whose start rule is ``root``) or ``structural_tag`` (xgrammar's structural
-    tag as JSON: tool calls in a model family's format, their arguments by schema). Frozen and hashable: compiled grammars are
-    cached by it.
+    grammar whose start rule is ``root``), ``lark`` (a Lark grammar whose start rule is
+    ``start``) or ``structural_tag`` (xgrammar's structural tag as JSON: tool calls in a
+    model family's format, their arguments by schema). Frozen and hashable: compiled
+    grammars are cached by it.
     """
 
     kind: str
@@ -98,6 +100,9 @@ class SamplingParams:
     # Added to the logits of these token ids before sampling (OpenAI's logit_bias).
     logit_bias: dict[int, float] = field(default_factory=dict)
     structured: StructuredOutput | None = None
+    # The logprob of each prompt token given the ones before it, with this many most
+    # likely alternatives (vLLM's prompt_logprobs; ``echo`` with logprobs); None: not asked.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

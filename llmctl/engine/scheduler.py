@@ -43,7 +43,8 @@ class ScheduledStep:
     ``input_ids`` and the sequence). ``ready`` lists the rows that sample a token (a
     decode, or the last chunk of a prefill). ``proposed`` maps a row to the tokens
     speculative decoding proposed for it: they follow its token in ``input_ids`` (and in
-    ``num_new_tokens``), and the step is verifying them.
+    ``num_new_tokens``), and the step is verifying them. ``scored`` rows score their
+    prompt (``prompt_logprobs``): the step returns logits at every one of their tokens.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
@@ -56,6 +57,7 @@ class ScheduledStep:
     proposed: dict[int, list[int]] = field(default_factory=dict)
     # row -> (tokens, logprobs) of a verified row, filled once its logits are in
     verified: dict[int, tuple[list[int], list]] = field(default_factory=dict)
+    scored: set[int] = field(default_factory=set)
 
     def add(self, seq: Sequence, count: int) -> None:
         start = seq.num_computed_tokens
@@ -76,6 +78,8 @@ class ScheduledStep:
             self.input_ids.append(seq.token_ids[start])
         else:
             self.input_ids += seq.token_ids[start : start + count]
+        if seq.scores_prompt:
+            self.scored.add(len(self.seqs) - 1)
         if start + count == len(seq.token_ids) + seq.num_pending_tokens:
             self.ready.append(len(self.seqs) - 1)
 
@@ -139,11 +143,14 @@ class StepBatchBuilder:
         context_lens = starts + counts
         width = int(context_lens.max() + size - 1) // size
         logits_indices = None
-        if step.proposed:  # logits at the last token and every proposal of those rows
+        if step.proposed or step.scored:  # logits at each last token and at every
+            # proposal (verified) or every new token (a prompt scored) of those rows
             last = np.cumsum(counts) - 1
             logits_per_row = np.ones(len(counts), dtype=np.int64)
             for index, proposal in step.proposed.items():
                 logits_per_row[index] += len(proposal)
+            for index in step.scored:
+                logits_per_row[index] = counts[index]
             logits_indices = np.repeat(last + 1 - logits_per_row, logits_per_row) + (
                 np.arange(int(logits_per_row.sum()))
                 - np.repeat(np.cumsum(logits_per_row) - logits_per_row, logits_per_row)

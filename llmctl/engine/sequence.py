@@ -59,6 +59,7 @@ class Sequence:
         "proposal",
         "speculation",
         "draft_computed",
+        "prompt_logprobs",
     )
 
     def __init__(
@@ -109,6 +110,9 @@ class Sequence:
         # Tokens whose K/V the draft model holds (speculative_method=draft): never more
         # than num_computed_tokens counts (llmctl.engine.draft).
         self.draft_computed = 0
+        # Asked for prompt logprobs: one TokenLogprob per prompt token scored so far (the
+        # engine puts the first token's in at admission, later ones come from the logits).
+        self.prompt_logprobs: list[Any] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -125,6 +129,14 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether some prompt tokens still wait for their logprobs: the steps feeding
+        its prompt return logits at every position, and no prefix comes from the cache."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
+            self.prompt_token_ids
+        )
 
     @property
     def needs_host_tokens(self) -> bool:

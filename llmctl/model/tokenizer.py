@@ -203,15 +203,17 @@ class Tokenizer:
         With a template: the rendered text, encoded without adding special tokens (the
         template writes its own BOS, as transformers' ``apply_chat_template`` assumes).
         Without one: plain continuation of the message contents joined by newlines
-        (an assistant's tool calls written as their JSON, so none is dropped).
+        (an assistant's tool calls written as their JSON, so none is dropped), after
+        one line per tool definition (its JSON), so the model sees the tools too.
         """
         if not messages:
             raise InvalidRequest("messages must not be empty")
         if self.chat_template is not None:
             text = self.apply_chat_template(messages, True, tools, template_kwargs)
             return self.encode(text, add_special_tokens=False)
-        text = "\n".join(_plain_text(_text_message(m)) for m in messages)
-        return self.encode(text)
+        lines = [json.dumps(tool) for tool in tools or []]
+        lines += [_plain_text(_text_message(m)) for m in messages]
+        return self.encode("\n".join(lines))
 
 
 def load_chat_template(value: str) -> str:

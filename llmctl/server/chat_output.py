@@ -52,10 +52,10 @@ def _call_delta(index: int, call_id: str | None, name: str | None, arguments: st
 
 class ChoiceReader:
     """Reads one choice's text; ``tool_family`` None: no tools, ``reasoning`` False: no
-    thinking model."""
+    thinking model; ``in_reasoning``: the prompt opened the reasoning (``<think>``)."""
 
-    def __init__(self, tool_family: str | None, reasoning: bool) -> None:
-        self._reasoning = ReasoningParser() if reasoning else None
+    def __init__(self, tool_family: str | None, reasoning: bool, in_reasoning: bool = False):
+        self._reasoning = ReasoningParser(in_reasoning) if reasoning else None
         self._tools = ToolCallParser(tool_family) if tool_family else None
         self._call_ids: list[str] = []
 

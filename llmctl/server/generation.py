@@ -35,6 +35,7 @@ class ChoiceProgress:
     finish_reason: str | None = None
     refused: bool = False  # the engine turned it down before it started
     cached_tokens: int | None = None  # prompt tokens served by the prefix cache
+    prompt_logprobs: list[TokenLogprob] | None = None  # when the request asked for them
 
     @property
     def text(self) -> str:
@@ -120,6 +121,8 @@ class GenerationStream:
         progress.prompt_tokens = output.prompt_tokens
         if output.cached_tokens is not None:
             progress.cached_tokens = output.cached_tokens
+        if output.prompt_logprobs is not None:
+            progress.prompt_logprobs = output.prompt_logprobs
         if output.completion_tokens > progress.completion_tokens:
             # Counted as they come, so a rate read from /metrics or /stats is live.
             self.metrics.generation_tokens.inc(

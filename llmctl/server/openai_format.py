@@ -57,7 +57,9 @@ class _Formatter:
 
 
 class CompletionFormatter(_Formatter):
-    """``text_completion`` objects, with the legacy logprobs shape."""
+    """``text_completion`` objects, with the legacy logprobs shape. With ``echo`` and
+    logprobs (``echo_logprobs``) the prompt's tokens lead each choice's logprobs; with
+    ``prompt_logprobs`` each choice also gets vLLM's ``prompt_logprobs`` list."""
 
     object_name = "text_completion"
     chunk_object_name = "text_completion"
@@ -69,24 +71,41 @@ class CompletionFormatter(_Formatter):
         include_usage: bool,
         num_choices: int,
         echoes: list[str] | None = None,
+        *,
+        echo_logprobs: bool = False,
+        prompt_logprobs: bool = False,
     ):
         super().__init__(response_id, model, include_usage)
         self._text_offsets = [0] * num_choices
         # ``echo``: each choice's prompt text, sent before its first generated text.
         self._echoes = list(echoes) if echoes else [""] * num_choices
+        self._echo_logprobs = echo_logprobs
+        self._prompt_logprobs = prompt_logprobs
 
     def stream_chunk(self, index: int, output: GenerationOutput) -> dict[str, Any] | None:
         echo, self._echoes[index] = self._echoes[index], ""
         text = echo + output.text
         if not (text or output.finished or output.logprobs):
             return None
-        choice = {
-            "index": index,
-            "text": text,
-            "logprobs": self._logprobs(index, output.logprobs),
-            "finish_reason": output.finish_reason if output.finished else None,
-        }
+        choice = self._choice(index, text, output.logprobs, output.prompt_logprobs)
+        choice["finish_reason"] = output.finish_reason if output.finished else None
         return self._chunk([choice])
+
+    def _choice(
+        self,
+        index: int,
+        text: str,
+        logprobs: list[TokenLogprob] | None,
+        prompt_logprobs: list[TokenLogprob] | None,
+    ) -> dict[str, Any]:
+        """A choice's text and logprobs; the prompt's scores lead them where asked (they
+        come with a choice's first output only)."""
+        if self._echo_logprobs and prompt_logprobs is not None:
+            logprobs = prompt_logprobs + (logprobs or [])
+        choice = {"index": index, "text": text, "logprobs": self._logprobs(index, logprobs)}
+        if self._prompt_logprobs and prompt_logprobs is not None:
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(prompt_logprobs)
+        return choice
 
     def response(
         self,
@@ -95,15 +114,13 @@ class CompletionFormatter(_Formatter):
         progress: Sequence[ChoiceProgress],
         usage: dict[str, int],
     ) -> dict[str, Any]:
-        choices = [
-            {
-                "index": index,
-                "text": self._echoes[index] + texts[index],
-                "logprobs": self._logprobs(index, logprobs[index]),
-                "finish_reason": progress[index].finish_reason,
-            }
-            for index in range(len(texts))
-        ]
+        choices = []
+        for index, text in enumerate(texts):
+            choice = self._choice(
+                index, self._echoes[index] + text, logprobs[index], progress[index].prompt_logprobs
+            )
+            choice["finish_reason"] = progress[index].finish_reason
+            choices.append(choice)
         return {**self._envelope(self.object_name, choices), "usage": usage}
 
     def _logprobs(self, index: int, entries: list[TokenLogprob] | None) -> dict | None:
@@ -115,21 +132,42 @@ class CompletionFormatter(_Formatter):
         for entry in entries:
             offsets.append(self._text_offsets[index])
             self._text_offsets[index] += len(entry.token)
+        # The first prompt token (echo) has no logprob: null, as OpenAI and vLLM send it.
         return {
             "tokens": [e.token for e in entries],
-            "token_logprobs": [_logprob(e.logprob) for e in entries],
+            "token_logprobs": [None if e.logprob is None else _logprob(e.logprob) for e in entries],
             "top_logprobs": [
-                {e.token: _logprob(e.logprob)} | {tok: _logprob(lp) for _, tok, lp in e.top}
+                None
+                if e.logprob is None
+                else {e.token: _logprob(e.logprob)} | {tok: _logprob(lp) for _, tok, lp in e.top}
                 for e in entries
             ],
             "text_offset": offsets,
         }
 
 
+def _vllm_prompt_logprobs(entries: list[TokenLogprob]) -> list[dict[str, dict] | None]:
+    """vLLM's shape: per prompt token (null for the first), token id -> ``{logprob, rank,
+    decoded_token}`` for the prompt's own token and the most likely alternatives."""
+
+    def item(logprob: float, rank: int, token: str) -> dict[str, Any]:
+        return {"logprob": _logprob(logprob), "rank": rank, "decoded_token": token}
+
+    scores: list[dict[str, dict] | None] = []
+    for entry in entries:
+        if entry.logprob is None:
+            scores.append(None)
+            continue
+        top = {str(i): item(lp, rank, tok) for rank, (i, tok, lp) in enumerate(entry.top, 1)}
+        scores.append({str(entry.token_id): item(entry.logprob, entry.rank, entry.token)} | top)
+    return scores
+
+
 class ChatFormatter(_Formatter):
     """``chat.completion`` objects and ``chat.completion.chunk`` deltas. With
     ``tool_family`` each choice's text is read for tool calls in that family's format;
-    with ``reasoning``, ``<think>...</think>`` becomes ``reasoning_content``."""
+    with ``reasoning``, ``<think>...</think>`` becomes ``reasoning_content`` (with
+    ``in_reasoning`` the text starts inside it: the prompt opened ``<think>``)."""
 
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
@@ -142,10 +180,15 @@ class ChatFormatter(_Formatter):
         num_choices: int,
         tool_family: str | None = None,
         reasoning: bool = False,
+        in_reasoning: bool = False,
+        prompt_logprobs: bool = False,
     ):
         super().__init__(response_id, model, include_usage)
+        self._prompt_logprobs = prompt_logprobs
         self._announced = [False] * num_choices
-        self._readers = [ChoiceReader(tool_family, reasoning) for _ in range(num_choices)]
+        self._readers = [
+            ChoiceReader(tool_family, reasoning, in_reasoning) for _ in range(num_choices)
+        ]
 
     def stream_chunk(self, index: int, output: GenerationOutput) -> dict[str, Any] | None:
         delta: dict[str, Any] = {}
@@ -186,7 +229,11 @@ class ChatFormatter(_Formatter):
             }
             for index in range(len(texts))
         ]
-        return {**self._envelope(self.object_name, choices), "usage": usage}
+        response = {**self._envelope(self.object_name, choices), "usage": usage}
+        scores = progress[0].prompt_logprobs if progress else None
+        if self._prompt_logprobs and scores is not None:  # vLLM's: one prompt, top level
+            response["prompt_logprobs"] = _vllm_prompt_logprobs(scores)
+        return response
 
 
 def _chat_logprobs(entries: list[TokenLogprob] | None) -> dict | None:

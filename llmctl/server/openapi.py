@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
 from llmctl.backend import capabilities
@@ -47,10 +47,18 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """With ``echo``, the prompt's tokens come first; the first one's entries are null."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int = Field(description="1: the most likely token at that position.")
+    decoded_token: str
 
 
 class CompletionChoice(BaseModel):
@@ -58,6 +66,11 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        None,
+        description="With the request's prompt_logprobs (vLLM's): per prompt token, null "
+        "for the first, token id -> its score, for the prompt's token and the alternatives.",
+    )
 
 
 class Completion(BaseModel):
@@ -127,6 +140,11 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        None,
+        description="With the request's prompt_logprobs (vLLM's): per token of the rendered "
+        "prompt, null for the first, token id -> its score.",
+    )
 
 
 class FunctionCallDelta(BaseModel):
@@ -377,6 +395,7 @@ _CROSS_FIELD_RULES = {
     "/v1/chat/completions": [
         *_SHARED_RULES,
         "`top_logprobs` only with `logprobs: true` (`invalid_combination`)",
+        "`prompt_logprobs` not with `stream: true`, as vLLM (`invalid_combination`)",
         "`max_completion_tokens` wins over `max_tokens`; `min_tokens` <= the one used "
         "(`invalid_combination`)",
     ],

@@ -201,7 +201,17 @@ class CompletionRequest(_GenerationFields):
         f"lists; prompts x n at most {MAX_CHOICES}."
     )
     logprobs: _bounded(int, "top_logprobs") | None = None
-    echo: bool = Field(False, description="Start each choice's text with its prompt.")
+    echo: bool = Field(
+        False,
+        description="Start each choice's text with its prompt; with logprobs, the prompt's "
+        "tokens lead the logprobs too (the first one's logprob null).",
+    )
+    prompt_logprobs: _bounded(int, "prompt_logprobs") | None = Field(
+        None,
+        description="vLLM's: each choice gets prompt_logprobs, one entry per prompt token "
+        "(null for the first): its logprob given the tokens before it, with this many "
+        "most likely alternatives, keyed by token id.",
+    )
 
     def prompts(self) -> list[dict[str, Any]]:
         """One engine prompt per entry: ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``.
@@ -230,15 +240,13 @@ class CompletionRequest(_GenerationFields):
     def sampling_params(self) -> SamplingParams:
         """Raises ``InvalidRequest`` naming the field when values do not go together."""
         wanted = self.logprobs is not None
-        if self.echo and wanted:
-            raise InvalidRequest(
-                "echo with logprobs would need the prompt's own logprobs, which the "
-                "engine does not compute yet; drop logprobs (or echo)",
-                param="echo",
-                code="invalid_combination",
-            )
+        scored = [self.prompt_logprobs, self.logprobs if self.echo else None]
+        scored = [k for k in scored if k is not None]
         max_tokens = DEFAULT_COMPLETION_TOKENS if self.max_tokens is None else self.max_tokens
-        return SamplingParams(**self._sampling(max_tokens, wanted, self.logprobs or 0))
+        return SamplingParams(
+            **self._sampling(max_tokens, wanted, self.logprobs or 0),
+            prompt_logprobs=max(scored) if scored else None,
+        )
 
 
 class TextPart(Strict):
@@ -296,6 +304,11 @@ class ChatCompletionRequest(_GenerationFields):
     logprobs: bool = False
     top_logprobs: _bounded(int, "top_logprobs") | None = Field(
         None, description="Needs logprobs: true."
+    )
+    prompt_logprobs: _bounded(int, "prompt_logprobs") | None = Field(
+        None,
+        description="vLLM's: the response gets prompt_logprobs, one entry per token of the "
+        "rendered prompt (null for the first), with this many alternatives; not with stream.",
     )
     tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
         None, description="Functions the model may call; the chat template receives them."
@@ -381,9 +394,15 @@ class ChatCompletionRequest(_GenerationFields):
             if self.max_completion_tokens is not None
             else self.max_tokens
         )
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM
+            raise InvalidRequest(
+                "prompt_logprobs is not available with stream: true",
+                param="prompt_logprobs",
+                code="invalid_combination",
+            )
         self.check_tools()
         fields = self._sampling(max_tokens, self.logprobs, self.top_logprobs or 0)
-        return SamplingParams(**fields)
+        return SamplingParams(**fields, prompt_logprobs=self.prompt_logprobs)
 
     def tool_sampling(self, sampling: SamplingParams, family: str) -> SamplingParams:
         """``sampling`` with the grammar of a forced call in ``family``'s format, and the

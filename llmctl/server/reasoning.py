@@ -3,7 +3,10 @@
 Qwen3 and DeepSeek-R1-style models open their answer with ``<think>...</think>``; what
 is inside is ``reasoning_content``, what follows is ``content`` (OpenAI-compatible
 servers, vLLM among them, use these names). The parser is on when the chat template
-knows ``</think>``. Text that does not start with ``<think>`` is all content.
+knows ``</think>``. Text that does not start with ``<think>`` is all content, unless
+the prompt itself opened the reasoning: DeepSeek-R1's and QwQ's templates end the
+generation prompt with ``<think>``, so the answer starts inside it, with no opening tag
+(``opens_reasoning``).
 """
 
 from __future__ import annotations
@@ -11,11 +14,19 @@ from __future__ import annotations
 OPEN, CLOSE = "<think>", "</think>"
 
 
+def opens_reasoning(prompt: str) -> bool:
+    """Whether a rendered chat prompt leaves the model inside its reasoning."""
+    return prompt.rstrip().endswith(OPEN)
+
+
 class ReasoningParser:
     """Feed text in pieces of any size; get ``(kind, text)`` with kind ``reasoning`` or
-    ``content``. A tag split across pieces is held back until it is whole."""
+    ``content``. A tag split across pieces is held back until it is whole. ``inside``:
+    the prompt opened the reasoning, so the text starts in it (an opening tag the model
+    writes anyway is dropped)."""
 
-    def __init__(self) -> None:
+    def __init__(self, inside: bool = False) -> None:
+        self._inside = inside
         self._state = "start"
         self._buffer = ""
 
@@ -30,7 +41,7 @@ class ReasoningParser:
                 self._buffer = head[len(OPEN) :]
                 self._state = "thinking"
             else:
-                self._state = "answer"
+                self._state = "thinking" if self._inside else "answer"
         if self._state == "thinking":
             end = self._buffer.find(CLOSE)
             if end < 0:
@@ -52,7 +63,8 @@ class ReasoningParser:
 
     def finish(self) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
-        kind = "reasoning" if self._state == "thinking" else "content"
+        thinking = self._state == "thinking" or (self._state == "start" and self._inside)
+        kind = "reasoning" if thinking else "content"
         if self._state != "after":
             self._emit(out, kind, self._buffer)
         self._buffer = ""

@@ -37,6 +37,7 @@ from llmctl.server.openapi import (
 )
 from llmctl.server.protocol import ChatCompletionRequest, CompletionRequest
 from llmctl.server.reasoning import CLOSE as REASONING_CLOSE
+from llmctl.server.reasoning import opens_reasoning
 from llmctl.server.state import ServerState
 from llmctl.server.streaming import ClientGone, EventStreamResponse, sse_event, unless_disconnected
 from llmctl.server.tool_parsers import family_for_template
@@ -81,7 +82,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     requests = _engine_requests(response_id, prompts, body.sampling_params(), body.n)
     echoes = [_prompt_text(state, p) for p in prompts for _ in range(body.n)] if body.echo else None
     formatter = CompletionFormatter(
-        response_id, state.engine.model_name, body.include_usage, len(requests), echoes
+        response_id,
+        state.engine.model_name,
+        body.include_usage,
+        len(requests),
+        echoes,
+        echo_logprobs=body.echo and body.logprobs is not None,
+        prompt_logprobs=body.prompt_logprobs is not None,
     )
     return await _respond(
         request,
@@ -119,13 +126,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             family = family_for_template(template)
         sampling = body.tool_sampling(sampling, family)
     requests = _engine_requests(response_id, [prompt], sampling, body.n)
+    reasoning = template is not None and REASONING_CLOSE in template
     formatter = ChatFormatter(
         response_id,
         state.engine.model_name,
         body.include_usage,
         len(requests),
         tool_family=family,
-        reasoning=template is not None and REASONING_CLOSE in template,
+        reasoning=reasoning,
+        in_reasoning=reasoning and _prompt_opens_reasoning(state, prompt),
+        prompt_logprobs=body.prompt_logprobs is not None,
     )
     return await _respond(
         request,
@@ -137,6 +147,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         grammar_param=body.structured_param,
         continuous_usage=body.continuous_usage,
     )
+
+
+def _prompt_opens_reasoning(state: ServerState, prompt: dict[str, Any]) -> bool:
+    """Whether the chat prompt ends inside ``<think>`` (DeepSeek-R1, QwQ): rendered here
+    as the engine renders it (a template that refuses the messages is the same 400)."""
+    text = state.engine.tokenizer.apply_chat_template(
+        prompt["messages"], True, prompt["tools"], prompt["chat_template_kwargs"]
+    )
+    return opens_reasoning(text)
 
 
 def _prompt_text(state: ServerState, prompt: dict[str, Any]) -> str:

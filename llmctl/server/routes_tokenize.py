@@ -88,7 +88,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
             )
             tokens = tokenizer.encode(text, add_special_tokens=False)
         else:
-            tokens = tokenizer.encode_chat(messages)
+            tokens = tokenizer.encode_chat(messages, tools)
     strs = [tokenizer.token_text(t) for t in tokens] if body.return_token_strs else None
     return {
         "count": len(tokens),

@@ -68,7 +68,9 @@ class StructuredOutputs(Strict):
         None, min_length=1, max_length=MAX_CHOICES
     )
     grammar: str | None = Field(
-        None, min_length=1, description="GBNF / EBNF whose start rule is root."
+        None,
+        min_length=1,
+        description="GBNF / EBNF whose start rule is root, or Lark whose start rule is start.",
     )
     json_object: bool | None = None
 
@@ -101,14 +103,8 @@ class StructuredOutputs(Strict):
         if self.choice is not None:
             return StructuredOutput("choice", json.dumps(self.choice))
         if self.grammar is not None:
-            if "::=" not in self.grammar:
-                raise InvalidRequest(
-                    "structured_outputs.grammar reads GBNF / EBNF (rules written "
-                    "'name ::= ...', starting at 'root'); Lark grammars are not supported",
-                    param="structured_outputs.grammar",
-                    code="unsupported_grammar",
-                )
-            return StructuredOutput("ebnf", self.grammar)
+            # As vLLM tells them apart: GBNF / EBNF rules are written 'name ::= ...'.
+            return StructuredOutput("ebnf" if "::=" in self.grammar else "lark", self.grammar)
         return StructuredOutput("json")
 
 

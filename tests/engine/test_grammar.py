@@ -71,6 +71,41 @@ def test_every_tokenizer_kind_follows_regex_and_schema(tokenizer) -> None:
         jsonschema.validate(json.loads(text), SCHEMAS[name])
 
 
+# Lark grammars (xgrammar reads them itself), checked by the lark library's own parser.
+LARK_GRAMMARS = {
+    "nested lists": (
+        'start: "[" [item ("," item)~0..3] "]"\n'
+        "item: NUMBER | WORD | inner\n"
+        'inner: "[" [NUMBER ("," NUMBER)~0..2] "]"\n'
+        "NUMBER: /-?[0-9]{1,3}/\n"
+        "WORD: /[a-c]{1,4}/"
+    ),
+    "imports and ignore": (
+        'start: pair ("," pair)~0..2\n'
+        'pair: WORD ":" SIGNED_NUMBER\n'
+        "WORD: /[a-z]{1,5}/\n"
+        "%import common.SIGNED_NUMBER\n"
+        "%import common.WS_INLINE\n"
+        "%ignore WS_INLINE"
+    ),
+    "ranges and inlined rules": (
+        '?start: greeting | number\ngreeting: ("a".."c")~2 " xyz"\nnumber: DIGIT~1..3\n'
+        "%import common.DIGIT"
+    ),
+}
+
+
+def test_every_tokenizer_kind_follows_lark_grammars(tokenizer) -> None:
+    import lark
+
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, tokenizer.eos_token_ids)
+    for grammar in LARK_GRAMMARS.values():
+        parser = lark.Lark(grammar, parser="earley")
+        for seed in range(4):
+            text = random_walk(compiler, StructuredOutput("lark", grammar), tokenizer, seed)
+            parser.parse(text)  # raises if the text is not in the grammar's language
+
+
 def test_compiles_are_cached_by_spec(stories_tokenizer) -> None:
     compiler = GrammarCompiler(stories_tokenizer, 512, (2,))
     first = compiler.compile(json_schema(SCHEMAS["flat"]))
@@ -88,6 +123,14 @@ def test_compiles_are_cached_by_spec(stories_tokenizer) -> None:
         (json_schema({"properties": {"n": {"multipleOf": 3}}}), "'multipleOf' at /properties/n"),
         (StructuredOutput("regex", "[a-"), "regex does not compile"),
         (StructuredOutput("ebnf", "root ::= missing_rule"), "grammar does not compile"),
+        (
+            StructuredOutput("lark", "start: missing"),
+            "Lark grammar does not compile: Lark error at line 1, column 8: unknown name 'missing'",
+        ),
+        (StructuredOutput("lark", 'start: ("a" | '), "line 1, column 15: expected ')'"),
+        (StructuredOutput("lark", "start: /[a-/"), "Regex parsing error at position 4"),
+        (StructuredOutput("lark", '_sep{x}: x ("," x)*\nstart: _sep{"a"}'), "templates"),
+        (StructuredOutput("lark", 'root: "a"'), "no start rule found"),
         (StructuredOutput("choice", "[]"), "non-empty strings"),
     ],
 )
@@ -159,6 +202,7 @@ def test_preemption_and_prefix_cache_keep_constrained_outputs_exact(stories_toke
 
 def test_choice_ebnf_and_logit_bias(stories_tokenizer) -> None:
     engine = make_engine(stories_tokenizer, vocab_size=512, eos_token_ids=(2,), max_model_len=256)
+    lark_grammar = 'start: "[" NUM ("-" NUM)~0..2 "]"\nNUM: /[0-9]{1,2}/'
     grammar = 'root ::= "yes" | "no" | "n/a"'
     results = run(
         engine,
@@ -171,6 +215,15 @@ def test_choice_ebnf_and_logit_bias(stories_tokenizer) -> None:
     )
     assert stories_tokenizer.decode(results["choice"][0]) in ("left", "right")
     assert stories_tokenizer.decode(results["ebnf"][0]) in ("yes", "no", "n/a")
+    lark_results = run(
+        engine,
+        [
+            (f"lark{seed}", [1, 3], constrained(StructuredOutput("lark", lark_grammar), seed))
+            for seed in range(4)
+        ],
+    )
+    for tokens, _ in lark_results.values():
+        assert re.fullmatch(r"\[[0-9]{1,2}(-[0-9]{1,2}){0,2}\]", stories_tokenizer.decode(tokens))
     assert results["bias"][0] == [77] * 5
 
 

@@ -131,3 +131,8 @@ def test_no_template_joins_contents_as_plain_continuation(stories_tokenizer) -> 
     assert not stories_tokenizer.has_chat_template
     ids = stories_tokenizer.encode_chat(CONVERSATION)
     assert ids == stories_tokenizer.encode("Hi there\nHello!\nTell me a story")
+    # Tool definitions come first, one JSON line each: the model sees them too.
+    tool = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
+    with_tools = stories_tokenizer.encode_chat(CONVERSATION, tools=[tool])
+    expected = json.dumps(tool) + "\nHi there\nHello!\nTell me a story"
+    assert with_tools == stories_tokenizer.encode(expected)

@@ -90,6 +90,15 @@ def test_grammars_and_logit_bias_travel_upstream_in_openai_and_vllm_shapes() -> 
     assert choice["structured_outputs"] == {"choice": ["x", "y"]}
     grammar = body_for(StructuredOutput("ebnf", 'root ::= "a"'))
     assert grammar["structured_outputs"] == {"grammar": 'root ::= "a"'}
+    lark = body_for(StructuredOutput("lark", 'start: "a"'))
+    assert lark["structured_outputs"] == {"grammar": 'start: "a"'}
+
+
+def test_prompt_logprobs_are_refused_by_name() -> None:
+    sampling = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    with pytest.raises(InvalidRequest, match="prompt logprobs") as refused:
+        upstream_request(GenerationRequest("r", prompt="Hi", sampling=sampling), "m")
+    assert refused.value.param == "prompt_logprobs"
 
 
 async def _lines(*lines: str) -> AsyncIterator[str]:

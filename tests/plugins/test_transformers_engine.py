@@ -209,6 +209,7 @@ async def blocks_once_settled(engine, rounds: int = 300) -> int:
         ({"seed": 7}, "seed=7"),
         ({"logprobs": True, "top_logprobs": 2}, "logprobs=True"),
         ({"logit_bias": {5: 3.0}}, "logit_bias="),
+        ({"prompt_logprobs": 1}, "prompt_logprobs=1"),
         ({"structured": StructuredOutput("regex", "[0-9]+")}, "structured output"),
     ],
 )

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from llmctl.server.chat_output import ChoiceReader, whole_message
-from llmctl.server.reasoning import ReasoningParser
+from llmctl.server.reasoning import ReasoningParser, opens_reasoning
 
 TEXT = (
     "<think>\nThe user wants weather; call the tool.\n</think>\n\n"
@@ -69,3 +69,31 @@ def test_reasoning_is_split_the_same_char_by_char(text, reasoning, content) -> N
         parts += parser.finish()
         assert "".join(t for k, t in parts if k == "reasoning") == reasoning
         assert "".join(t for k, t in parts if k == "content") == content
+
+
+@pytest.mark.parametrize(
+    "text, reasoning, content",
+    [
+        ("a < b</think>\n\nanswer", "a < b", "answer"),
+        ("<think>tag written anyway</think>x", "tag written anyway", "x"),
+        ("never closed <", "never closed <", ""),
+        ("<th", "<th", ""),
+        ("</think>only the answer", "", "only the answer"),
+    ],
+)
+def test_reasoning_opened_by_the_prompt_is_split_char_by_char(text, reasoning, content) -> None:
+    """DeepSeek-R1-style templates end the prompt with ``<think>``: no opening tag comes."""
+    for step in (1, len(text)):
+        parser = ReasoningParser(inside=True)
+        parts = []
+        for i in range(0, len(text), step):
+            parts += parser.feed(text[i : i + step])
+        parts += parser.finish()
+        assert "".join(t for k, t in parts if k == "reasoning") == reasoning
+        assert "".join(t for k, t in parts if k == "content") == content
+
+
+def test_prompts_that_open_reasoning() -> None:
+    assert opens_reasoning("<｜User｜>Hi<｜Assistant｜><think>\n")
+    assert not opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # thinking off
+    assert not opens_reasoning("<|im_start|>assistant\n")

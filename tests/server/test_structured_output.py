@@ -108,6 +108,15 @@ def test_vllm_structured_outputs_regex_choice_grammar(client) -> None:
         **ask(extra_body={"structured_outputs": {"grammar": grammar}}, seed=1), max_tokens=40
     )
     assert re.fullmatch(r"\([0-9](,[0-9])*\)", gbnf.choices[0].message.content)
+    lark = 'start: "(" DIGIT ("," DIGIT)~0..4 ")"\n%import common.DIGIT'
+    answer = client.completions.create(
+        model="demo",
+        prompt="Digits:",
+        max_tokens=40,
+        seed=2,
+        extra_body={"structured_outputs": {"grammar": lark}},
+    )
+    assert re.fullmatch(r"\([0-9](,[0-9]){0,4}\)", answer.choices[0].text)
 
 
 def test_unconstrained_requests_get_their_tokens_alone(url) -> None:
@@ -163,7 +172,11 @@ def test_logit_bias_forces_a_token(client) -> None:
             "'not'",
         ),
         ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", "regex"),
-        ({"structured_outputs": {"grammar": "start: 'a'"}}, "structured_outputs.grammar", "Lark"),
+        (
+            {"structured_outputs": {"grammar": 'start: "a" missing'}},
+            "structured_outputs",
+            "Lark grammar does not compile: Lark error at line 1, column 12: unknown name 'missing'",
+        ),
         (
             {"structured_outputs": {"regex": "a", "choice": ["b"]}},
             "structured_outputs",

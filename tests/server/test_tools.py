@@ -91,8 +91,8 @@ def test_required_gives_valid_calls_whole_and_streamed(client, seed) -> None:
     ]
 
 
-def test_a_named_function_is_the_one_called(client) -> None:
-    answer = client.chat.completions.create(
+def test_a_named_function_is_the_one_called_whole_and_streamed(client) -> None:
+    ask = dict(
         model="demo",
         messages=QUESTION,
         tools=TOOLS,
@@ -102,9 +102,15 @@ def test_a_named_function_is_the_one_called(client) -> None:
         temperature=1.0,
         seed=5,
     )
+    answer = client.chat.completions.create(**ask)
     calls = answer.choices[0].message.tool_calls
     assert len(calls) == 1
     check_calls(calls, names=["get_time"])
+    streamed, content, reason = streamed_calls(client.chat.completions.create(**ask, stream=True))
+    assert reason == "tool_calls" and content == ""
+    assert [(c["name"], c["arguments"]) for c in streamed] == [
+        (calls[0].function.name, calls[0].function.arguments)
+    ]
 
 
 def test_feeding_the_tool_result_back_gives_an_answer(client) -> None:

@@ -49,6 +49,14 @@ def upstream_request(request: GenerationRequest, model: str) -> tuple[str, dict[
             param="tools",
             code="invalid_combination",
         )
+    if sampling.prompt_logprobs is not None:
+        raise InvalidRequest(
+            "the openai-proxy backend does not forward prompt logprobs (echo with logprobs, "
+            "prompt_logprobs) yet: the upstream's would come back unread; send the request "
+            "to the upstream server itself",
+            param="prompt_logprobs",
+            code="invalid_combination",
+        )
     body: dict[str, Any] = {
         "model": model,
         "stream": True,
@@ -92,7 +100,8 @@ def _structured_fields(spec: StructuredOutput) -> dict[str, Any]:
         }
     if spec.kind == "choice":
         return {"structured_outputs": {"choice": json.loads(spec.value)}}
-    return {"structured_outputs": {"grammar" if spec.kind == "ebnf" else spec.kind: spec.value}}
+    grammar = spec.kind in ("ebnf", "lark")  # vLLM's one field for both
+    return {"structured_outputs": {"grammar" if grammar else spec.kind: spec.value}}
 
 
 async def sse_data(lines: AsyncIterator[str]) -> AsyncIterator[str]:

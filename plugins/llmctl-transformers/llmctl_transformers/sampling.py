@@ -39,6 +39,10 @@ CANNOT_HONOUR = {
     ),
     "top_logprobs": "it reports no alternative tokens",
     "logit_bias": "it has no per-request logit processors",
+    "prompt_logprobs": (
+        "its engine returns no logits for prompt positions (echo with logprobs, "
+        "prompt_logprobs); serve with --backend torch or turbo"
+    ),
     "structured": (
         "structured output (response_format, structured_outputs, tool_choice required or "
         "named) needs a per-request grammar mask, which its batched sampling has no place "
