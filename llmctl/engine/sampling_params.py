@@ -79,7 +79,6 @@ class SamplingParams:
     one raises ``InvalidRequest`` naming the field in ``param``.
     """
 
-    n: int = 1
     max_tokens: int | None = 16
     temperature: float = 1.0
     top_p: float = 1.0
@@ -103,6 +102,8 @@ class SamplingParams:
     # The logprob of each prompt token given the ones before it, with this many most
     # likely alternatives (vLLM's prompt_logprobs; ``echo`` with logprobs); None: not asked.
     prompt_logprobs: int | None = None
+    # Choices per prompt (last, so the fields before keep their positions).
+    n: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
