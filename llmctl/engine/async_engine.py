@@ -77,10 +77,11 @@ class _Stream:
     """What one asyncio consumer receives: items appended on its event loop, and the
     future it waits on while there are none."""
 
-    __slots__ = ("loop", "items", "waiter")
+    __slots__ = ("loop", "items", "waiter", "key")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
+        self.key = loop  # ``_deliver`` makes one call per event loop
         self.items: list[Item] = []
         self.waiter: asyncio.Future | None = None
 
@@ -106,6 +107,20 @@ def _dispatch(batch: list[tuple[_Stream, Item]]) -> None:
             waiter.set_result(None)
 
 
+class _Joined:
+    """What one request of a ``generate_all`` call produced so far."""
+
+    __slots__ = ("texts", "token_ids", "logprobs", "prompt_token_ids", "cached_tokens", "last")
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_token_ids: list[int] | None = None
+        self.cached_tokens: int | None = None
+        self.last: GenerationOutput | None = None
+
+
 class _Collector:
     """The requests of one blocking ``generate_all`` call. The engine thread joins each
     request's outputs as they come (keeping a step's output objects would leave tens of
@@ -115,37 +130,35 @@ class _Collector:
     def __init__(
         self, request_ids: list[str], on_outputs: Callable[[list[GenerationOutput]], None] | None
     ) -> None:
+        self.key = self  # ``_deliver`` makes one call per collector
         self.unfinished = set(request_ids)
         self.error: BaseException | None = None
         self.done = threading.Event()
         self._on_outputs = on_outputs
-        self._texts: dict[str, list[str]] = {rid: [] for rid in request_ids}
-        self._token_ids: dict[str, list[int]] = {rid: [] for rid in request_ids}
-        self._logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid in request_ids}
-        self._prompt_ids: dict[str, list[int] | None] = dict.fromkeys(request_ids)
-        self._cached: dict[str, int | None] = dict.fromkeys(request_ids)
-        self._last: dict[str, GenerationOutput] = {}
+        self._joined = {request_id: _Joined() for request_id in request_ids}
 
     def receive(self, batch: list[tuple[_Collector, Item]]) -> None:
-        """In the engine thread: one step's items for these requests."""
+        """In the engine thread: one step's items for these requests. This runs once per
+        request per step, so it does one dictionary look-up per output."""
         received = []
+        joined = self._joined
         for _, item in batch:
             if isinstance(item, BaseException):
                 self.error = self.error or item
                 continue
-            request_id = item.request_id
-            self._texts[request_id].append(item.text)
-            self._token_ids[request_id] += item.token_ids
+            record = joined[item.request_id]
+            record.texts.append(item.text)
+            record.token_ids += item.token_ids
             if item.logprobs:
-                self._logprobs[request_id] += item.logprobs
+                record.logprobs += item.logprobs
             if item.prompt_token_ids is not None:
-                self._prompt_ids[request_id] = item.prompt_token_ids
+                record.prompt_token_ids = item.prompt_token_ids
             if item.cached_tokens is not None:
-                self._cached[request_id] = item.cached_tokens
-            self._last[request_id] = item
+                record.cached_tokens = item.cached_tokens
+            record.last = item
             received.append(item)
             if item.finished:
-                self.unfinished.discard(request_id)
+                self.unfinished.discard(item.request_id)
         if self._on_outputs is not None and received:
             self._on_outputs(received)
         if self.error is not None or not self.unfinished:
@@ -153,18 +166,19 @@ class _Collector:
 
     def result(self, request_id: str) -> GenerationOutput:
         """Everything ``request_id`` produced, as one output."""
-        last = self._last[request_id]
+        record = self._joined[request_id]
+        last = record.last
         return GenerationOutput(
             request_id=request_id,
-            text="".join(self._texts[request_id]),
-            token_ids=self._token_ids[request_id],
+            text="".join(record.texts),
+            token_ids=record.token_ids,
             prompt_tokens=last.prompt_tokens,
             completion_tokens=last.completion_tokens,
             finished=last.finished,
             finish_reason=last.finish_reason,
-            logprobs=self._logprobs[request_id] or None,
-            prompt_token_ids=self._prompt_ids[request_id],
-            cached_tokens=self._cached[request_id],
+            logprobs=record.logprobs or None,
+            prompt_token_ids=record.prompt_token_ids,
+            cached_tokens=record.cached_tokens,
         )
 
 
@@ -474,14 +488,18 @@ class AsyncEngine(EngineCapabilities):
         if not items:
             return
         batches: dict[object, list[tuple[_Stream | _Collector, Item]]] = {}
+        last_key, last_batch = None, None
         with self._lock:
             streams = self._streams
             for request_id, item in items:
                 done = isinstance(item, BaseException) or item.finished
                 target = streams.pop(request_id, None) if done else streams.get(request_id)
-                if target is not None:
-                    key = target.loop if isinstance(target, _Stream) else target
-                    batches.setdefault(key, []).append((target, item))
+                if target is None:
+                    continue
+                if target.key is not last_key:  # most steps' outputs all go to one place
+                    last_key = target.key
+                    last_batch = batches.setdefault(last_key, [])
+                last_batch.append((target, item))
         for key, batch in batches.items():
             if isinstance(key, _Collector):
                 key.receive(batch)

@@ -255,9 +255,10 @@ class LLMEngine:
             logits = take_rows(logits, ready)
             seqs = [seqs[i] for i in ready]
         sampled = self.sampler.sample(logits, seqs, masks)
-        for row, seq in enumerate(seqs):
-            seq.num_pending_tokens += 1
-            seq.pending = (sampled, row)
+        if self.overlap:  # else ``_process`` takes the tokens before anything reads these
+            for row, seq in enumerate(seqs):
+                seq.num_pending_tokens += 1
+                seq.pending = (sampled, row)
         return sampled
 
     def _verify(self, step: ScheduledStep, logits: torch.Tensor) -> torch.Tensor:
@@ -298,12 +299,14 @@ class LLMEngine:
         caching = self.block_manager.enable_prefix_caching
         block_size = self.block_size
         finished = SequenceStatus.FINISHED
+        overlap = self.overlap
         seqs = step.seqs
         for row, (index, token_id) in enumerate(zip(step.sampled_rows(), token_ids)):
             seq = seqs[index]
-            seq.num_pending_tokens -= 1
-            if not seq.num_pending_tokens:
-                seq.pending = None
+            if overlap:
+                seq.num_pending_tokens -= 1
+                if not seq.num_pending_tokens:
+                    seq.pending = None
             if seq.status is finished:  # aborted, or done while this step ran
                 continue
             all_token_ids = seq.token_ids
@@ -313,11 +316,29 @@ class LLMEngine:
             detokenizer = seq.detokenizer
             num_prompt = len(seq.prompt_token_ids)
             num_output = len(all_token_ids) - num_prompt
-            reason = finish_reason(
-                token_id, num_output, seq.sampling, seq.stop_token_ids, detokenizer
-            )
-            if seq.grammar is not None:
-                reason = self._advance_grammar(seq, token_id, reason)
+            texts = detokenizer.plain_texts
+            if (
+                texts is not None
+                and token_id < len(texts)
+                and (text := texts[token_id]) is not None
+                and seq.grammar is None
+            ):
+                # The common case, inline (``finish_reason`` without stop strings): the
+                # token's text is its table entry, nothing held back.
+                sampling = seq.sampling
+                if token_id in seq.stop_token_ids:
+                    reason = "stop"
+                    if not sampling.include_stop_str_in_output:
+                        text = ""
+                else:
+                    reason = "length" if num_output >= sampling.max_tokens else None
+            else:
+                reason = finish_reason(
+                    token_id, num_output, seq.sampling, seq.stop_token_ids, detokenizer
+                )
+                if seq.grammar is not None:
+                    reason = self._advance_grammar(seq, token_id, reason)
+                text = detokenizer.take_new_text(reason is not None)
             done = reason is not None
             sampled_token = logprobs.get(row)
             # Positional: keyword arguments make this dataclass' __init__ three times
@@ -325,7 +346,7 @@ class LLMEngine:
             outputs.append(
                 GenerationOutput(
                     seq.request_id,
-                    detokenizer.take_new_text(done),
+                    text,
                     [token_id],
                     num_prompt,
                     num_output,
