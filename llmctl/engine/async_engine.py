@@ -223,7 +223,10 @@ class AsyncEngine(EngineCapabilities):
         self._streams: dict[str, _Stream | _Collector] = {}  # where each request's outputs go
         self._stopping = False
         self.failure: BaseException | None = None  # why the engine stopped by itself
-        self._undelivered: list[tuple[str, Item]] = []  # engine thread only
+        # Engine thread only: steps' outputs, and other items by request id (errors and
+        # aborts, which come after any output of their request: delivered after them).
+        self._undelivered_outputs: list[GenerationOutput] = []
+        self._undelivered: list[tuple[str, Item]] = []
         self._thread = threading.Thread(target=self._run, name="llmctl-engine", daemon=True)
         self._thread.start()
 
@@ -438,7 +441,7 @@ class AsyncEngine(EngineCapabilities):
                 self._fail_step(failed)
                 continue
             failed_in_a_row = 0
-            self._undelivered += [(output.request_id, output) for output in outputs]
+            self._undelivered_outputs += outputs
 
     def _fail_step(self, failed: StepFailed) -> None:
         """End the requests of a step whose model call raised; the rest go on."""
@@ -457,10 +460,11 @@ class AsyncEngine(EngineCapabilities):
 
     def _flush(self) -> None:
         """Deliver what the engine thread has collected."""
-        if self._undelivered:
+        if self._undelivered or self._undelivered_outputs:
             started = perf_counter()
+            outputs, self._undelivered_outputs = self._undelivered_outputs, []
             items, self._undelivered = self._undelivered, []
-            self._deliver(items)
+            self._deliver(items, outputs)
             self.engine.profile.deliver += perf_counter() - started
 
     def _apply(self, command: Command) -> list[tuple[str, Item]]:
@@ -482,24 +486,34 @@ class AsyncEngine(EngineCapabilities):
         with self._lock:
             return list(self._streams)
 
-    def _deliver(self, items: list[tuple[str, Item]]) -> None:
-        """Hand outputs (or errors) over: one call per event loop, one per blocking
-        caller. A request's last one unregisters it."""
-        if not items:
+    def _deliver(
+        self, items: list[tuple[str, Item]], outputs: Sequence[GenerationOutput] = ()
+    ) -> None:
+        """Hand ``outputs``, then other items (errors, by request id) over: one call per
+        event loop, one per blocking caller. A request's last one unregisters it. This
+        runs once per request per step: a dictionary look-up and an append for each."""
+        if not (items or outputs):
             return
         batches: dict[object, list[tuple[_Stream | _Collector, Item]]] = {}
         last_key, last_batch = None, None
         with self._lock:
             streams = self._streams
-            for request_id, item in items:
-                done = isinstance(item, BaseException) or item.finished
-                target = streams.pop(request_id, None) if done else streams.get(request_id)
+            for output in outputs:
+                request_id = output.request_id
+                target = (
+                    streams.pop(request_id, None) if output.finished else streams.get(request_id)
+                )
                 if target is None:
                     continue
                 if target.key is not last_key:  # most steps' outputs all go to one place
                     last_key = target.key
                     last_batch = batches.setdefault(last_key, [])
-                last_batch.append((target, item))
+                last_batch.append((target, output))
+            for request_id, item in items:
+                done = isinstance(item, BaseException) or item.finished
+                target = streams.pop(request_id, None) if done else streams.get(request_id)
+                if target is not None:
+                    batches.setdefault(target.key, []).append((target, item))
         for key, batch in batches.items():
             if isinstance(key, _Collector):
                 key.receive(batch)

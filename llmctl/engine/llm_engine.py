@@ -296,10 +296,12 @@ class LLMEngine:
         started = perf_counter()
         token_ids, logprobs = sampled.host()
         received = perf_counter()
-        caching = self.block_manager.enable_prefix_caching
+        overlap = self.overlap
+        # A block is keyed when the step computing it is marked, unless its last token was
+        # still on the device then (overlapped steps): only then is it keyed here.
+        caching = overlap and self.block_manager.enable_prefix_caching
         block_size = self.block_size
         finished = SequenceStatus.FINISHED
-        overlap = self.overlap
         seqs = step.seqs
         for row, (index, token_id) in enumerate(zip(step.sampled_rows(), token_ids)):
             seq = seqs[index]
