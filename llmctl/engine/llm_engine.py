@@ -112,6 +112,7 @@ class LLMEngine:
         self._in_flight: tuple[ScheduledStep, SampledBatch] | None = None
         self._seqs: dict[str, Sequence] = {}
         self._num_needing_host_tokens = 0  # requests with penalties or grammars in flight
+        self._num_not_plain_greedy = 0  # requests in flight that are not a plain argmax
         self._grammars: GrammarCompiler | None = None  # made on the first grammar
         self._grammar_lock = threading.Lock()
         self._grammar_masks: GrammarMasks | None = None
@@ -161,6 +162,7 @@ class LLMEngine:
         )
         self._seqs[request_id] = seq
         self._num_needing_host_tokens += seq.needs_host_tokens
+        self._num_not_plain_greedy += not seq.plain_greedy
         self._num_constrained += grammar is not None
         self.scheduler.add(seq)
 
@@ -254,7 +256,10 @@ class LLMEngine:
         if len(ready) < len(seqs):
             logits = take_rows(logits, ready)
             seqs = [seqs[i] for i in ready]
-        sampled = self.sampler.sample(logits, seqs, masks)
+        # Counted, not asked of each row: right after the model call every row's object
+        # is out of the cache, and a look at each costs more than the argmax.
+        plain_greedy = not self._num_not_plain_greedy
+        sampled = self.sampler.sample(logits, seqs, masks, plain_greedy=plain_greedy)
         if self.overlap:  # else ``_process`` takes the tokens before anything reads these
             for row, seq in enumerate(seqs):
                 seq.num_pending_tokens += 1
@@ -426,6 +431,7 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         del self._seqs[seq.request_id]
         self._num_needing_host_tokens -= seq.needs_host_tokens
+        self._num_not_plain_greedy -= not seq.plain_greedy
         self._num_constrained -= seq.grammar is not None
 
     def _token_logprob(self, sampled: SampledToken) -> TokenLogprob:
