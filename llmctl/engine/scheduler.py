@@ -327,19 +327,11 @@ class Scheduler:
     def mark_computed(self, step: ScheduledStep) -> None:
         """Record the step's K/V as computed (the device computes it in order, before any
         later step reads it) and key the blocks that became full."""
+        caching = self.block_manager.enable_prefix_caching
+        size = self.block_manager.block_size
         for seq, start, count in zip(step.seqs, step.starts, step.num_new_tokens):
             seq.num_computed_tokens = start + count
-        if not self.block_manager.enable_prefix_caching:
-            return
-        # Only a sequence whose computed tokens crossed a block's end has one to key (one
-        # held back because its last token is still on the device is keyed when it lands).
-        size = self.block_manager.block_size
-        starts = np.array(step.starts)
-        ends = starts + np.array(step.num_new_tokens)
-        seqs = step.seqs
-        for index in np.flatnonzero(ends // size > starts // size).tolist():
-            seq = seqs[index]
-            if seq.num_computed_tokens // size > len(seq.block_hashes):
+            if caching and (start + count) // size > len(seq.block_hashes):
                 self.cache_full_blocks(seq)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
