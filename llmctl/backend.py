@@ -72,7 +72,7 @@ class TokenLogprob:
     rank: int | None = None
 
 
-@dataclass
+@dataclass(slots=True)  # slots: made once per request per step, a third cheaper
 class GenerationOutput:
     """One step of a request's stream: what is new since the previous output.
 

@@ -14,12 +14,15 @@ table; the ratio's baseline is the same backend alone, measured in the same run.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from decode_loop import BACKENDS, blocks_needed, decode_step_times, load_runner, median
+
+import llmctl  # noqa: F401  before torch: its OpenMP wait policy (llmctl/__init__.py)
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO.parent / "shared" / "models" / "stories260K"
@@ -53,7 +56,11 @@ def measure(runner, args: argparse.Namespace) -> float:
 
 
 def start_neighbour() -> subprocess.Popen:
-    process = subprocess.Popen([sys.executable, "-c", NEIGHBOUR], stdout=subprocess.PIPE, text=True)
+    # A default torch process: without the passive OpenMP waits importing llmctl sets.
+    env = {name: value for name, value in os.environ.items() if name != "OMP_WAIT_POLICY"}
+    process = subprocess.Popen(
+        [sys.executable, "-c", NEIGHBOUR], stdout=subprocess.PIPE, text=True, env=env
+    )
     if process.stdout.readline().strip() != "running":
         process.kill()
         raise SystemExit("the neighbour process did not start")

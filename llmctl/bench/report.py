@@ -86,10 +86,16 @@ STEP_PHASES = {
 
 
 def step_profile_table(profile: dict[str, Any]) -> Rows:
-    """Where a step's time went: ms per step and share of the step, per phase; then the
-    host's share (everything but the model call and the wait for the device)."""
+    """Where a step's time went: ms per step, share of the step and µs per sequence per
+    step (the phase's time over the sequences the steps scheduled), per phase; then the
+    host's work (everything but the model call and the wait for the device)."""
     rows = [
-        [label, _num(profile["step_ms"][phase], 3), _num(profile["share"][phase] * 100)]
+        [
+            label,
+            _num(profile["step_ms"][phase], 3),
+            _num(profile["share"][phase] * 100),
+            _num(profile["seq_us"][phase], 2),
+        ]
         for phase, label in STEP_PHASES.items()
     ]
     host_ms = sum(profile["step_ms"][p] for p in STEP_PHASES if p not in ("model", "wait"))
@@ -98,6 +104,7 @@ def step_profile_table(profile: dict[str, Any]) -> Rows:
             "host work (all but model call and wait)",
             _num(host_ms, 3),
             _num(profile["host_share"] * 100),
+            _num(profile["host_seq_us"], 2),
         ]
     )
     rows.append(
@@ -105,9 +112,10 @@ def step_profile_table(profile: dict[str, Any]) -> Rows:
             "steps / mean sequences per step",
             f"{profile['steps']} / {profile['mean_batch_seqs']:.1f}",
             "-",
+            "-",
         ]
     )
-    rows.append(["idle, no work (s)", _num(profile["idle"], 3), "-"])
+    rows.append(["idle, no work (s)", _num(profile["idle"], 3), "-", "-"])
     spec = profile.get("speculation") or {}
     if spec.get("steps"):
         rows.append(
@@ -115,11 +123,12 @@ def step_profile_table(profile: dict[str, Any]) -> Rows:
                 "speculation: proposed / accepted tokens",
                 f"{spec['proposed']} / {spec['accepted']}",
                 _num(spec["acceptance_rate"] * 100),
+                "-",
             ]
         )
         by_position = " ".join(f"{rate * 100:.0f}" for rate in spec["acceptance_by_position"])
-        rows.append(["speculation: % accepted by position", by_position, "-"])
-    return ["phase", "ms per step", "% of step"], rows
+        rows.append(["speculation: % accepted by position", by_position, "-", "-"])
+    return ["phase", "ms per step", "% of step", "µs per sequence per step"], rows
 
 
 def serve_table(report: dict[str, Any]) -> Rows:

@@ -119,7 +119,8 @@ def throughput(
       peak_memory_bytes, memory_measure
     - engine.step_profile (with --step-profile): steps, scheduled_seqs, mean_batch_seqs,
       seconds per phase (schedule, inputs, model, sample, wait, outputs, deliver, idle),
-      step_ms and share per phase, host_share; null for an engine that keeps none
+      step_ms and share per phase, host_share, seq_us per phase and host_seq_us (µs per
+      sequence per step); null for an engine that keeps none
     - baseline: the same figures for transformers plus batch_size and
       generated_tokens (padding included); null without --baseline
     - ratio: engine output_tokens_per_s / baseline output_tokens_per_s

@@ -85,10 +85,11 @@ class _Stream:
     """What one asyncio consumer receives: items appended on its event loop, and the
     future it waits on while there are none."""
 
-    __slots__ = ("loop", "items", "waiter")
+    __slots__ = ("loop", "items", "waiter", "key")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
+        self.key = loop  # ``_deliver`` makes one call per event loop
         self.items: list[Item] = []
         self.waiter: asyncio.Future | None = None
 
@@ -114,6 +115,29 @@ def _dispatch(batch: list[tuple[_Stream, Item]]) -> None:
             waiter.set_result(None)
 
 
+class _Joined:
+    """What one request of a ``generate_all`` call produced so far."""
+
+    __slots__ = (
+        "texts",
+        "token_ids",
+        "logprobs",
+        "prompt_token_ids",
+        "cached_tokens",
+        "prompt_logprobs",
+        "last",
+    )
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_token_ids: list[int] | None = None
+        self.cached_tokens: int | None = None
+        self.prompt_logprobs: list[TokenLogprob] | None = None
+        self.last: GenerationOutput | None = None
+
+
 class _Collector:
     """The requests of one blocking ``generate_all`` call. The engine thread joins each
     request's outputs as they come (keeping a step's output objects would leave tens of
@@ -123,40 +147,37 @@ class _Collector:
     def __init__(
         self, request_ids: list[str], on_outputs: Callable[[list[GenerationOutput]], None] | None
     ) -> None:
+        self.key = self  # ``_deliver`` makes one call per collector
         self.unfinished = set(request_ids)
         self.error: BaseException | None = None
         self.done = threading.Event()
         self._on_outputs = on_outputs
-        self._texts: dict[str, list[str]] = {rid: [] for rid in request_ids}
-        self._token_ids: dict[str, list[int]] = {rid: [] for rid in request_ids}
-        self._logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid in request_ids}
-        self._prompt_ids: dict[str, list[int] | None] = dict.fromkeys(request_ids)
-        self._cached: dict[str, int | None] = dict.fromkeys(request_ids)
-        self._prompt_logprobs: dict[str, list[TokenLogprob] | None] = dict.fromkeys(request_ids)
-        self._last: dict[str, GenerationOutput] = {}
+        self._joined = {request_id: _Joined() for request_id in request_ids}
 
     def receive(self, batch: list[tuple[_Collector, Item]]) -> None:
-        """In the engine thread: one step's items for these requests."""
+        """In the engine thread: one step's items for these requests. This runs once per
+        request per step, so it does one dictionary look-up per output."""
         received = []
+        joined = self._joined
         for _, item in batch:
             if isinstance(item, BaseException):
                 self.error = self.error or item
                 continue
-            request_id = item.request_id
-            self._texts[request_id].append(item.text)
-            self._token_ids[request_id] += item.token_ids
+            record = joined[item.request_id]
+            record.texts.append(item.text)
+            record.token_ids += item.token_ids
             if item.logprobs:
-                self._logprobs[request_id] += item.logprobs
+                record.logprobs += item.logprobs
             if item.prompt_token_ids is not None:
-                self._prompt_ids[request_id] = item.prompt_token_ids
+                record.prompt_token_ids = item.prompt_token_ids
             if item.cached_tokens is not None:
-                self._cached[request_id] = item.cached_tokens
+                record.cached_tokens = item.cached_tokens
             if item.prompt_logprobs is not None:
-                self._prompt_logprobs[request_id] = item.prompt_logprobs
-            self._last[request_id] = item
+                record.prompt_logprobs = item.prompt_logprobs
+            record.last = item
             received.append(item)
             if item.finished:
-                self.unfinished.discard(request_id)
+                self.unfinished.discard(item.request_id)
         if self._on_outputs is not None and received:
             self._on_outputs(received)
         if self.error is not None or not self.unfinished:
@@ -164,19 +185,20 @@ class _Collector:
 
     def result(self, request_id: str) -> GenerationOutput:
         """Everything ``request_id`` produced, as one output."""
-        last = self._last[request_id]
+        record = self._joined[request_id]
+        last = record.last
         return GenerationOutput(
             request_id=request_id,
-            text="".join(self._texts[request_id]),
-            token_ids=self._token_ids[request_id],
+            text="".join(record.texts),
+            token_ids=record.token_ids,
             prompt_tokens=last.prompt_tokens,
             completion_tokens=last.completion_tokens,
             finished=last.finished,
             finish_reason=last.finish_reason,
-            logprobs=self._logprobs[request_id] or None,
-            prompt_token_ids=self._prompt_ids[request_id],
-            cached_tokens=self._cached[request_id],
-            prompt_logprobs=self._prompt_logprobs[request_id],
+            logprobs=record.logprobs or None,
+            prompt_token_ids=record.prompt_token_ids,
+            cached_tokens=record.cached_tokens,
+            prompt_logprobs=record.prompt_logprobs,
         )
 
 
@@ -221,7 +243,10 @@ class AsyncEngine(EngineCapabilities):
         self._streams: dict[str, _Stream | _Collector] = {}  # where each request's outputs go
         self._stopping = False
         self.failure: BaseException | None = None  # why the engine stopped by itself
-        self._undelivered: list[tuple[str, Item]] = []  # engine thread only
+        # Engine thread only: steps' outputs, and other items by request id (errors and
+        # aborts, which come after any output of their request: delivered after them).
+        self._undelivered_outputs: list[GenerationOutput] = []
+        self._undelivered: list[tuple[str, Item]] = []
         self._thread = threading.Thread(target=self._run, name="llmctl-engine", daemon=True)
         self._thread.start()
 
@@ -436,7 +461,7 @@ class AsyncEngine(EngineCapabilities):
                 self._fail_step(failed)
                 continue
             failed_in_a_row = 0
-            self._undelivered += [(output.request_id, output) for output in outputs]
+            self._undelivered_outputs += outputs
 
     def _fail_step(self, failed: StepFailed) -> None:
         """End the requests of a step whose model call raised; the rest go on."""
@@ -455,10 +480,11 @@ class AsyncEngine(EngineCapabilities):
 
     def _flush(self) -> None:
         """Deliver what the engine thread has collected."""
-        if self._undelivered:
+        if self._undelivered or self._undelivered_outputs:
             started = perf_counter()
+            outputs, self._undelivered_outputs = self._undelivered_outputs, []
             items, self._undelivered = self._undelivered, []
-            self._deliver(items)
+            self._deliver(items, outputs)
             self.engine.profile.deliver += perf_counter() - started
 
     def _apply(self, command: Command) -> list[tuple[str, Item]]:
@@ -480,20 +506,34 @@ class AsyncEngine(EngineCapabilities):
         with self._lock:
             return list(self._streams)
 
-    def _deliver(self, items: list[tuple[str, Item]]) -> None:
-        """Hand outputs (or errors) over: one call per event loop, one per blocking
-        caller. A request's last one unregisters it."""
-        if not items:
+    def _deliver(
+        self, items: list[tuple[str, Item]], outputs: Sequence[GenerationOutput] = ()
+    ) -> None:
+        """Hand ``outputs``, then other items (errors, by request id) over: one call per
+        event loop, one per blocking caller. A request's last one unregisters it. This
+        runs once per request per step: a dictionary look-up and an append for each."""
+        if not (items or outputs):
             return
         batches: dict[object, list[tuple[_Stream | _Collector, Item]]] = {}
+        last_key, last_batch = None, None
         with self._lock:
             streams = self._streams
+            for output in outputs:
+                request_id = output.request_id
+                target = (
+                    streams.pop(request_id, None) if output.finished else streams.get(request_id)
+                )
+                if target is None:
+                    continue
+                if target.key is not last_key:  # most steps' outputs all go to one place
+                    last_key = target.key
+                    last_batch = batches.setdefault(last_key, [])
+                last_batch.append((target, output))
             for request_id, item in items:
                 done = isinstance(item, BaseException) or item.finished
                 target = streams.pop(request_id, None) if done else streams.get(request_id)
                 if target is not None:
-                    key = target.loop if isinstance(target, _Stream) else target
-                    batches.setdefault(key, []).append((target, item))
+                    batches.setdefault(target.key, []).append((target, item))
         for key, batch in batches.items():
             if isinstance(key, _Collector):
                 key.receive(batch)

@@ -45,6 +45,11 @@ class IncrementalDetokenizer:
         self._text = ""
         self._emitted = 0
         self.stopped = False  # a stop string was found
+        # While a token's text is only its entry in this table (the byte table is used,
+        # no stop strings, no character half done, nothing left to strip): the table, and
+        # ``take_new_text`` has nothing else to give. The engine then reads a token's text
+        # here instead of calling ``add_token`` and ``take_new_text``; else ``None``.
+        self.plain_texts: list[str | None] | None = None
         context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self._pieces = token_pieces(tokenizer) if use_pieces else None
         if self._pieces is None:
@@ -59,6 +64,16 @@ class IncrementalDetokenizer:
         # Leading characters the text still loses: what the context left of the strip.
         _, self._strip_left = strip_leading(
             pieces.joined_text(visible), pieces.strip_char, pieces.strip_start
+        )
+        self._update_plain()
+
+    def _update_plain(self) -> None:
+        plain = not (self._stops or self._first or self._pending or self._strip_left)
+        pieces = self._pieces
+        self.plain_texts = (
+            (pieces.texts_without_special if self._skip_special else pieces.texts)
+            if plain
+            else None
         )
 
     def add_token(self, token_id: int) -> None:
@@ -84,12 +99,15 @@ class IncrementalDetokenizer:
             text = data.decode("utf-8", "replace")
             if text.endswith("\ufffd"):
                 self._pending = data
+                self.plain_texts = None
                 return
             self._pending = b""
         if self._strip_left:
             text, self._strip_left = strip_leading(text, pieces.strip_char, self._strip_left)
         if text:
             self._append(text)
+        if self.plain_texts is None:
+            self._update_plain()
 
     def _add_by_window(self, token_id: int) -> None:
         self._token_ids.append(token_id)

@@ -121,6 +121,7 @@ class LLMEngine:
         self._in_flight: tuple[ScheduledStep, SampledBatch] | None = None
         self._seqs: dict[str, Sequence] = {}
         self._num_needing_host_tokens = 0  # requests with penalties or grammars in flight
+        self._num_not_plain_greedy = 0  # requests in flight that are not a plain argmax
         self._grammars: GrammarCompiler | None = None  # made on the first grammar
         self._grammar_lock = threading.Lock()
         self._grammar_masks: GrammarMasks | None = None
@@ -173,6 +174,7 @@ class LLMEngine:
             seq.prompt_logprobs = [TokenLogprob(first, self.tokenizer.token_text(first), None)]
         self._seqs[request_id] = seq
         self._num_needing_host_tokens += seq.needs_host_tokens
+        self._num_not_plain_greedy += not seq.plain_greedy
         self._num_constrained += grammar is not None
         self.scheduler.add(seq)
 
@@ -273,10 +275,14 @@ class LLMEngine:
         if len(ready) < len(seqs):
             logits = take_rows(logits, ready)
             seqs = [seqs[i] for i in ready]
-        sampled = self.sampler.sample(logits, seqs, masks)
-        for row, seq in enumerate(seqs):
-            seq.num_pending_tokens += 1
-            seq.pending = (sampled, row)
+        # Counted, not asked of each row: right after the model call every row's object
+        # is out of the cache, and a look at each costs more than the argmax.
+        plain_greedy = not self._num_not_plain_greedy
+        sampled = self.sampler.sample(logits, seqs, masks, plain_greedy=plain_greedy)
+        if self.overlap:  # else ``_process`` takes the tokens before anything reads these
+            for row, seq in enumerate(seqs):
+                seq.num_pending_tokens += 1
+                seq.pending = (sampled, row)
         return sampled
 
     def _score_prompts(self, step: ScheduledStep, logits: torch.Tensor) -> torch.Tensor:
@@ -362,15 +368,19 @@ class LLMEngine:
         started = perf_counter()
         token_ids, logprobs = sampled.host()
         received = perf_counter()
-        caching = self.block_manager.enable_prefix_caching
+        overlap = self.overlap
+        # A block is keyed when the step computing it is marked, unless its last token was
+        # still on the device then (overlapped steps): only then is it keyed here.
+        caching = overlap and self.block_manager.enable_prefix_caching
         block_size = self.block_size
         finished = SequenceStatus.FINISHED
         seqs = step.seqs
         for row, (index, token_id) in enumerate(zip(step.sampled_rows(), token_ids)):
             seq = seqs[index]
-            seq.num_pending_tokens -= 1
-            if not seq.num_pending_tokens:
-                seq.pending = None
+            if overlap:
+                seq.num_pending_tokens -= 1
+                if not seq.num_pending_tokens:
+                    seq.pending = None
             if seq.status is finished:  # aborted, or done while this step ran
                 continue
             all_token_ids = seq.token_ids
@@ -380,11 +390,29 @@ class LLMEngine:
             detokenizer = seq.detokenizer
             num_prompt = len(seq.prompt_token_ids)
             num_output = len(all_token_ids) - num_prompt
-            reason = finish_reason(
-                token_id, num_output, seq.sampling, seq.stop_token_ids, detokenizer
-            )
-            if seq.grammar is not None:
-                reason = self._advance_grammar(seq, token_id, reason)
+            texts = detokenizer.plain_texts
+            if (
+                texts is not None
+                and token_id < len(texts)
+                and (text := texts[token_id]) is not None
+                and seq.grammar is None
+            ):
+                # The common case, inline (``finish_reason`` without stop strings): the
+                # token's text is its table entry, nothing held back.
+                sampling = seq.sampling
+                if token_id in seq.stop_token_ids:
+                    reason = "stop"
+                    if not sampling.include_stop_str_in_output:
+                        text = ""
+                else:
+                    reason = "length" if num_output >= sampling.max_tokens else None
+            else:
+                reason = finish_reason(
+                    token_id, num_output, seq.sampling, seq.stop_token_ids, detokenizer
+                )
+                if seq.grammar is not None:
+                    reason = self._advance_grammar(seq, token_id, reason)
+                text = detokenizer.take_new_text(reason is not None)
             done = reason is not None
             sampled_token = logprobs.get(row)
             # Positional: keyword arguments make this dataclass' __init__ three times
@@ -392,7 +420,7 @@ class LLMEngine:
             outputs.append(
                 GenerationOutput(
                     seq.request_id,
-                    detokenizer.take_new_text(done),
+                    text,
                     [token_id],
                     num_prompt,
                     num_output,
@@ -471,6 +499,7 @@ class LLMEngine:
         self.scheduler.finish(seq, reason)
         del self._seqs[seq.request_id]
         self._num_needing_host_tokens -= seq.needs_host_tokens
+        self._num_not_plain_greedy -= not seq.plain_greedy
         self._num_constrained -= seq.grammar is not None
 
     def _token_logprob(self, sampled: SampledToken) -> TokenLogprob:

@@ -109,11 +109,17 @@ class Sampler:
         return [logprobs.get(row) or SampledToken(t) for row, t in enumerate(token_ids)]
 
     def sample(
-        self, logits: torch.Tensor, seqs: list[Sequence], masks: Future | None = None
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        masks: Future | None = None,
+        *,
+        plain_greedy: bool = False,
     ) -> SampledBatch:
         """Sample one token per row on the logits' device; nothing here waits for it,
-        except for ``masks`` (``GrammarMasks.start``: the constrained rows' bitmasks)."""
-        if all(seq.plain_greedy for seq in seqs):  # the common case: no copy of the logits
+        except for ``masks`` (``GrammarMasks.start``: the constrained rows' bitmasks).
+        ``plain_greedy``: the caller knows every row is (else each row is looked at)."""
+        if plain_greedy or all(seq.plain_greedy for seq in seqs):  # no copy of the logits
             return SampledBatch(argmax_rows(logits))
         device = logits.device
         logits = logits.float().clone()

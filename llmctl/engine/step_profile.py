@@ -83,10 +83,13 @@ class StepProfile:
 
     def report(self) -> dict:
         """The JSON form: seconds per phase, the step total (idle excluded), the share of
-        each phase and the host's share (everything but the model call and the wait)."""
+        each phase and the host's share (everything but the model call and the wait), and
+        microseconds per scheduled sequence per step, by phase and for the host's work:
+        what a larger batch costs the host."""
         busy = sum(getattr(self, phase) for phase in PHASES)
         host = busy - self.model - self.wait
         steps = max(self.steps, 1)
+        seqs = max(self.scheduled_seqs, 1)
         return {
             **asdict(self),
             "speculation": self.speculation.report(),
@@ -94,4 +97,6 @@ class StepProfile:
             "step_ms": {phase: getattr(self, phase) * 1000.0 / steps for phase in PHASES},
             "share": {phase: getattr(self, phase) / busy if busy else 0.0 for phase in PHASES},
             "host_share": host / busy if busy else 0.0,
+            "seq_us": {phase: getattr(self, phase) * 1e6 / seqs for phase in PHASES},
+            "host_seq_us": host * 1e6 / seqs,
         }

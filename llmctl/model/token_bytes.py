@@ -20,6 +20,7 @@ import json
 import random
 import weakref
 from dataclasses import dataclass
+from functools import cached_property
 
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -44,6 +45,11 @@ class TokenPieces:
     special: frozenset[int]
     strip_char: str
     strip_start: int
+
+    @cached_property
+    def texts_without_special(self) -> list[str | None]:
+        """``texts`` with the special tokens' text empty (``skip_special_tokens``)."""
+        return ["" if i in self.special else text for i, text in enumerate(self.texts)]
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """What the tokenizer's ``decode`` returns, from the table."""

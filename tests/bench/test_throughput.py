@@ -137,8 +137,13 @@ def test_step_profile_shows_where_the_steps_spent_their_time(
     host = busy - profile["model"] - profile["wait"]
     assert profile["host_share"] == pytest.approx(host / busy)
     assert profile["step_ms"]["model"] == pytest.approx(profile["model"] * 1000 / 6)
+    # Per sequence per step: over the 30 sequence-steps scheduled.
+    assert profile["seq_us"]["outputs"] == pytest.approx(profile["outputs"] * 1e6 / 30)
+    assert profile["host_seq_us"] == pytest.approx(host * 1e6 / 30)
     assert "**Where a step's time goes**" in result.output
-    assert "| host work (all but model call and wait) |" in result.output
+    assert "| µs per sequence per step |" in result.output
+    host_row = next(line for line in result.output.splitlines() if line.startswith("| host work ("))
+    assert host_row.split("|")[4].strip() == f"{profile['host_seq_us']:.2f}"
 
 
 def test_step_profile_shows_speculation(stories_dir: Path, tmp_path: Path) -> None:

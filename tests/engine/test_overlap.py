@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from llmctl.engine.sampling_params import SamplingParams
+from llmctl.model.token_bytes import token_pieces
 from tests.helpers.paged_toy_model import PagedToyModel, make_engine, run, workload
 
 
@@ -173,3 +174,46 @@ def test_overlapped_steps_on_the_gpu_give_the_tokens_of_sequential_ones(
         read_on_device[overlap] = sum(fill is not None for fill in batches)
     assert results[None] == results[False]
     assert read_on_device[None] > 10 and read_on_device[False] == 0
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_plain_rows_texts_equal_the_tokenizers_decode(stories_tokenizer, skip_special) -> None:
+    """Requests without stop strings take the engine's inline path (a token's text from
+    the byte table): random outputs with special tokens, byte tokens of split characters
+    and a stop id, with and without its text, give the tokenizer's own decode."""
+    generator = torch.Generator().manual_seed(32)
+    special = stories_tokenizer.hf_tokenizer.get_added_tokens_decoder()
+    special_ids = sorted(i for i, token in special.items() if token.special) or [0]
+    # Whole characters: tokens that are valid UTF-8 alone, and byte tokens that spell one.
+    whole = [t for t, text in enumerate(token_pieces(stories_tokenizer).texts) if text]
+    emoji = stories_tokenizer.encode("🙂é", add_special_tokens=False)
+    scripts, requests, expected = {}, [], {}
+    for i in range(6):
+        picks = torch.randint(0, len(whole), (12,), generator=generator).tolist()
+        body = [whole[pick] for pick in picks]
+        output = body[:4] + emoji + [special_ids[i % len(special_ids)]] + body[4:]
+        stop_id = output[-3]
+        include = bool(i % 2)
+        prompt = [400 + i, 300, 301]
+        scripts[prompt[0]] = (len(prompt), output)
+        params = SamplingParams(
+            len(output),
+            0,
+            stop_token_ids=[stop_id],
+            include_stop_str_in_output=include,
+            skip_special_tokens=skip_special,
+        )
+        requests.append((f"r{i}", prompt, params))
+        kept = output[: output.index(stop_id) + (1 if include else 0)]
+        full = stories_tokenizer.decode(prompt + kept, skip_special)
+        expected[f"r{i}"] = full[len(stories_tokenizer.decode(prompt, skip_special)) :]
+    for overlap in (False, True):
+        engine = make_engine(stories_tokenizer, vocab_size=512, overlap=overlap)
+        engine.runner = ScriptedModel(scripts, vocab_size=512)
+        for request in requests:
+            engine.add_request(*request)
+        got = {request_id: "" for request_id, _, _ in requests}
+        while engine.has_unfinished():
+            for output in engine.step():
+                got[output.request_id] += output.text
+        assert got == expected
