@@ -79,8 +79,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
 
 
 class Attention(nn.Module):
+    """Self-attention over this layer's slice of the paged KV cache, which it owns (as in
+    nano-vllm): the runner hands it the slice and the attention ops once it has
+    allocated the cache (``bind``), so the model's forward carries only the batch."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.cache: LayerCache | None = None
+        self.ops: AttentionOps | None = None
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -96,14 +102,12 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
 
+    def bind(self, cache: LayerCache, ops: AttentionOps) -> None:
+        """This layer's K/V (and scales) in the runner's cache, and the ops that use them."""
+        self.cache, self.ops = cache, ops
+
     def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: LayerCache,
-        meta: AttentionMetadata,
-        ops: AttentionOps,
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
@@ -115,7 +119,8 @@ class Attention(nn.Module):
         qk = apply_rotary(qk, cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache, kv_scales = kv_cache
+        k_cache, v_cache, kv_scales = self.cache
+        ops = self.ops
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales=kv_scales)
         if meta.is_decode:
             out = ops.paged_decode_attention(
@@ -163,8 +168,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, kv_cache, meta, ops) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, ops)
+    def forward(self, x, cos, sin, meta) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -197,15 +202,14 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[LayerCache],
         logits_indices: torch.Tensor,
-        ops: AttentionOps,
     ) -> torch.Tensor:
-        """fp32 logits ``[len(logits_indices), vocab]`` for the chosen rows of the batch."""
+        """fp32 logits ``[len(logits_indices), vocab]`` for the chosen rows of the batch
+        (each attention layer reads and writes its own slice of the cache)."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta, ops)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, meta)
         return self.compute_logits(self.model.norm(x[logits_indices]))
 
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:

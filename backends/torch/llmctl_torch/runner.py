@@ -84,7 +84,7 @@ class TorchModelRunner(PagedRunner):
 
     def _allocate(self, num_blocks: int) -> None:
         """One ``[2, layers, num_blocks, block_size, kv_heads, head_dim]`` tensor, viewed
-        as a (K, V) pair per layer; an int8 / fp8 cache has a float32 scale per token and
+        as a (K, V) pair per layer, each handed to its attention layer; an int8 / fp8 cache has a float32 scale per token and
         KV head beside it, ``[2, layers, num_blocks, block_size, kv_heads]``. Zeroed, not
         empty: attention masks unwritten slots with a zero weight, and 0 * NaN from
         uninitialised memory would still be NaN. On the CPU its memory is taken as blocks
@@ -103,6 +103,8 @@ class TorchModelRunner(PagedRunner):
             )
             for layer in range(c.num_layers)
         ]
+        for layer, layer_cache in zip(self.model.model.layers, self.kv_caches):
+            layer.self_attn.bind(layer_cache, self.ops)
 
     def weight_bytes(self) -> int:
         tensors = [*self.model.parameters(), *self.model.buffers()]
@@ -125,7 +127,5 @@ class TorchModelRunner(PagedRunner):
             inputs.input_ids,
             inputs.positions,
             meta,
-            self.kv_caches,
             inputs.logits_rows(),  # each sequence's last token, or a speculative step's
-            self.ops,
         )
