@@ -78,8 +78,13 @@ class LLM:
         self,
         prompts: str | Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Complete each prompt (text, or a list of token ids); results in prompt order."""
+        """Complete each prompt (text, or a list of token ids); results in prompt order.
+
+        ``lora``: the LoRA adapter (a name given with the ``lora`` option, or loaded with
+        ``load_lora``) every prompt runs with, or one name (None: the base model) per
+        prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         requests = [
@@ -88,10 +93,21 @@ class LLM:
                 prompt=p if isinstance(p, str) else None,
                 prompt_token_ids=None if isinstance(p, str) else list(p),
                 sampling=params,
+                lora=adapter,
             )
-            for p, params in zip(prompts, _per_prompt(sampling_params, len(prompts)))
+            for p, params, adapter in zip(
+                prompts, _per_prompt(sampling_params, len(prompts)), _per_prompt_lora(lora, prompts)
+            )
         ]
         return self._run(requests)
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the LoRA adapter at ``path`` (a PEFT directory) as ``name`` from now on."""
+        _run_sync(capabilities(self.engine).load_lora(name, str(path)))
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving ``name``; returns once the requests using it have finished."""
+        _run_sync(capabilities(self.engine).unload_lora(name))
 
     def chat(
         self,
@@ -188,6 +204,14 @@ def _per_prompt(
     if len(params) != count:
         raise ValueError(f"got {len(params)} sampling params for {count} prompts")
     return list(params)
+
+
+def _per_prompt_lora(lora: str | Sequence[str | None] | None, prompts: Sequence) -> list:
+    if lora is None or isinstance(lora, str):
+        return [lora] * len(prompts)
+    if len(lora) != len(prompts):
+        raise ValueError(f"got {len(lora)} LoRA adapter names for {len(prompts)} prompts")
+    return list(lora)
 
 
 def _shutdown_engine(engine: Engine) -> None:

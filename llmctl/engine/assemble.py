@@ -75,4 +75,11 @@ def build_engine(
         eos_token_ids=eos_ids,
         vocab_size=model_config.vocab_size,
     )
-    return AsyncEngine(engine, model_name=config.served_model_name or model.name)
+    async_engine = AsyncEngine(engine, model_name=config.served_model_name or model.name)
+    for name, path in config.lora.adapters:  # served from the start
+        try:
+            async_engine.load_lora_now(name, path)
+        except BaseException:
+            async_engine.stop_now()
+            raise
+    return async_engine

@@ -58,6 +58,9 @@ class Sequence:
         "num_cached_tokens",
         "proposal",
         "speculation",
+        "lora",
+        "lora_slot",
+        "cache_salt",
     )
 
     def __init__(
@@ -105,6 +108,11 @@ class Sequence:
         # token and verified by it), and the request's counts (llmctl.engine.speculative).
         self.proposal: list[int] = []
         self.speculation: Any = None
+        # Its LoRA adapter (llmctl.engine.lora; None: the base model), the adapter's slot
+        # while it runs (-1: none), and the start of its prefix-cache keys (per adapter).
+        self.lora: Any = None
+        self.lora_slot = -1
+        self.cache_salt = b""
 
     @property
     def num_tokens(self) -> int:
