@@ -218,7 +218,6 @@ Command = _Add | _Abort | _ResetPeak | _Fail | _LoadLora | _UnloadLora
 class AsyncEngine(EngineCapabilities):
     can_generate_all = True
     has_step_loop = True
-    serves_lora = True  # where the runner does (else load_lora says it does not)
 
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
         self.model_name = model_name
@@ -343,6 +342,11 @@ class AsyncEngine(EngineCapabilities):
             spec_proposed_by_position=tuple(spec.proposed_at),
             spec_accepted_by_position=tuple(spec.accepted_at),
         )
+
+    @property
+    def serves_lora(self) -> bool:  # type: ignore[override]
+        """Where the runner does (the torch backend's, unsharded)."""
+        return self.engine.loras is not None
 
     def lora_names(self) -> tuple[str, ...]:
         loras = self.engine.loras

@@ -29,8 +29,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from llmctl.errors import InvalidRequest, ModelError
-from llmctl.model.lora import AdapterSpec, read_adapter
+from llmctl.errors import InvalidRequest
+from llmctl.model.lora import AdapterSpec, LoraNameError, read_adapter
 
 if TYPE_CHECKING:
     from llmctl.engine.sequence import Sequence
@@ -102,7 +102,7 @@ class LoraSlots:
 
     def register(self, name: str, spec: AdapterSpec, weights: Any) -> LoraAdapter:
         if name in self._adapters:
-            raise ModelError(
+            raise LoraNameError(
                 f"LoRA adapter name {name!r} is already loaded: unload it first, or choose "
                 "another name"
             )

@@ -168,18 +168,22 @@ def _check_tensors(path: Path, header: dict, base: dict, rank: int) -> dict[str,
     return {module: (pair["lora_A"], pair["lora_B"]) for module, pair in halves.items()}
 
 
+class LoraNameError(ModelError):
+    """A name an adapter cannot be served under."""
+
+
 def check_lora_name(name: str, taken: set[str], model_name: str) -> None:
     """A name an adapter may be served under: not the model's, not another adapter's."""
     if not name or name != name.strip():
-        raise ModelError(
+        raise LoraNameError(
             f"LoRA adapter name {name!r}: give a non-empty name without surrounding spaces"
         )
     if name == model_name:
-        raise ModelError(
+        raise LoraNameError(
             f"LoRA adapter name {name!r} is the base model's name: requests could not tell "
             "them apart; choose another name"
         )
     if name in taken:
-        raise ModelError(
+        raise LoraNameError(
             f"LoRA adapter name {name!r} is already loaded: unload it first, or choose another name"
         )

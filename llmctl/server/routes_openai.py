@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from llmctl.backend import GenerationRequest, SamplingParams
+from llmctl.backend import GenerationRequest, SamplingParams, capabilities
 from llmctl.errors import InvalidRequest, LlmctlError
 from llmctl.server.errors import APIError, api_error_for
 from llmctl.server.generation import GenerationStream
@@ -57,15 +57,19 @@ def _state(request: Request) -> ServerState:
 @router.get("/models", response_model=ModelList, responses=error_responses(*GATE_ERRORS))
 async def list_models(request: Request) -> dict[str, Any]:
     state = _state(request)
+    base = state.engine.model_name
     model = {
-        "id": state.engine.model_name,
+        "id": base,
         "object": "model",
         "created": state.started_at,
         "owned_by": "llmctl",
         "max_model_len": state.engine.max_model_len or None,  # 0: not known (a proxy)
         "chat_template": getattr(state.engine, "has_chat_template", None),
     }
-    return {"object": "list", "data": [model]}
+    adapters = [
+        {**model, "id": name, "parent": base} for name in capabilities(state.engine).lora_names()
+    ]
+    return {"object": "list", "data": [model, *adapters]}
 
 
 @router.post(
@@ -74,14 +78,14 @@ async def list_models(request: Request) -> dict[str, Any]:
 )
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = _state(request)
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     _check_session_bounds(state, body)
     prompts = body.prompts()
     response_id = f"cmpl-{uuid.uuid4().hex}"
-    requests = _engine_requests(response_id, prompts, body.sampling_params(), body.n)
+    requests = _engine_requests(response_id, prompts, body.sampling_params(), body.n, lora)
     echoes = [_prompt_text(state, p) for p in prompts for _ in range(body.n)] if body.echo else None
     formatter = CompletionFormatter(
-        response_id, state.engine.model_name, body.include_usage, len(requests), echoes
+        response_id, lora or state.engine.model_name, body.include_usage, len(requests), echoes
     )
     return await _respond(
         request,
@@ -101,7 +105,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 )
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = _state(request)
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     _check_session_bounds(state, body)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     prompt = {
@@ -117,10 +121,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         if family == "auto":
             family = family_for_template(template)
         sampling = body.tool_sampling(sampling, family)
-    requests = _engine_requests(response_id, [prompt], sampling, body.n)
+    requests = _engine_requests(response_id, [prompt], sampling, body.n, lora)
     formatter = ChatFormatter(
         response_id,
-        state.engine.model_name,
+        lora or state.engine.model_name,
         body.include_usage,
         len(requests),
         tool_family=family,
@@ -168,10 +172,15 @@ def _check_session_bounds(state: ServerState, body: CompletionRequest | ChatComp
 
 
 def _engine_requests(
-    response_id: str, prompts: list[dict[str, Any]], sampling: SamplingParams, n: int
+    response_id: str,
+    prompts: list[dict[str, Any]],
+    sampling: SamplingParams,
+    n: int,
+    lora: str | None = None,
 ) -> list[GenerationRequest]:
-    """``n`` engine requests per prompt; choice ``j`` of a seeded request uses seed + j,
-    so the choices differ yet the whole response reproduces."""
+    """``n`` engine requests per prompt (with the LoRA adapter ``lora``, if any); choice
+    ``j`` of a seeded request uses seed + j, so the choices differ yet the whole response
+    reproduces."""
     requests = []
     for prompt in prompts:
         for j in range(n):
@@ -180,7 +189,9 @@ def _engine_requests(
                 params = dataclasses.replace(sampling, seed=sampling.seed + j)
             index = len(requests)
             requests.append(
-                GenerationRequest(request_id=f"{response_id}-{index}", sampling=params, **prompt)
+                GenerationRequest(
+                    request_id=f"{response_id}-{index}", sampling=params, lora=lora, **prompt
+                )
             )
     return requests
 

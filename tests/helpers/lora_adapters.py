@@ -71,3 +71,14 @@ def write_small_adapter(directory: Path, model_dir: Path, rank: int = 2) -> Path
     config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank}
     (directory / "adapter_config.json").write_text(json.dumps(config))
     return directory
+
+
+def free_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
+    """``num_tokens`` greedy tokens of ``model`` (transformers, with or without peft),
+    EOS included like any other token (what ``ignore_eos`` serves)."""
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            logits = model(input_ids=torch.tensor([tokens])).logits
+            tokens.append(int(logits[0, -1].argmax()))
+    return tokens[len(prompt) :]
