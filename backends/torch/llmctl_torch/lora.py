@@ -44,9 +44,6 @@ PARTS = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
     "mlp.down_proj": ("mlp.down_proj", 0),
 }
-# Rows of one tile in the Triton kernels: each tile's rows share one slot.
-TILE_ROWS = 16
-
 # An adapter in host memory: HF module name -> (A [r, in], B * scale [out, r]).
 LoraWeights = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
@@ -102,6 +99,8 @@ class LoraContext:
             rows = torch.from_numpy(order).to(self.device)
             self.groups = [(int(slots[s]), rows[s:e]) for s, e in zip(starts, ends)]
             return
+        from llmctl_torch.triton_lora import TILE_ROWS
+
         counts = -(-(ends - starts) // TILE_ROWS)
         first = np.repeat(starts, counts)
         within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from llmctl_torch.lora import TILE_ROWS
 from llmctl_torch.triton_common import UPCAST_LOADS, dot_tile, tl, triton
+
+# Rows of one tile: each tile's rows share one slot (LoraContext.prepare cuts them).
+TILE_ROWS = 16
 
 
 @triton.jit
