@@ -8,8 +8,14 @@ and, per part, ``B`` (``[slots, out, R]``, scaled by the adapter's ``alpha / r``
 or one that leaves a module out, fills the rest of its slot with zeros. The layer's
 output gets ``B[slot] @ (A[slot] @ x)`` added for each token, with the slot of its row:
 
-- on the CPU, rows are grouped by slot, and each group is two small matmuls
-  (``index_select`` / ``index_add_`` when the step mixes slots);
+- on the CPU, rows are grouped by slot and each group is two small matmuls
+  (``index_select`` / ``index_add_`` when the step mixes slots). A small step that mixes
+  adapters (decode) instead multiplies every row by every slot's A at once (one
+  matmul), zeroes each row's products but for its own slot (a one-hot mask), and adds
+  the result times every slot's B (one matmul per part, the slots side by side along
+  the rank): ``max_loras`` times the flops, which are a few percent of the base layer's,
+  but a handful of operations per layer instead of a handful per slot, and on a CPU a
+  small step's many operations, not their flops, are the cost;
 - on CUDA, the Triton kernels of ``triton_lora.py`` (punica's segmented idea, SGMV):
   the step's tokens sorted by slot into tiles of one slot each, a "shrink" kernel
   ``h = x @ A[slot].T`` and an "expand" kernel ``out += h @ B[slot].T`` per part.
@@ -44,6 +50,10 @@ PARTS = {
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
     "mlp.down_proj": ("mlp.down_proj", 0),
 }
+# A CPU step mixing adapters groups its rows by slot from this many tokens per slot on
+# (prefill: flops count); a smaller one goes through every slot at once (decode).
+GROUPED_TOKENS_PER_SLOT = 64
+
 # An adapter in host memory: HF module name -> (A [r, in], B * scale [out, r]).
 LoraWeights = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
@@ -69,14 +79,20 @@ def read_lora_weights(spec: AdapterSpec, dtype: torch.dtype, pin: bool) -> LoraW
 class LoraContext:
     """Which tokens of the step run with which slot (shared by every ``LoraLayer``).
 
-    ``kernel`` is ``torch`` (grouped matmuls, any device) or ``triton``."""
+    ``kernel`` is ``torch`` (matmuls, any device) or ``triton``."""
 
-    def __init__(self, device: torch.device, kernel: str) -> None:
+    def __init__(
+        self, device: torch.device, kernel: str, max_loras: int, dtype: torch.dtype
+    ) -> None:
         self.device = device
         self.kernel = kernel
+        self.max_loras = max_loras
+        self.dtype = dtype
         self.active = False
         # torch: (slot, rows) per slot in the step; rows None when it is every token
         self.groups: list[tuple[int, torch.Tensor | None]] = []
+        # torch, several: [tokens, max_loras, 1], 1 at each token's slot, else 0
+        self.one_hot: torch.Tensor | None = None
         # triton: the adapted tokens sorted by slot, and each tile's (slot, start, end)
         self.tokens: torch.Tensor | None = None
         self.tiles: torch.Tensor | None = None
@@ -96,8 +112,13 @@ class LoraContext:
             if len(starts) == 1 and len(order) == len(token_slots):
                 self.groups = [(int(slots[0]), None)]
                 return
-            rows = torch.from_numpy(order).to(self.device)
-            self.groups = [(int(slots[s]), rows[s:e]) for s, e in zip(starts, ends)]
+            if len(starts) == 1 or len(token_slots) >= GROUPED_TOKENS_PER_SLOT * self.max_loras:
+                rows = torch.from_numpy(order).to(self.device)
+                self.groups = [(int(slots[s]), rows[s:e]) for s, e in zip(starts, ends)]
+                return
+            one_hot = np.zeros((len(token_slots), self.max_loras, 1), dtype=np.float32)
+            one_hot[adapted, token_slots[adapted], 0] = 1.0
+            self.one_hot = torch.from_numpy(one_hot).to(self.device, self.dtype)
             return
         from llmctl_torch.triton_lora import TILE_ROWS
 
@@ -114,7 +135,7 @@ class LoraContext:
 
     def clear(self) -> None:
         self.active = False
-        self.groups, self.tokens, self.tiles = [], None, None
+        self.groups, self.one_hot, self.tokens, self.tiles = [], None, None, None
 
 
 class LoraLayer:
@@ -135,9 +156,13 @@ class LoraLayer:
         self.rank = rank
         self.parts = parts
         self.a = torch.zeros(max_loras, len(parts) * rank, in_features, dtype=dtype, device=device)
-        self.b = [
-            torch.zeros(max_loras, size, rank, dtype=dtype, device=device) for _, size in parts
+        # B of each part is stored [out, slots, rank], so that the slots lie side by side
+        # along the rank ([out, slots * rank]: the mixed CPU product), and seen as
+        # [slots, out, rank] everywhere else.
+        self.b_by_rank = [
+            torch.zeros(size, max_loras * rank, dtype=dtype, device=device) for _, size in parts
         ]
+        self.b = [b.view(b.shape[0], max_loras, rank).transpose(0, 1) for b in self.b_by_rank]
 
     def load(self, slot: int, part: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Put one part's A and B (or zeros: the adapter leaves it out) in ``slot``."""
@@ -160,11 +185,20 @@ class LoraLayer:
                 view = out[:, start : start + size]
                 lora_expand(h, self.b[part], view, part * self.rank, context.tokens, context.tiles)
             return
+        rank = self.rank
+        if context.one_hot is not None:  # several slots: every row through every slot
+            num_tokens, slots = x.shape[0], context.max_loras
+            h = (x @ self.a.view(slots * self.a.shape[1], -1).T).view(num_tokens, slots, -1)
+            h = h * context.one_hot
+            for part, (start, size) in enumerate(self.parts):
+                own = h[:, :, part * rank : (part + 1) * rank].reshape(num_tokens, slots * rank)
+                out[:, start : start + size] += own @ self.b_by_rank[part].T
+            return
         for slot, rows in context.groups:
             xs = x if rows is None else x.index_select(0, rows)
             h = xs @ self.a[slot].T
             for part, (start, size) in enumerate(self.parts):
-                delta = h[:, part * self.rank : (part + 1) * self.rank] @ self.b[part][slot].T
+                delta = h[:, part * rank : (part + 1) * rank] @ self.b[part][slot].T
                 view = out[:, start : start + size]
                 if rows is None:
                     view += delta
@@ -179,7 +213,7 @@ class ModelLoras:
         self, model: nn.Module, max_loras: int, rank: int, dtype: torch.dtype, kernel: str
     ) -> None:
         device = next(model.parameters()).device
-        self.context = LoraContext(device, kernel)
+        self.context = LoraContext(device, kernel, max_loras, dtype)
         self.max_loras = max_loras
         # HF module name -> (its layer's LoraLayer, its part)
         self.targets: dict[str, tuple[LoraLayer, int]] = {}

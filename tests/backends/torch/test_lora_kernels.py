@@ -28,7 +28,7 @@ def reference(x, out, layer: LoraLayer, token_slots):
 
 def random_layer(kernel, in_features, part_sizes, slots, rank, dtype, seed):
     g = torch.Generator().manual_seed(seed)
-    context = LoraContext(DEVICE, kernel)
+    context = LoraContext(DEVICE, kernel, slots, dtype)
     offsets = np.cumsum([0, *part_sizes[:-1]]).tolist()
     layer = LoraLayer(context, in_features, list(zip(offsets, part_sizes)), slots, rank, dtype)
     for slot in range(slots):
@@ -47,6 +47,7 @@ SHAPES = [
     (96, [96, 96], 3, 4, [33, 2, 1]),  # fused gate/up, rank below the tile
     (40, [24], 4, 32, [3, 1, 1, 20, 1, 1]),  # shapes off the tiles, rank 32
     (128, [200], 1, 64, [1, 40]),  # one slot, wide output, rank 64
+    (64, [64, 32], 2, 8, [100, 1, 40]),  # a long mixed step: the CPU groups rows by slot
 ]
 
 
