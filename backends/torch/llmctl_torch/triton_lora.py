@@ -101,21 +101,20 @@ def _lora_expand_kernel(
     index = start + tl.arange(0, BLOCK_M)
     row_mask = index < end
     rows = tl.load(tokens_ptr + index, mask=row_mask, other=0).to(tl.int64)
-    ranks = tl.arange(0, BLOCK_R)
-    rank_mask = ranks < R
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    h = tl.load(
-        h_ptr + rows[:, None] * stride_hm + (h_col + ranks)[None, :],
-        mask=row_mask[:, None] & rank_mask[None, :],
-        other=0.0,
-    )
-    b = tl.load(
-        b_ptr + slot * stride_bs + cols.to(tl.int64)[None, :] * stride_bn + ranks[:, None],
-        mask=rank_mask[:, None] & col_mask[None, :],
-        other=0.0,
-    )
-    delta = tl.dot(h, b.to(tl.float32), input_precision="ieee")
+    b_cols = b_ptr + slot * stride_bs + cols.to(tl.int64)[None, :] * stride_bn
+    delta = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for r_start in range(0, R, BLOCK_R):
+        ranks = r_start + tl.arange(0, BLOCK_R)
+        rank_mask = ranks < R
+        h = tl.load(
+            h_ptr + rows[:, None] * stride_hm + (h_col + ranks)[None, :],
+            mask=row_mask[:, None] & rank_mask[None, :],
+            other=0.0,
+        )
+        b = tl.load(b_cols + ranks[:, None], mask=rank_mask[:, None] & col_mask[None, :], other=0.0)
+        delta += tl.dot(h, b.to(tl.float32), input_precision="ieee")
     out_ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
     mask = row_mask[:, None] & col_mask[None, :]
     out = tl.load(out_ptrs, mask=mask, other=0.0)
@@ -185,5 +184,5 @@ def lora_expand(
     _lora_expand_kernel[grid](
         h, b, out, tokens, tiles, num_tiles, num_out, rank, h_col,
         h.stride(0), b.stride(0), b.stride(1), out.stride(0),
-        UPCAST=UPCAST_LOADS, BLOCK_M=TILE_ROWS, BLOCK_R=dot_tile(rank), BLOCK_N=block_n,
+        UPCAST=UPCAST_LOADS, BLOCK_M=TILE_ROWS, BLOCK_R=min(dot_tile(rank), 64), BLOCK_N=block_n,
     )  # fmt: skip

@@ -5,6 +5,11 @@ slots, rows without an adapter, and fused layers (several parts in one output)."
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -48,6 +53,7 @@ SHAPES = [
     (40, [24], 4, 32, [3, 1, 1, 20, 1, 1]),  # shapes off the tiles, rank 32
     (128, [200], 1, 64, [1, 40]),  # one slot, wide output, rank 64
     (64, [64, 32], 2, 8, [100, 1, 40]),  # a long mixed step: the CPU groups rows by slot
+    (32, [48], 2, 128, [2, 1, 3]),  # rank 128: the kernels walk the rank in blocks
 ]
 
 
@@ -95,3 +101,49 @@ def test_triton_kernels_take_bfloat16():
     layer.apply(x, out)
     error = (out.double().cpu() - want).abs().max()
     assert error <= 1e-2 * want.abs().max()
+
+
+def compile_for_nvidia_gpus() -> None:
+    """Compile both kernels for sm_80 and sm_90 with Triton's own ptxas (no GPU needed),
+    in bf16, fp16 and fp32. Runs in a child process started with ``TRITON_INTERPRET=0``."""
+    from llmctl_torch import triton_lora
+    from llmctl_torch.triton_common import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    def compile_kernel(fn, types: dict[str, str], constants: dict, arch: int) -> None:
+        signature = {
+            p.name: "constexpr" if p.is_constexpr else types.get(p.name, "i32") for p in fn.params
+        }
+        source = ASTSource(fn, signature, constexprs=constants)
+        triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
+
+    indices = {"tokens_ptr": "*i32", "tiles_ptr": "*i32"}
+    for arch, dtype in ((90, "bf16"), (80, "fp16"), (80, "fp32")):
+        weights = f"*{dtype}"
+        compile_kernel(
+            triton_lora._lora_shrink_kernel,
+            indices | {"x_ptr": weights, "a_ptr": weights, "h_ptr": "*fp32"},
+            dict(UPCAST=False, BLOCK_M=16, BLOCK_R=64, BLOCK_K=32),
+            arch,
+        )
+        compile_kernel(
+            triton_lora._lora_expand_kernel,
+            indices | {"h_ptr": "*fp32", "b_ptr": weights, "out_ptr": weights},
+            dict(UPCAST=False, BLOCK_M=16, BLOCK_R=16, BLOCK_N=64),
+            arch,
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU the other tests compile for real")
+def test_kernels_compile_for_nvidia_gpus_without_one():
+    """The interpreter accepts code the GPU compiler refuses: compile for real."""
+    repo = Path(__file__).resolve().parents[3]
+    path = os.pathsep.join([str(repo), str(repo / "backends" / "torch")])
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path)
+    code = "import tests.backends.torch.test_lora_kernels as t; t.compile_for_nvidia_gpus()"
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
