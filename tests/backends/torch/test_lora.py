@@ -71,6 +71,18 @@ def test_a_mixed_batch_of_adapters_matches_peft(served, max_loras):
             assert greedy(llm, [name]) == [want[name]], name
         if max_loras == 1:
             assert llm.engine.engine.loras.num_loads >= len(ADAPTERS)
+        assert llm.engine.engine.block_size == 16  # adapters never change the block size
+
+
+def test_adapters_with_ngram_speculation_match_peft(served):
+    """Speculative steps verify proposals with the adapter of their row."""
+    model_dir, paths, want = served
+    with LLM(
+        str(model_dir), backend="torch", lora=paths, cache_block_seq_len=16,
+        speculative_method="ngram",
+    ) as llm:  # fmt: skip
+        names = [None, *ADAPTERS]
+        assert greedy(llm, names) == [want[name] for name in names]
 
 
 def test_adapters_load_and_unload_at_run_time(served):
