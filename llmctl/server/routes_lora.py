@@ -27,16 +27,23 @@ from llmctl.server.state import ServerState
 router = APIRouter(prefix="/v1")
 
 
+# A name requests can give as their `model`: no surrounding spaces (check_lora_name).
+NAME_PATTERN = r"^\S(.*\S)?$"
+
+
 class LoadLoraAdapterRequest(Strict):
-    lora_name: str = Field(description="The name requests use as their `model`.")
+    lora_name: str = Field(
+        description="The name requests use as their `model`.", pattern=NAME_PATTERN
+    )
     lora_path: str = Field(
         description="A PEFT adapter directory on the server (adapter_config.json + "
-        "adapter_model.safetensors)."
+        "adapter_model.safetensors).",
+        min_length=1,
     )
 
 
 class UnloadLoraAdapterRequest(Strict):
-    lora_name: str = Field(description="The adapter's name, as it was loaded.")
+    lora_name: str = Field(description="The adapter's name, as it was loaded.", min_length=1)
     lora_int_id: int | None = Field(None, description="Accepted for vLLM's clients; unused.")
 
 
@@ -75,7 +82,7 @@ async def load_lora_adapter(body: LoadLoraAdapterRequest, request: Request) -> d
     return _adapter(state, body.lora_name, "loaded")
 
 
-@router.post("/unload_lora_adapter", responses=error_responses(404, 501, *GATE_ERRORS))
+@router.post("/unload_lora_adapter", responses=error_responses(400, 404, 501, *GATE_ERRORS))
 async def unload_lora_adapter(body: UnloadLoraAdapterRequest, request: Request) -> dict[str, Any]:
     """Stop serving `lora_name`; answers once the requests using it have finished."""
     state = _serving_state(request)
