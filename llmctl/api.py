@@ -139,6 +139,13 @@ class LLM:
         if not requests:
             return []
         engine = capabilities(self.engine)
+        if not engine.serves_lora and any(request.lora for request in requests):
+            from llmctl.errors import InvalidRequest
+
+            raise InvalidRequest(
+                f"the {self.backend} backend serves no LoRA adapters: use backend='torch'",
+                param="lora",
+            )
         if engine.can_generate_all:  # a local engine: no event loop needed
             results = [_empty_result(request) for request in requests]
             for result, output in zip(results, engine.generate_all(requests)):

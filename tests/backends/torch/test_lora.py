@@ -130,3 +130,6 @@ def test_turbo_and_transformers_refuse_adapters_naming_torch(served):
     for backend, message in (("turbo", "--backend torch"), ("transformers", "--backend torch")):
         with pytest.raises(BackendError, match=message):
             LLM(str(model_dir), backend=backend, lora={"a": paths["attn8"]})
+    with LLM(str(model_dir), backend="turbo") as llm:
+        with pytest.raises(InvalidRequest, match="turbo backend serves no LoRA adapters"):
+            llm.generate([[1, 2, 3]], lora="a")
