@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from llmctl_torch import triton_lora  # first: it switches Triton's interpreter on
 from llmctl_torch.lora import LoraContext, LoraLayer
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -106,7 +107,6 @@ def test_triton_kernels_take_bfloat16():
 def compile_for_nvidia_gpus() -> None:
     """Compile both kernels for sm_80 and sm_90 with Triton's own ptxas (no GPU needed),
     in bf16, fp16 and fp32. Runs in a child process started with ``TRITON_INTERPRET=0``."""
-    from llmctl_torch import triton_lora
     from llmctl_torch.triton_common import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
