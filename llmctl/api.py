@@ -106,18 +106,33 @@ class LLM:
         self,
         prompts: str | Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Complete each prompt (text, or a list of token ids); results in prompt order,
-        each with ``n`` choices."""
+        each with ``n`` choices.
+
+        ``lora``: the LoRA adapter (a name given with the ``lora`` option, or loaded with
+        ``load_lora``) every prompt runs with, or one name (None: the base model) per
+        prompt."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         return self._run(
             [
-                {"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)}
-                for p in prompts
+                {"prompt": p, "lora": adapter}
+                if isinstance(p, str)
+                else {"prompt_token_ids": list(p), "lora": adapter}
+                for p, adapter in zip(prompts, _per_prompt_lora(lora, prompts))
             ],
             _per_prompt(sampling_params, len(prompts)),
         )
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Serve the LoRA adapter at ``path`` (a PEFT directory) as ``name`` from now on."""
+        _run_sync(capabilities(self.engine).load_lora(name, str(path)))
+
+    def unload_lora(self, name: str) -> None:
+        """Stop serving ``name``; returns once the requests using it have finished."""
+        _run_sync(capabilities(self.engine).unload_lora(name))
 
     def chat(
         self,
@@ -163,6 +178,13 @@ class LLM:
         if not requests:
             return results
         engine = capabilities(self.engine)
+        if not engine.serves_lora and any(request.lora for request in requests):
+            from llmctl.errors import InvalidRequest
+
+            raise InvalidRequest(
+                f"the {self.backend} backend serves no LoRA adapters: use backend='torch'",
+                param="lora",
+            )
         if engine.can_generate_all:  # a local engine: no event loop needed
             for (result, choice), output in zip(slots, engine.generate_all(requests)):
                 _merge(result, choice, output)
@@ -217,6 +239,14 @@ def _per_prompt(
     if len(params) != count:
         raise ValueError(f"got {len(params)} sampling params for {count} prompts")
     return list(params)
+
+
+def _per_prompt_lora(lora: str | Sequence[str | None] | None, prompts: Sequence) -> list:
+    if lora is None or isinstance(lora, str):
+        return [lora] * len(prompts)
+    if len(lora) != len(prompts):
+        raise ValueError(f"got {len(lora)} LoRA adapter names for {len(prompts)} prompts")
+    return list(lora)
 
 
 def _shutdown_engine(engine: Engine) -> None:

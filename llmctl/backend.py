@@ -50,6 +50,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    lora: str | None = None  # the LoRA adapter it runs with (its name); None: the base model
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
@@ -182,6 +183,19 @@ class EngineCapabilities:
     has_chat_template: bool = True
     # Why the engine stopped by itself (a tensor-parallel rank lost, say); None: it did not.
     failure: BaseException | None = None
+    # LoRA adapters served beside the model, chosen per request (GenerationRequest.lora):
+    # ``lora_names()``, ``load_lora(name, path)`` and ``unload_lora(name)`` (both async).
+    serves_lora: ClassVar[bool] = False
+
+    def lora_names(self) -> tuple[str, ...]:
+        """The adapters served now (their names, the API's model ids)."""
+        return ()
+
+    async def load_lora(self, name: str, path: str) -> None:
+        raise NotImplementedError("this engine serves no LoRA adapters (serves_lora)")
+
+    async def unload_lora(self, name: str) -> None:
+        raise NotImplementedError("this engine serves no LoRA adapters (serves_lora)")
 
     def is_alive(self) -> bool:
         """Whether the engine can still serve (its background loop runs); /health says 503

@@ -21,7 +21,9 @@ from llmctl.kv_budget import FORMS_HELP, parse_kv_budget
 ENGINE_COMMANDS = frozenset({"serve", "chat", "bench", "backends check", "config"})
 SERVER_COMMANDS = frozenset({"serve", "config"})
 
-KINDS = ("int", "float", "str", "bool", "list", "kv_budget")
+# ``map``: names to strings (``--lora NAME=PATH``, repeatable; a TOML table; in the
+# environment ``NAME=PATH,NAME=PATH``).
+KINDS = ("int", "float", "str", "bool", "list", "map", "kv_budget")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -78,6 +80,8 @@ class Option:
             raise ValueError(f"expected true or false, got {value!r}")
         if kind == "list":
             return [item.strip() for item in value.split(",") if item.strip()]
+        if kind == "map":
+            return _named_values([item.strip() for item in value.split(",") if item.strip()])
         if kind == "int":
             try:
                 return int(word)
@@ -105,6 +109,16 @@ class Option:
             if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
                 return list(value)
             raise ValueError(f"expected a list of strings, got {_typed(value)}")
+        if kind == "map":
+            if isinstance(value, dict) and all(
+                isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+            ):
+                return dict(value)
+            if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+                return _named_values(value)  # flags: NAME=VALUE each
+            raise ValueError(
+                f'expected a table of names to strings (NAME = "PATH"), got {_typed(value)}'
+            )
         if kind == "int":
             if isinstance(value, int) and not isinstance(value, bool):
                 return value
@@ -134,6 +148,20 @@ class Option:
             raise OptionError(
                 f"{self.name}={value!r} (from {where}) is too large: the maximum is {self.max:g}"
             )
+
+
+def _named_values(items: Iterable[str]) -> dict[str, str]:
+    """``["a=/x", "b=/y"]`` -> ``{"a": "/x", "b": "/y"}``; each name once."""
+    named: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or not name or not value:
+            raise ValueError(f"expected NAME=PATH, got {item!r}")
+        if name in named:
+            raise ValueError(f"the name {name!r} is given twice")
+        named[name] = value
+    return named
 
 
 def _typed(value: Any) -> str:
@@ -273,11 +301,34 @@ CORE_OPTIONS: tuple[Option, ...] = (
         choices=("auto", "int8", "fp8"),
     ),
     Option(
-        "adapters",
-        "list",
+        "lora",
+        "map",
         None,
-        "LoRA adapter directories (PEFT format) merged into the model at load.",
-        metavar="DIR",
+        "LoRA adapters (PEFT directories: adapter_config.json + adapter_model.safetensors) "
+        "served beside the model, each under its own name: `--lora NAME=PATH` (repeat it), "
+        'a profile table `[profiles.P.lora]` of NAME = "PATH". A request picks one with '
+        "`model: NAME`; a batch mixes them. Never merged into the weights. See docs/lora.md.",
+        metavar="NAME=PATH",
+    ),
+    Option(
+        "max_loras",
+        "int",
+        4,
+        "LoRA adapters resident at once (their weights in the device's slots); the others "
+        "wait in host memory and swap in, least recently used first. Also the most adapters "
+        "one step mixes.",
+        min=1,
+        metavar="N",
+    ),
+    Option(
+        "max_lora_rank",
+        "int",
+        16,
+        "Largest LoRA rank served: each resident slot holds A and B of this rank (a lower "
+        "rank is padded with zeros).",
+        min=1,
+        max=1024,
+        metavar="R",
     ),
     Option("seed", "int", 0, "Seed of the engine's random sampling.", metavar="N"),
     Option(

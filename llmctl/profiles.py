@@ -127,7 +127,7 @@ def read_profile_file(path: Path) -> dict[str, Profile]:
         common: dict[str, Any] = {}
         sections: dict[str, dict[str, Any]] = {}
         for key, value in table.items():
-            if isinstance(value, dict):
+            if isinstance(value, dict) and not _is_map(options, key):
                 if key not in backend_names:
                     raise ProfileError(
                         f"{path}:{lines.get(('profiles', name, key), '?')}: "
@@ -156,12 +156,17 @@ def _check_key(
     header = "profiles." + ".".join(table)
     if key not in options:
         raise ProfileError(unknown_key_message(key, location, within=f" in [{header}]"))
-    if isinstance(value, dict):
+    if isinstance(value, dict) and options[key].kind != "map":
         raise ProfileError(f"{location}: {key} in [{header}] must be a value, not a table")
     try:
         return options[key].convert(value, f"{location} [{header}]")
     except OptionError as exc:
         raise ProfileError(str(exc)) from None
+
+
+def _is_map(options: Mapping[str, Option], key: str) -> bool:
+    """A table that is an option's value (``[profiles.P.lora]``), not a backend section."""
+    return key in options and options[key].kind == "map"
 
 
 def _read_text(path: Path) -> str:

@@ -27,6 +27,9 @@ def flags_to_args(flags: Mapping[str, Any]) -> list[str]:
         elif opt.kind == "list":
             for item in value:
                 args += [opt.flag, str(item)]
+        elif opt.kind == "map":
+            for name, item in value.items():
+                args += [opt.flag, f"{name}={item}"]
         else:
             args += [opt.flag, str(value)]
     return args

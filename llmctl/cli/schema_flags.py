@@ -48,6 +48,7 @@ def _annotation(opt: Option) -> Any:
         "str": str,
         "bool": bool,
         "list": list[str],
+        "map": list[str],  # NAME=VALUE, repeated
         "kv_budget": str,
     }[opt.kind]
     if opt.kind == "bool":
@@ -152,7 +153,7 @@ def schema_options(command: str, *, skip: tuple[str, ...] = ()) -> Callable:
             flags = {}
             for opt in schema:
                 value = kwargs.pop(opt.name)
-                if value is not None and not (opt.kind == "list" and value == []):
+                if value is not None and not (opt.kind in ("list", "map") and value == []):
                     flags[opt.name] = value
             return fn(flags=flags, **kwargs)
 

@@ -86,7 +86,14 @@ def build_engine(
         vocab_size=model_config.vocab_size,
         draft_runner=runners[1] if draft is not None else None,
     )
-    return AsyncEngine(engine, model_name=config.served_model_name or model.name)
+    async_engine = AsyncEngine(engine, model_name=config.served_model_name or model.name)
+    for name, path in config.lora.adapters:  # served from the start
+        try:
+            async_engine.load_lora_now(name, path)
+        except BaseException:
+            async_engine.stop_now()
+            raise
+    return async_engine
 
 
 def draft_model(argument: str, tokenizer: Tokenizer) -> ModelInfo:

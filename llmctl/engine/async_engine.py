@@ -40,9 +40,11 @@ from llmctl.backend import (
     TokenLogprob,
 )
 from llmctl.engine.llm_engine import LLMEngine, StepFailed
+from llmctl.engine.lora import LoraSlots, read_lora
 from llmctl.engine.sampling_params import SamplingParams
 from llmctl.engine.step_profile import SpeculationStats, StepProfile
-from llmctl.errors import EngineDead, EngineError, InvalidRequest
+from llmctl.errors import EngineDead, EngineError, InvalidRequest, ModelError
+from llmctl.model.lora import AdapterSpec, check_lora_name
 
 logger = logging.getLogger("llmctl")
 
@@ -207,6 +209,25 @@ class _Add:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
+    lora: str | None = None
+
+
+@dataclass
+class _LoadLora:
+    """Register an adapter whose weights were read off the engine thread."""
+
+    name: str
+    spec: AdapterSpec
+    weights: object
+    done: Future
+
+
+@dataclass
+class _UnloadLora:
+    """Retire an adapter; ``done`` is set once its requests have finished."""
+
+    name: str
+    done: Future
 
 
 @dataclass
@@ -225,7 +246,7 @@ class _Fail:
     reason: str
 
 
-Command = _Add | _Abort | _ResetPeak | _Fail
+Command = _Add | _Abort | _ResetPeak | _Fail | _LoadLora | _UnloadLora
 
 
 class AsyncEngine(EngineCapabilities):
@@ -307,6 +328,7 @@ class AsyncEngine(EngineCapabilities):
         prompts = [self._prompt_token_ids(request) for request in requests]
         for request, prompt_ids in zip(requests, prompts):
             self.engine.validate(prompt_ids, request.sampling)
+            self.engine.lora_adapter(request.lora)  # an unknown one is refused here
         with self._lock:
             if isinstance(self.failure, EngineDead):
                 raise EngineDead(str(self.failure))
@@ -321,7 +343,9 @@ class AsyncEngine(EngineCapabilities):
                 seen.add(request.request_id)
             for request, prompt_ids in zip(requests, prompts):
                 self._streams[request.request_id] = target
-                self._commands.append(_Add(request.request_id, prompt_ids, request.sampling))
+                self._commands.append(
+                    _Add(request.request_id, prompt_ids, request.sampling, request.lora)
+                )
             self._lock.notify()
 
     @property
@@ -356,6 +380,52 @@ class AsyncEngine(EngineCapabilities):
             spec_accepted_by_position=tuple(spec.accepted_at),
         )
 
+    @property
+    def serves_lora(self) -> bool:  # type: ignore[override]
+        """Where the runner does (the torch backend's, unsharded)."""
+        return self.engine.loras is not None
+
+    def lora_names(self) -> tuple[str, ...]:
+        loras = self.engine.loras
+        return () if loras is None else loras.names
+
+    async def load_lora(self, name: str, path: str) -> None:
+        """Serve the adapter at ``path`` as ``name``, from the next step on; requests in
+        flight are not disturbed (the files are read on another thread). ``ModelError``
+        names what is wrong with the adapter or the name."""
+        spec, weights = await asyncio.to_thread(self._read_lora, name, path)
+        done: Future = Future()
+        self._submit(_LoadLora(name, spec, weights, done))
+        await asyncio.wrap_future(done)
+
+    def load_lora_now(self, name: str, path: str) -> None:
+        """``load_lora`` for a blocking caller (the adapters served from the start)."""
+        spec, weights = self._read_lora(name, path)
+        done: Future = Future()
+        self._submit(_LoadLora(name, spec, weights, done))
+        done.result()
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving ``name`` at once (new requests for it are refused as an unknown
+        model); returns once the requests already using it have finished and its memory
+        is freed. ``KeyError`` if no adapter has that name."""
+        done: Future = Future()
+        self._submit(_UnloadLora(name, done))
+        await asyncio.wrap_future(done)
+
+    def _loras(self) -> LoraSlots:
+        if self.engine.loras is None:
+            raise ModelError(
+                "this engine serves no LoRA adapters: use --backend torch with "
+                "tensor_parallel_size 1"
+            )
+        return self.engine.loras
+
+    def _read_lora(self, name: str, path: str) -> tuple[AdapterSpec, object]:
+        loras = self._loras()
+        check_lora_name(name, set(loras.names), self.model_name)
+        return read_lora(loras.runner, path, self.engine.runner.config)
+
     def reset_peak_kv_blocks(self) -> None:
         """Start ``stats().kv_blocks_peak`` afresh from here (the bench, after warming up)."""
         self._submit(_ResetPeak())
@@ -385,6 +455,14 @@ class AsyncEngine(EngineCapabilities):
             self._lock.notify()
         await joined(self._thread)
         self.engine.runner.close()  # at shutdown nothing else waits on this loop
+
+    def stop_now(self) -> None:
+        """``shutdown`` for a blocking caller (an engine whose start failed part-way)."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        self._thread.join()
+        self.engine.runner.close()
 
     def _prompt_token_ids(self, request: GenerationRequest) -> list[int]:
         if request.prompt_token_ids is not None:
@@ -496,11 +574,27 @@ class AsyncEngine(EngineCapabilities):
         if isinstance(command, _Abort):
             output = self.engine.abort(command.request_id)
             return [] if output is None else [(command.request_id, output)]
+        if isinstance(command, (_LoadLora, _UnloadLora)):
+            self._apply_lora(command)
+            return []
         try:
-            self.engine.add_request(command.request_id, command.prompt_token_ids, command.sampling)
+            self.engine.add_request(
+                command.request_id, command.prompt_token_ids, command.sampling, command.lora
+            )
         except InvalidRequest as exc:
             return [(command.request_id, exc)]
         return []
+
+    def _apply_lora(self, command: _LoadLora | _UnloadLora) -> None:
+        loras, done = self.engine.loras, command.done
+        try:
+            if isinstance(command, _LoadLora):
+                loras.register(command.name, command.spec, command.weights)
+                done.set_result(None)
+            else:
+                loras.retire(command.name, on_freed=lambda: done.set_result(None))
+        except (ModelError, KeyError) as exc:
+            done.set_exception(exc)
 
     def _stream_ids(self) -> list[str]:
         with self._lock:

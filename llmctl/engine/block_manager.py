@@ -3,8 +3,9 @@
 The cache is ``num_blocks`` blocks of ``block_size`` token slots. A sequence owns a
 block table; blocks holding the same prompt prefix are shared between sequences
 (reference counted). A full block whose K/V has been computed gets a key: a SHA-256
-digest chained from the previous block's key and the block's own tokens, so equal
-keys mean equal whole prefixes. When its last user frees it, a keyed block stays in
+digest chained from the previous block's key and the block's own tokens (the first
+block's from the sequence's ``cache_salt``: its LoRA adapter), so equal keys mean equal
+whole prefixes computed by the same weights. When its last user frees it, a keyed block stays in
 the free pool with its contents; a later request with the same prefix takes it back,
 until a fresh allocation evicts it (least recently freed first).
 """
@@ -136,7 +137,7 @@ class BlockManager:
             return
         size = self.block_size
         for index in range(len(seq.block_hashes), seq.num_computed_tokens // size):
-            parent = seq.block_hashes[-1] if seq.block_hashes else b""
+            parent = seq.block_hashes[-1] if seq.block_hashes else seq.cache_salt
             key = block_key(parent, seq.token_ids[index * size : (index + 1) * size])
             seq.block_hashes.append(key)
             block = self.blocks[seq.block_table[index]]
@@ -156,7 +157,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.scores_prompt:
             return []  # a cached prefix has no logits to score its prompt tokens with
         hits: list[tuple[bytes, int]] = []
-        parent = b""
+        parent = seq.cache_salt
         size = self.block_size
         for index in range((seq.num_tokens - 1) // size):
             key = block_key(parent, seq.token_ids[index * size : (index + 1) * size])

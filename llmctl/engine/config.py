@@ -5,7 +5,7 @@ place the user's option names map to the engine's), and the same object goes to 
 runner and to the engine (``engine.assemble.build_engine``). One name per concept inside:
 ``block_size`` is the user's ``cache_block_seq_len``, ``max_model_len`` their
 ``session_len``, ``max_num_seqs`` their ``max_batch_size``. What only one backend has
-(the torch backend's tensor-parallel layout and LoRA adapters) is its small typed
+(the torch backend's tensor-parallel layout) is its small typed
 ``extra``. Like nano-vllm's ``config.py``, with llmctl's error text: a value the options
 schema let through that the engine cannot use names the user's option.
 """
@@ -41,6 +41,17 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters (``llmctl.engine.lora``): those served from the start (name, path),
+    how many are resident at once (``max_loras``, also the most one step mixes) and the
+    largest rank a resident slot holds."""
+
+    adapters: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 4
+    max_rank: int = 16
+
+
+@dataclass(frozen=True)
 class EngineConfig(Generic[Extra]):
     block_size: int  # tokens per KV-cache block: the user's cache_block_seq_len
     kv_budget: KVBudget = KVBudget("fraction", 0.8)  # cache_max_entry_count
@@ -58,6 +69,7 @@ class EngineConfig(Generic[Extra]):
     chat_template: str | None = None  # replaces the model's own template
     served_model_name: str | None = None  # the API's model name (model_name); None: the model
     speculation: SpeculativeConfig = SpeculativeConfig()  # off unless speculative_method is set
+    lora: LoraConfig = LoraConfig()  # adapters served from the start; slots
     extra: Extra | None = None  # what only this backend has
 
     def __post_init__(self) -> None:
@@ -99,6 +111,11 @@ class EngineConfig(Generic[Extra]):
                 ngram_max=options.get("ngram_max", 4),
                 ngram_min=options.get("ngram_min", 1),
                 model=options.get("speculative_model"),
+            ),
+            lora=LoraConfig(
+                adapters=tuple((options.get("lora") or {}).items()),
+                max_loras=options.get("max_loras", 4),
+                max_rank=options.get("max_lora_rank", 16),
             ),
             extra=extra,
         )

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
 from time import perf_counter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -32,6 +32,7 @@ from llmctl.engine.config import EngineConfig
 from llmctl.engine.detokenizer import IncrementalDetokenizer
 from llmctl.engine.draft import DraftModel
 from llmctl.engine.faults import FaultPlan
+from llmctl.engine.lora import LoraRunner, LoraSlots
 from llmctl.engine.request_rules import finish_reason, validate_request
 from llmctl.engine.runner import ModelRunner
 from llmctl.engine.sampler import SampledBatch, SampledToken, Sampler
@@ -103,8 +104,14 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.num_blocks, self.block_size, config.enable_prefix_caching
         )
+        # LoRA adapters, where the runner serves them (None: it does not)
+        serves = getattr(runner, "serves_lora", False)
+        self.loras = LoraSlots(cast(LoraRunner, runner)) if serves else None
         self.scheduler = Scheduler(
-            config, self.block_manager, self.block_manager.blocks_needed(max_model_len)
+            config,
+            self.block_manager,
+            self.block_manager.blocks_needed(max_model_len),
+            self.loras,
         )
         self.sampler = Sampler(eos_token_ids, config.seed)
         self.profile = StepProfile()
@@ -152,11 +159,18 @@ class LLMEngine:
         return self._grammars
 
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        lora: str | None = None,
     ) -> None:
+        """Queue a request; ``lora`` names the LoRA adapter it runs with (None: the base
+        model)."""
         if request_id in self._seqs:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, sampling)
+        adapter = self.lora_adapter(lora)
         grammar = None
         if sampling.structured is not None:
             from llmctl.engine.grammar import GrammarState
@@ -172,11 +186,27 @@ class LLMEngine:
         if sampling.prompt_logprobs is not None:  # the first token has nothing before it
             first = prompt_token_ids[0]
             seq.prompt_logprobs = [TokenLogprob(first, self.tokenizer.token_text(first), None)]
+        if adapter is not None:
+            seq.lora, seq.cache_salt = adapter, adapter.cache_salt
+            self.loras.add_request(adapter)
         self._seqs[request_id] = seq
         self._num_needing_host_tokens += seq.needs_host_tokens
         self._num_not_plain_greedy += not seq.plain_greedy
         self._num_constrained += grammar is not None
         self.scheduler.add(seq)
+
+    def lora_adapter(self, name: str | None):
+        """The registered adapter ``name`` (None for None); ``InvalidRequest`` if unknown."""
+        if name is None:
+            return None
+        if self.loras is None:
+            raise InvalidRequest(
+                f"the LoRA adapter {name!r} is not loaded here: this engine serves no "
+                "adapters (the torch backend does, with tensor_parallel_size 1)",
+                param="model",
+                code="model_not_found",
+            )
+        return self.loras.get(name)
 
     def abort(self, request_id: str) -> GenerationOutput | None:
         """Stop a request and free its blocks; ``None`` if it is not in flight."""
@@ -497,6 +527,8 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)
+        if seq.lora is not None:
+            self.loras.finish_request(seq.lora)
         del self._seqs[seq.request_id]
         self._num_needing_host_tokens -= seq.needs_host_tokens
         self._num_not_plain_greedy -= not seq.plain_greedy

@@ -127,7 +127,9 @@ class PagedRunner:
         token of each sequence (on a GPU a decode step's logits stay valid until the next
         ``execute``): a graph replay where one fits, else ``forward`` over the staged step."""
         self.check_allocated()
-        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
+        # Graphs are captured without LoRA adapters: a step with one runs eagerly.
+        graphs = self.decode_graphs if batch.lora_slots is None else None
+        if graphs is not None and graphs.fits(batch):
             return self.decode_graphs.run(batch)
         return self.forward(stage_step(batch, self.device), batch.is_decode)
 

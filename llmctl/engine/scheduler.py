@@ -28,6 +28,7 @@ import torch
 
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.config import EngineConfig
+from llmctl.engine.lora import NO_SLOT, LoraSlots
 from llmctl.engine.sequence import Sequence, SequenceStatus
 from llmctl.engine.step import SampledTokenFill, StepBatch
 from llmctl.engine.transfer import to_device
@@ -102,14 +103,22 @@ class StepBatchBuilder:
         self.block_tables = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int32)
         self._table_lens = [0] * max_num_seqs  # entries of each row already written
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.lora_slots = np.full(max_num_seqs, NO_SLOT, dtype=np.int32)  # each row's adapter
+        self._num_lora_rows = 0
 
     def admit(self, seq: Sequence) -> None:
         """Give a sequence that starts running a row, with its block table."""
         seq.row = self._free_rows.pop()
         self._table_lens[seq.row] = 0
         self.sync_table(seq)
+        if seq.lora_slot != NO_SLOT:
+            self.lora_slots[seq.row] = seq.lora_slot
+            self._num_lora_rows += 1
 
     def release(self, seq: Sequence) -> None:
+        if self.lora_slots[seq.row] != NO_SLOT:
+            self.lora_slots[seq.row] = NO_SLOT
+            self._num_lora_rows -= 1
         self._free_rows.append(seq.row)
         seq.row = None
 
@@ -164,6 +173,7 @@ class StepBatchBuilder:
             slot_mapping=slots.astype(np.int32),
             sampled_tokens=_sampled_token_fill(step.pending),
             logits_indices=logits_indices,
+            lora_slots=self.lora_slots[rows] if self._num_lora_rows else None,
         )
 
 
@@ -180,10 +190,15 @@ def _sampled_token_fill(pending: list[tuple[int, Sequence]]) -> SampledTokenFill
 
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, block_manager: BlockManager, max_blocks_per_seq: int
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        max_blocks_per_seq: int,
+        loras: LoraSlots | None = None,
     ) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.loras = loras  # a sequence runs only with its adapter in a slot
         self.batches = StepBatchBuilder(
             block_manager.block_size, config.max_num_seqs, max_blocks_per_seq
         )
@@ -258,9 +273,12 @@ class Scheduler:
             and budget > 0
             and len(running) < self.config.max_num_seqs
             and block_manager.can_allocate(self.waiting[0])
+            and (self.waiting[0].lora is None or self.loras.can_run(self.waiting[0].lora))
         ):
             seq = self.waiting.popleft()
             block_manager.allocate(seq)
+            if seq.lora is not None:
+                self.loras.start(seq)
             seq.status = SequenceStatus.RUNNING
             running.append(seq)
             batches.admit(seq)
@@ -352,6 +370,8 @@ class Scheduler:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.batches.release(seq)
+            if seq.lora is not None:
+                self.loras.stop(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
@@ -364,6 +384,8 @@ class Scheduler:
         seq.draft_computed = 0  # its blocks go: when it runs again, the draft starts over
         self.block_manager.free(seq)
         self.batches.release(seq)
+        if seq.lora is not None:
+            self.loras.stop(seq)
         seq.status = SequenceStatus.WAITING
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -60,6 +60,9 @@ class Sequence:
         "speculation",
         "draft_computed",
         "prompt_logprobs",
+        "lora",
+        "lora_slot",
+        "cache_salt",
     )
 
     def __init__(
@@ -113,6 +116,11 @@ class Sequence:
         # Asked for prompt logprobs: one TokenLogprob per prompt token scored so far (the
         # engine puts the first token's in at admission, later ones come from the logits).
         self.prompt_logprobs: list[Any] | None = None
+        # Its LoRA adapter (llmctl.engine.lora; None: the base model), the adapter's slot
+        # while it runs (-1: none), and the start of its prefix-cache keys (per adapter).
+        self.lora: Any = None
+        self.lora_slot = -1
+        self.cache_salt = b""
 
     @property
     def num_tokens(self) -> int:

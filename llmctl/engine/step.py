@@ -45,6 +45,9 @@ class StepBatch:
     ``logits_indices`` are the new tokens (indices into ``input_ids``) whose logits the
     runner returns, in that order; ``None``: the last new token of each sequence. A
     speculative step sets it to verify every proposed position in one pass.
+
+    ``lora_slots[i]`` is the LoRA adapter slot sequence ``i`` runs with (-1: the base
+    model alone); ``None`` when no sequence of the step uses an adapter.
     """
 
     input_ids: IntArray
@@ -55,6 +58,7 @@ class StepBatch:
     slot_mapping: IntArray
     sampled_tokens: SampledTokenFill | None = None
     logits_indices: IntArray | None = None
+    lora_slots: IntArray | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -19,6 +19,7 @@ from llmctl.server.guard import Guard
 from llmctl.server.limits import Admission
 from llmctl.server.metrics import CONTENT_TYPE, ServerMetrics
 from llmctl.server.openapi import Health, Version, install_openapi
+from llmctl.server.routes_lora import router as lora_router
 from llmctl.server.routes_openai import router
 from llmctl.server.routes_tokenize import router as tokenize_router
 from llmctl.server.state import DEFAULT_CLIENT_TIMEOUT, DEFAULT_MAX_BODY_BYTES, ServerState
@@ -74,6 +75,7 @@ def create_app(
     app.include_router(router)
     app.include_router(stats_router)
     app.include_router(tokenize_router)
+    app.include_router(lora_router)
 
     @app.get("/health", response_model=Health, responses={503: {"model": Health}})
     async def health() -> Response:

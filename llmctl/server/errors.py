@@ -57,6 +57,8 @@ def api_error_for(exc: Exception) -> APIError:
     field), the upstream's (502, proxy engines), a dead engine (503) or ours (500)."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, InvalidRequest) and exc.code == "model_not_found":
+        return APIError(404, str(exc), param=exc.param, code=exc.code)  # an adapter gone
     if isinstance(exc, InvalidRequest):
         return APIError(400, str(exc), param=exc.param, code=exc.code or "invalid_request")
     if isinstance(exc, UpstreamError):

@@ -20,7 +20,14 @@ GUARDED_PATHS = frozenset({"/tokenize", "/detokenize"})  # vLLM's paths, outside
 # Metrics label paths by name only for the real routes, so random URLs cannot create
 # an unbounded number of time series.
 KNOWN_ENDPOINTS = frozenset(
-    {"/v1/models", "/v1/completions", "/v1/chat/completions", *GUARDED_PATHS}
+    {
+        "/v1/models",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        *GUARDED_PATHS,
+    }
 )
 
 

@@ -193,6 +193,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     max_model_len: int | None
+    # A LoRA adapter's base model (vLLM's field); None for the base model itself.
+    parent: str | None = None
     # llmctl's: false when the model has no chat template (chat messages are then joined
     # as plain text); `llmctl chat --url` switches to continuation mode on it.
     chat_template: bool | None = None
@@ -323,7 +325,9 @@ def _publish_engine_facts(components: dict[str, Any], state: ServerState) -> Non
     vocab_size = capabilities(engine).vocab_size  # 0: not known here
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         fields = components[name]["properties"]
-        _constrain(fields["model"], "string", enum=[engine.model_name])
+        # Adapters loaded later are not in it (the schema is made at start).
+        names = [engine.model_name, *capabilities(engine).lora_names()]
+        _constrain(fields["model"], "string", enum=names)
         if session_len:
             for field in ("max_tokens", "max_completion_tokens", "min_tokens"):
                 if field in fields:

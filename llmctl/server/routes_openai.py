@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
-from llmctl.backend import GenerationRequest, SamplingParams
+from llmctl.backend import GenerationRequest, SamplingParams, capabilities
 from llmctl.errors import InvalidRequest, LlmctlError
 from llmctl.server.errors import APIError, api_error_for
 from llmctl.server.generation import GenerationStream
@@ -58,15 +58,19 @@ def _state(request: Request) -> ServerState:
 @router.get("/models", response_model=ModelList, responses=error_responses(*GATE_ERRORS))
 async def list_models(request: Request) -> dict[str, Any]:
     state = _state(request)
+    base = state.engine.model_name
     model = {
-        "id": state.engine.model_name,
+        "id": base,
         "object": "model",
         "created": state.started_at,
         "owned_by": "llmctl",
         "max_model_len": state.engine.max_model_len or None,  # 0: not known (a proxy)
         "chat_template": getattr(state.engine, "has_chat_template", None),
     }
-    return {"object": "list", "data": [model]}
+    adapters = [
+        {**model, "id": name, "parent": base} for name in capabilities(state.engine).lora_names()
+    ]
+    return {"object": "list", "data": [model, *adapters]}
 
 
 @router.post(
@@ -75,15 +79,15 @@ async def list_models(request: Request) -> dict[str, Any]:
 )
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = _state(request)
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     _check_session_bounds(state, body)
     prompts = body.prompts()
     response_id = f"cmpl-{uuid.uuid4().hex}"
-    requests = _engine_requests(response_id, prompts, body.sampling_params(), body.n)
+    requests = _engine_requests(response_id, prompts, body.sampling_params(), body.n, lora)
     echoes = [_prompt_text(state, p) for p in prompts for _ in range(body.n)] if body.echo else None
     formatter = CompletionFormatter(
         response_id,
-        state.engine.model_name,
+        lora or state.engine.model_name,
         body.include_usage,
         len(requests),
         echoes,
@@ -109,7 +113,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 )
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = _state(request)
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     _check_session_bounds(state, body)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
     prompt = {
@@ -125,11 +129,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         if family == "auto":
             family = family_for_template(template)
         sampling = body.tool_sampling(sampling, family)
-    requests = _engine_requests(response_id, [prompt], sampling, body.n)
+    requests = _engine_requests(response_id, [prompt], sampling, body.n, lora)
     reasoning = template is not None and REASONING_CLOSE in template
     formatter = ChatFormatter(
         response_id,
-        state.engine.model_name,
+        lora or state.engine.model_name,
         body.include_usage,
         len(requests),
         tool_family=family,
@@ -189,16 +193,24 @@ def _check_session_bounds(state: ServerState, body: CompletionRequest | ChatComp
 
 
 def _engine_requests(
-    response_id: str, prompts: list[dict[str, Any]], sampling: SamplingParams, n: int
+    response_id: str,
+    prompts: list[dict[str, Any]],
+    sampling: SamplingParams,
+    n: int,
+    lora: str | None = None,
 ) -> list[GenerationRequest]:
-    """``n`` engine requests per prompt (``SamplingParams.choices``), ids in choice order."""
+    """``n`` engine requests per prompt (``SamplingParams.choices``: choice ``j`` of a
+    seeded request uses seed + j), with the LoRA adapter ``lora`` if any, ids in choice
+    order."""
     choices = dataclasses.replace(sampling, n=n).choices()
     requests = []
     for prompt in prompts:
         for params in choices:
             index = len(requests)
             requests.append(
-                GenerationRequest(request_id=f"{response_id}-{index}", sampling=params, **prompt)
+                GenerationRequest(
+                    request_id=f"{response_id}-{index}", sampling=params, lora=lora, **prompt
+                )
             )
     return requests
 

@@ -47,13 +47,19 @@ class ServerState:
         tokenizer = getattr(self.engine, "tokenizer", None)
         return getattr(tokenizer, "chat_template", None)
 
-    def check_model(self, requested: str | None) -> None:
+    def check_model(self, requested: str | None) -> str | None:
+        """The LoRA adapter ``requested`` names (None: the base model); 404 for neither."""
         served = self.engine.model_name
-        if requested is not None and requested != served:
-            raise APIError(
-                404,
-                f"the model {requested!r} does not exist here: this server serves "
-                f"{served!r} (see GET /v1/models)",
-                param="model",
-                code="model_not_found",
-            )
+        if requested is None or requested == served:
+            return None
+        adapters = capabilities(self.engine).lora_names()
+        if requested in adapters:
+            return requested
+        also = f" and LoRA adapters {', '.join(map(repr, adapters))}" if adapters else ""
+        raise APIError(
+            404,
+            f"the model {requested!r} does not exist here: this server serves "
+            f"{served!r}{also} (see GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )

@@ -81,9 +81,10 @@ def test_flags_to_args_gives_serve_the_same_options() -> None:
         "backend": "torch",
         "cache_block_seq_len": 32,
         "enable_prefix_caching": False,
-        "adapters": ["a", "b"],
+        "api_keys": ["a", "b"],
+        "lora": {"x": "/a", "y": "/b"},
     }
     assert flags_to_args(flags) == [
         "--backend", "torch", "--cache-block-seq-len", "32", "--no-enable-prefix-caching",
-        "--adapters", "a", "--adapters", "b",
+        "--api-keys", "a", "--api-keys", "b", "--lora", "x=/a", "--lora", "y=/b",
     ]  # fmt: skip

@@ -31,7 +31,7 @@ def test_the_users_names_map_once_to_the_engines():
 
 
 def test_both_backends_translate_to_the_shared_config():
-    options = resolved(cache_block_seq_len=32, kv_cache_dtype="int8", adapters=["a"])
+    options = resolved(cache_block_seq_len=32, kv_cache_dtype="int8", tensor_parallel_size=2)
     torch_config, turbo_config = (
         TorchBackend().translate(options),
         TurboBackend().translate(options),
@@ -39,7 +39,7 @@ def test_both_backends_translate_to_the_shared_config():
     for config in (torch_config, turbo_config):
         assert isinstance(config, EngineConfig)
         assert (config.block_size, config.kv_cache_dtype) == (32, "int8")
-    assert torch_config.extra.lora_adapters == ("a",)  # the torch backend's own part
+    assert torch_config.extra.tensor_parallel_size == 2  # the torch backend's own part
     assert turbo_config.extra is None
 
 

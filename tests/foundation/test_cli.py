@@ -97,7 +97,11 @@ def test_profiles_list_show_validate(tmp_path):
 
 
 def test_backends_check_explains_each_backend(tmp_path):
-    result = run_llmctl("backends", "check", "demo", "--adapters", str(tmp_path), cwd=tmp_path)
+    from llmctl.model.info import resolve_model
+    from tests.helpers.lora_adapters import write_small_adapter
+
+    adapter = write_small_adapter(tmp_path / "adapter", resolve_model("demo").path)
+    result = run_llmctl("backends", "check", "demo", "--lora", f"a={adapter}", cwd=tmp_path)
     out = " ".join(result.stdout.split())
     assert "turbo" in out and "LoRA" in out
     assert "auto would pick torch" in out

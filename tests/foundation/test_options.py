@@ -13,7 +13,7 @@ from tests.conftest import REPO
 REQUIRED = {
     "model", "backend", "cache_block_seq_len", "cache_max_entry_count", "session_len",
     "max_batch_size", "max_prefill_token_num", "enable_prefix_caching", "dtype", "device",
-    "adapters", "seed", "chat_template", "model_name", "host", "port", "api_keys",
+    "lora", "max_loras", "max_lora_rank", "seed", "chat_template", "model_name", "host", "port", "api_keys",
     "max_concurrent_requests",
 }  # fmt: skip
 

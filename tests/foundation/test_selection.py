@@ -65,12 +65,14 @@ def test_architecture_only_torch_supports_falls_back_to_torch(builtins):
     assert choice.backend.name == "torch"
 
 
-def test_adapters_fall_back_to_torch(builtins):
-    flags = {"adapters": ["/tmp/adapter"]}
+def test_adapters_fall_back_to_torch(builtins, tmp_path):
+    from tests.helpers.lora_adapters import write_small_adapter
+
+    flags = {"model": "demo", "lora": {"a": str(write_small_adapter(tmp_path / "a", llama().path))}}
     turbo = builtins["turbo"]
     hw = CPU_NO_COMPILER
-    reasons = turbo.check(llama(), {"adapters": ["/x"], "cache_block_seq_len": 64}, hw)
-    assert any("LoRA" in r for r in reasons)
+    reasons = turbo.check(llama(), {"lora": {"a": "/x"}, "cache_block_seq_len": 64}, hw)
+    assert any("LoRA" in r and "--backend torch" in r for r in reasons)
     choice = choose(llama(), flags, hardware=hw, backends=builtins, env={})
     assert choice.backend.name == "torch"
     assert any("LoRA" in n for n in choice.notes)

@@ -19,7 +19,8 @@ WRONG_TYPES = [
     ("enable_prefix_caching", '"yes"', "yes", "expected true or false (a boolean), got a string"),
     ("cuda_graphs", "1", 1, "expected true or false (a boolean), got an integer 1"),
     ("shutdown_timeout", '"2.5"', "2.5", "expected a number, got a string '2.5'"),
-    ("adapters", '"a,b"', "a,b", "expected a list of strings, got a string 'a,b'"),
+    ("api_keys", '"a,b"', "a,b", "expected a list of strings, got a string 'a,b'"),
+    ("lora", '"a=/x"', "a=/x", "expected a table of names to strings"),
     ("dtype", "16", 16, "expected a string, got an integer 16"),
 ]
 
@@ -44,10 +45,12 @@ def test_the_right_types_pass_and_text_from_the_environment_is_parsed(tmp_path):
     profile = tmp_path / "llmctl.toml"
     profile.write_text(
         "[profiles.p]\ncache_block_seq_len = 32\nenable_prefix_caching = false\n"
-        'shutdown_timeout = 2\nadapters = ["a"]\ncache_max_entry_count = "2GiB"\n'
+        'shutdown_timeout = 2\napi_keys = ["a"]\ncache_max_entry_count = "2GiB"\n'
+        '[profiles.p.lora]\nfirst = "/a"\nsecond = "/b"\n'
     )
     common = read_profile_file(profile)["p"].common
-    assert common["shutdown_timeout"] == 2.0 and common["adapters"] == ["a"]
+    assert common["shutdown_timeout"] == 2.0 and common["api_keys"] == ["a"]
+    assert common["lora"] == {"first": "/a", "second": "/b"}  # a table, not a backend section
     env = {"LLMCTL_CACHE_BLOCK_SEQ_LEN": "128", "LLMCTL_ENABLE_PREFIX_CACHING": "no"}
     settings = resolve(
         {},

@@ -118,7 +118,7 @@ def test_defaults_are_transformers_own(backend) -> None:
             "max_batch_size",
             "at most max_prefill_token_num (32)",
         ),
-        ({"adapters": ["/tmp/adapter"]}, "adapters", "does not load LoRA adapters"),
+        ({"lora": {"a": "/tmp/adapter"}}, "lora", "does not serve LoRA adapters"),
         ({"quantization": "int8"}, "quantization", "does not quantize weights"),
         ({"kv_cache_dtype": "int8"}, "kv_cache_dtype", "in the model's dtype"),
     ],

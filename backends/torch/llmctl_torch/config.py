@@ -1,7 +1,7 @@
 """The torch backend's own part of the engine configuration, and its option and model rules.
 
 ``torch_config`` builds the shared ``EngineConfig`` with the torch backend's extra
-(``TorchExtra``: LoRA adapters, the tensor-parallel layout). Light on purpose: no torch
+(``TorchExtra``: the tensor-parallel layout). Light on purpose: no torch
 import.
 """
 
@@ -32,10 +32,9 @@ TRITON_MAX_HEAD_DIM = 256
 
 @dataclass(frozen=True)
 class TorchExtra:
-    """What only the torch backend has beside the shared ``EngineConfig``: LoRA adapters
-    and the tensor-parallel layout (docs/multi-gpu.md)."""
+    """What only the torch backend has beside the shared ``EngineConfig``: the
+    tensor-parallel layout (docs/multi-gpu.md)."""
 
-    lora_adapters: tuple[str, ...] = ()
     tensor_parallel_size: int = 1
     nnodes: int = 1
     node_rank: int = 0
@@ -45,7 +44,6 @@ class TorchExtra:
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> TorchExtra:
         return cls(
-            lora_adapters=tuple(options["adapters"] or ()),
             tensor_parallel_size=options["tensor_parallel_size"],
             nnodes=options["nnodes"],
             node_rank=options["node_rank"],
@@ -112,10 +110,8 @@ def tensor_parallel_problem(
 def _model_tp_problem(tp: int, options: Mapping[str, Any]) -> str | None:
     if tp == 1:
         return None
-    if options.get("adapters"):
-        return (
-            "LoRA adapters are merged into unsharded weights: use them with tensor_parallel_size 1"
-        )
+    if options.get("lora"):
+        return "LoRA adapters are served with unsharded weights: use tensor_parallel_size 1"
     try:
         config = resolve_model(options.get("model") or "demo").config
     except ModelError:
@@ -127,6 +123,30 @@ def _model_tp_problem(tp: int, options: Mapping[str, Any]) -> str | None:
         config.get("num_key_value_heads") or num_heads,
         config.get("intermediate_size") or 1,
     )
+
+
+def _lora_problem(adapters: Mapping[str, str], options: Mapping[str, Any]) -> str | None:
+    """Each adapter checked against the model before anything loads (the same check the
+    runner makes when it reads one): files, shapes, rank, name."""
+    if not adapters:
+        return None
+    from llmctl.model.lora import check_lora_name, read_adapter
+
+    try:
+        info = resolve_model(options.get("model") or "demo")
+        config = ModelConfig.from_dict(info.config)
+    except ModelError:
+        return None  # the model's own error is reported where it is loaded
+    served = options.get("model_name") or info.name
+    taken: set[str] = set()
+    try:
+        for name, path in adapters.items():
+            check_lora_name(name, taken, served)
+            taken.add(name)
+            read_adapter(path, config, options.get("max_lora_rank", 16))
+    except ModelError as exc:
+        return str(exc)
+    return None
 
 
 def _nodes_problem(nnodes: int, options: Mapping[str, Any]) -> str | None:
@@ -177,6 +197,12 @@ RULES = (
             and hardware.device_for(options.get("device", "auto")) == "cuda"
             else None
         ),
+    ),
+    OptionRule(
+        "lora",
+        "PEFT LoRA adapters (q/k/v/o/gate/up/down) of the model's shapes, rank <= "
+        "max_lora_rank; tensor_parallel_size 1",
+        lambda value, options, hardware: _lora_problem(value, options),
     ),
     OptionRule(
         "nnodes",

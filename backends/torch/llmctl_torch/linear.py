@@ -19,6 +19,7 @@ The LM head and the embeddings are not ``Linear``s: they keep the model dtype.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -69,9 +70,16 @@ class Linear(nn.Linear):
     """``nn.Linear`` whose product its weight ``method`` computes (see the module doc)."""
 
     method: UnquantizedMethod | Int8WeightMethod = UNQUANTIZED
+    # Its LoRA slots (llmctl_torch.lora.LoraLayer), once the runner serves an adapter:
+    # the adapters of the step's rows add to the base product, whatever its method.
+    lora: Any = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x, self.bias)
+        out = self.method.apply(self, x, self.bias)
+        lora = self.lora
+        if lora is not None and lora.context.active:
+            lora.apply(x, out)
+        return out
 
 
 def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -1,121 +1,248 @@
-"""LoRA adapters (PEFT format), merged into the base weights at load.
+"""LoRA adapters applied in batches beside the base weights, never merged.
 
-An adapter directory holds ``adapter_config.json`` (r, lora_alpha, target_modules...)
-and ``adapter_model.safetensors`` with ``<module>.lora_A.weight [r, in]`` and
-``<module>.lora_B.weight [out, r]`` for each adapted linear layer. Merging adds
-``B @ A * lora_alpha / r`` (``/ sqrt(r)`` with rsLoRA) to the module's weight, so the
-adapted model runs exactly as fast as the base one. One adapter per engine.
+Every adapted ``Linear`` of the model (q/k/v, o, gate/up, down; q/k/v and gate/up are
+fused, so one layer holds several parts) gets a ``LoraLayer``: ``max_loras`` slots of
+``A`` (``[slots, parts * R, in]``, the parts' A stacked so one product serves them all)
+and, per part, ``B`` (``[slots, out, R]``, scaled by the adapter's ``alpha / r``, or
+``/ sqrt(r)`` with rsLoRA), ``R`` being ``max_lora_rank``. An adapter of a lower rank,
+or one that leaves a module out, fills the rest of its slot with zeros. The layer's
+output gets ``B[slot] @ (A[slot] @ x)`` added for each token, with the slot of its row:
+
+- on the CPU, rows are grouped by slot and each group is two small matmuls
+  (``index_select`` / ``index_add_`` when the step mixes slots). A small step that mixes
+  adapters (decode) instead multiplies every row by every slot's A at once (one
+  matmul), zeroes each row's products but for its own slot (a one-hot mask), and adds
+  the result times every slot's B (one matmul per part, the slots side by side along
+  the rank): ``max_loras`` times the flops, which are a few percent of the base layer's,
+  but a handful of operations per layer instead of a handful per slot, and on a CPU a
+  small step's many operations, not their flops, are the cost;
+- on CUDA, the Triton kernels of ``triton_lora.py`` (punica's segmented idea, SGMV):
+  the step's tokens sorted by slot into tiles of one slot each, a "shrink" kernel
+  ``h = x @ A[slot].T`` and an "expand" kernel ``out += h @ B[slot].T`` per part.
+
+``LoraContext`` holds the step's grouping, computed once per step from
+``StepBatch.lora_slots`` and shared by every layer. A weight method (fp or int8) is
+untouched: the adapters add to whatever the base product is.
+
+Adapters are read with safetensors into host memory (pinned on CUDA, so a swap into a
+slot is an asynchronous copy ordered after the steps already launched).
 """
 
 from __future__ import annotations
 
-import json
-import math
-from collections.abc import Sequence
-from pathlib import Path
-
+import numpy as np
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
+from torch import nn
 
-from llmctl.errors import ModelError, OptionError
+from llmctl.engine.lora import NO_SLOT
+from llmctl.errors import ModelError
+from llmctl.model.lora import AdapterSpec
+from llmctl_torch.linear import Linear
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-# PEFT saves module names under the wrapper's prefix.
-PEFT_PREFIX = "base_model.model."
+# HF module (within a decoder layer) -> (this model's fused module, part index)
+PARTS = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "self_attn.o_proj": ("self_attn.o_proj", 0),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.down_proj": ("mlp.down_proj", 0),
+}
+# A CPU step mixing adapters groups its rows by slot from this many tokens per slot on
+# (prefill: flops count); a smaller one goes through every slot at once (decode).
+GROUPED_TOKENS_PER_SLOT = 64
 
-
-def apply_lora_adapters(weights: dict[str, torch.Tensor], adapters: Sequence[str | Path]) -> None:
-    """Merge the adapters (at most one) into ``weights`` (HF names), in place."""
-    if len(adapters) > 1:
-        raise OptionError(
-            f"adapters: the torch backend merges one LoRA adapter into the weights at load, "
-            f"got {len(adapters)}; pass a single adapter directory"
-        )
-    for adapter in adapters:
-        merge_lora(weights, Path(adapter))
-
-
-def merge_lora(weights: dict[str, torch.Tensor], adapter_dir: Path) -> None:
-    """Add each adapted module's ``B @ A * scale`` to its weight (computed in fp32)."""
-    config = _read_adapter_config(adapter_dir)
-    tensors = _read_adapter_weights(adapter_dir)
-    alpha = float(config.get("lora_alpha", config["r"]))
-    for module, (lora_a, lora_b) in _pair_lora_tensors(tensors, adapter_dir).items():
-        target = f"{module}.weight"
-        if target not in weights:
-            raise ModelError(
-                f"LoRA adapter {adapter_dir} adapts {module}, which the base model does not "
-                "have: was it trained for a different model?"
-            )
-        base = weights[target]
-        rank = lora_a.shape[0]
-        if lora_b.shape[1] != rank or (lora_b.shape[0], lora_a.shape[1]) != tuple(base.shape):
-            raise ModelError(
-                f"LoRA adapter {adapter_dir}: {module} has A {tuple(lora_a.shape)} and B "
-                f"{tuple(lora_b.shape)}, which do not fit the base weight {tuple(base.shape)}"
-            )
-        scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-        delta = lora_b.float().to(base.device) @ lora_a.float().to(base.device)
-        weights[target] = (base.float() + delta * scale).to(base.dtype)
+# An adapter in host memory: HF module name -> (A [r, in], B * scale [out, r]).
+LoraWeights = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
-def _read_adapter_config(adapter_dir: Path) -> dict:
-    path = adapter_dir / CONFIG_FILE
-    if not path.is_file():
+def read_lora_weights(spec: AdapterSpec, dtype: torch.dtype, pin: bool) -> LoraWeights:
+    """The adapter's A and scaled B per module, in ``dtype`` (scaled in fp32 first)."""
+    weights: LoraWeights = {}
+    try:
+        with safe_open(str(spec.weights_file), framework="pt") as file:
+            for module, (a_name, b_name) in spec.modules.items():
+                a = file.get_tensor(a_name).to(dtype)
+                b = (file.get_tensor(b_name).float() * spec.scale).to(dtype)
+                if pin:
+                    a, b = a.pin_memory(), b.pin_memory()
+                weights[module] = (a, b)
+    except (OSError, RuntimeError, ValueError) as exc:  # safetensors' own errors
         raise ModelError(
-            f"LoRA adapter {adapter_dir} has no {CONFIG_FILE}: give a PEFT adapter directory "
-            f"({CONFIG_FILE} + {WEIGHTS_FILE})"
-        )
-    config = json.loads(path.read_text())
-    peft_type = config.get("peft_type", "LORA")
-    refusals = {
-        "peft_type": peft_type != "LORA" and f"is {peft_type!r}; only LORA adapters merge",
-        "use_dora": config.get("use_dora") and "DoRA adapters are not supported",
-        "fan_in_fan_out": config.get("fan_in_fan_out") and "fan_in_fan_out is for GPT-2 models",
-        "alpha_pattern": config.get("alpha_pattern") and "per-module alpha is not supported",
-        "bias": config.get("bias", "none") != "none" and "trained biases are not supported",
-        "modules_to_save": config.get("modules_to_save")
-        and "fully trained modules are not supported",
-    }
-    for key, reason in refusals.items():
-        if reason:
-            raise ModelError(f"LoRA adapter {adapter_dir}: {key}: {reason}")
-    if not isinstance(config.get("r"), int) or config["r"] <= 0:
-        raise ModelError(f"LoRA adapter {adapter_dir}: {CONFIG_FILE} needs a positive integer 'r'")
-    return config
+            f"LoRA adapter {spec.path}: cannot read {spec.weights_file}: {exc}"
+        ) from None
+    return weights
 
 
-def _read_adapter_weights(adapter_dir: Path) -> dict[str, torch.Tensor]:
-    path = adapter_dir / WEIGHTS_FILE
-    if not path.is_file():
-        hint = (
-            " It has adapter_model.bin: convert it to safetensors first."
-            if (adapter_dir / "adapter_model.bin").is_file()
-            else ""
-        )
-        raise ModelError(f"LoRA adapter {adapter_dir} has no {WEIGHTS_FILE}.{hint}")
-    return load_file(str(path))
+class LoraContext:
+    """Which tokens of the step run with which slot (shared by every ``LoraLayer``).
+
+    ``kernel`` is ``torch`` (matmuls, any device) or ``triton``."""
+
+    def __init__(
+        self, device: torch.device, kernel: str, max_loras: int, dtype: torch.dtype
+    ) -> None:
+        self.device = device
+        self.kernel = kernel
+        self.max_loras = max_loras
+        self.dtype = dtype
+        self.active = False
+        # torch: (slot, rows) per slot in the step; rows None when it is every token
+        self.groups: list[tuple[int, torch.Tensor | None]] = []
+        # torch, several: [tokens, max_loras, 1], 1 at each token's slot, else 0
+        self.one_hot: torch.Tensor | None = None
+        # triton: the adapted tokens sorted by slot, and each tile's (slot, start, end)
+        self.tokens: torch.Tensor | None = None
+        self.tiles: torch.Tensor | None = None
+
+    def prepare(self, lora_slots: np.ndarray, query_lens: np.ndarray) -> None:
+        """Group the step's tokens by slot (``lora_slots`` per sequence, -1: none)."""
+        token_slots = np.repeat(np.asarray(lora_slots, dtype=np.int64), query_lens)
+        adapted = np.flatnonzero(token_slots != NO_SLOT)
+        self.active = len(adapted) > 0
+        if not self.active:
+            return
+        order = adapted[np.argsort(token_slots[adapted], kind="stable")]
+        slots = token_slots[order]
+        starts = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]])
+        ends = np.r_[starts[1:], len(order)]
+        if self.kernel == "torch":
+            if len(starts) == 1 and len(order) == len(token_slots):
+                self.groups = [(int(slots[0]), None)]
+                return
+            if len(starts) == 1 or len(token_slots) >= GROUPED_TOKENS_PER_SLOT * self.max_loras:
+                rows = torch.from_numpy(order).to(self.device)
+                self.groups = [(int(slots[s]), rows[s:e]) for s, e in zip(starts, ends)]
+                return
+            one_hot = np.zeros((len(token_slots), self.max_loras, 1), dtype=np.float32)
+            one_hot[adapted, token_slots[adapted], 0] = 1.0
+            self.one_hot = torch.from_numpy(one_hot).to(self.device, self.dtype)
+            return
+        from llmctl_torch.triton_lora import TILE_ROWS
+
+        counts = -(-(ends - starts) // TILE_ROWS)
+        first = np.repeat(starts, counts)
+        within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        tile_start = first + within * TILE_ROWS
+        tiles = np.stack([np.repeat(slots[starts], counts), tile_start, np.repeat(ends, counts)])
+        packed = torch.from_numpy(np.concatenate([order, tiles.reshape(-1)]).astype(np.int32))
+        if self.device.type == "cuda":
+            packed = packed.pin_memory()
+        packed = packed.to(self.device, non_blocking=True)
+        self.tokens, self.tiles = packed[: len(order)], packed[len(order) :].view(3, -1)
+
+    def clear(self) -> None:
+        self.active = False
+        self.groups, self.one_hot, self.tokens, self.tiles = [], None, None, None
 
 
-def _pair_lora_tensors(
-    tensors: dict[str, torch.Tensor], adapter_dir: Path
-) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """``{module: (A, B)}`` from PEFT names like ``base_model.model.X.lora_A.weight``."""
-    halves: dict[str, dict[str, torch.Tensor]] = {}
-    for name, tensor in tensors.items():
-        stem = name.removeprefix(PEFT_PREFIX)
-        for part in ("lora_A", "lora_B"):
-            suffix = f".{part}.weight"
-            if stem.endswith(suffix):
-                halves.setdefault(stem.removesuffix(suffix), {})[part] = tensor
-                break
-        else:
-            raise ModelError(
-                f"LoRA adapter {adapter_dir}: tensor {name!r} is not a lora_A/lora_B weight "
-                "(embedding LoRA and extra trained tensors are not supported)"
-            )
-    incomplete = [m for m, h in halves.items() if len(h) != 2]
-    if incomplete:
-        raise ModelError(f"LoRA adapter {adapter_dir}: {incomplete[0]} lacks lora_A or lora_B")
-    return {module: (h["lora_A"], h["lora_B"]) for module, h in halves.items()}
+class LoraLayer:
+    """The slots of one ``Linear`` (see the module doc): ``parts`` are the (start, size)
+    of each part's columns in the layer's output."""
+
+    def __init__(
+        self,
+        context: LoraContext,
+        in_features: int,
+        parts: list[tuple[int, int]],
+        max_loras: int,
+        rank: int,
+        dtype: torch.dtype,
+    ) -> None:
+        device = context.device
+        self.context = context
+        self.rank = rank
+        self.parts = parts
+        self.a = torch.zeros(max_loras, len(parts) * rank, in_features, dtype=dtype, device=device)
+        # B of each part is stored [out, slots, rank], so that the slots lie side by side
+        # along the rank ([out, slots * rank]: the mixed CPU product), and seen as
+        # [slots, out, rank] everywhere else.
+        self.b_by_rank = [
+            torch.zeros(size, max_loras * rank, dtype=dtype, device=device) for _, size in parts
+        ]
+        self.b = [b.view(b.shape[0], max_loras, rank).transpose(0, 1) for b in self.b_by_rank]
+
+    def load(self, slot: int, part: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
+        """Put one part's A and B (or zeros: the adapter leaves it out) in ``slot``."""
+        rows = self.a[slot, part * self.rank : (part + 1) * self.rank]
+        rows.zero_()
+        self.b[part][slot].zero_()
+        if a is not None:
+            rank = a.shape[0]
+            rows[:rank].copy_(a, non_blocking=True)
+            self.b[part][slot, :, :rank].copy_(b, non_blocking=True)
+
+    def apply(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """``out += B[slot] @ (A[slot] @ x)`` for every adapted token, in place."""
+        context = self.context
+        if context.kernel == "triton":
+            from llmctl_torch.triton_lora import lora_expand, lora_shrink
+
+            h = lora_shrink(x, self.a, context.tokens, context.tiles)
+            for part, (start, size) in enumerate(self.parts):
+                view = out[:, start : start + size]
+                lora_expand(h, self.b[part], view, part * self.rank, context.tokens, context.tiles)
+            return
+        rank = self.rank
+        if context.one_hot is not None:  # several slots: every row through every slot
+            num_tokens, slots = x.shape[0], context.max_loras
+            h = (x @ self.a.view(slots * self.a.shape[1], -1).T).view(num_tokens, slots, -1)
+            h = h * context.one_hot
+            for part, (start, size) in enumerate(self.parts):
+                own = h[:, :, part * rank : (part + 1) * rank].reshape(num_tokens, slots * rank)
+                out[:, start : start + size] += own @ self.b_by_rank[part].T
+            return
+        for slot, rows in context.groups:
+            xs = x if rows is None else x.index_select(0, rows)
+            h = xs @ self.a[slot].T
+            for part, (start, size) in enumerate(self.parts):
+                delta = h[:, part * rank : (part + 1) * rank] @ self.b[part][slot].T
+                view = out[:, start : start + size]
+                if rows is None:
+                    view += delta
+                else:
+                    view.index_add_(0, rows, delta)
+
+
+class ModelLoras:
+    """Every ``LoraLayer`` of a model and the step's ``LoraContext``."""
+
+    def __init__(
+        self, model: nn.Module, max_loras: int, rank: int, dtype: torch.dtype, kernel: str
+    ) -> None:
+        device = next(model.parameters()).device
+        self.context = LoraContext(device, kernel, max_loras, dtype)
+        self.max_loras = max_loras
+        # HF module name -> (its layer's LoraLayer, its part)
+        self.targets: dict[str, tuple[LoraLayer, int]] = {}
+        config = model.config
+        for index, decoder in enumerate(model.model.layers):
+            attention, mlp = decoder.self_attn, decoder.mlp
+            sizes = {
+                "self_attn.qkv_proj": [attention.q_size, attention.kv_size, attention.kv_size],
+                "self_attn.o_proj": [config.hidden_size],
+                "mlp.gate_up_proj": [mlp.intermediate_size, mlp.intermediate_size],
+                "mlp.down_proj": [config.hidden_size],
+            }
+            layers = {}
+            for fused, part_sizes in sizes.items():
+                linear = decoder.get_submodule(fused)
+                assert isinstance(linear, Linear)
+                offsets = np.cumsum([0, *part_sizes[:-1]]).tolist()
+                layers[fused] = linear.lora = LoraLayer(
+                    self.context,
+                    linear.in_features,
+                    list(zip(offsets, part_sizes)),
+                    max_loras,
+                    rank,
+                    dtype,
+                )
+            for module, (fused, part) in PARTS.items():
+                self.targets[f"model.layers.{index}.{module}"] = (layers[fused], part)
+
+    def load_slot(self, slot: int, weights: LoraWeights) -> None:
+        for module, (layer, part) in self.targets.items():
+            a, b = weights.get(module, (None, None))
+            layer.load(slot, part, a, b)

@@ -65,8 +65,8 @@ class TorchBackend(Backend):
                     dtype=dtype,
                     device=device,
                     block_size=config.block_size,
-                    # The adapters are the served model's, never a draft model's.
-                    adapters=config.extra.lora_adapters if loaded is model else (),
+                    max_loras=config.lora.max_loras,
+                    max_lora_rank=config.lora.max_rank,
                     max_num_seqs=config.max_num_seqs,
                     max_model_len=max_model_len,
                     cuda_graphs=config.cuda_graphs,

@@ -6,24 +6,26 @@ the new tokens' K/V and returns the logits of each sequence's last new token (or
 speculative step, of the tokens ``logits_indices`` names).
 
 On a GPU, decode steps replay CUDA graphs captured when the cache is allocated (see
-``llmctl.engine.cuda_graphs``); prefill and mixed prefill/decode steps run eagerly.
+``llmctl.engine.cuda_graphs``); prefill and mixed prefill/decode steps run eagerly, and
+so does any step with a LoRA adapter in it (``llmctl_torch.lora``: batched, never
+merged; the slots are allocated when the first adapter is put in one).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from llmctl.engine.quant import SCALE_DTYPE, is_quantized_kv
 from llmctl.engine.runner import PagedRunner
-from llmctl.engine.step import StepInputs
+from llmctl.engine.step import StepBatch, StepInputs
 from llmctl.model.config import ModelConfig
+from llmctl.model.lora import AdapterSpec
 from llmctl.model.weights import load_weights
 from llmctl_torch.attention import LayerCache, attention_ops
 from llmctl_torch.linear import quantize_linears
-from llmctl_torch.lora import apply_lora_adapters
+from llmctl_torch.lora import LoraWeights, ModelLoras, read_lora_weights
 from llmctl_torch.model import AttentionMetadata, LlamaForCausalLM, build_model
 
 
@@ -36,7 +38,10 @@ class TorchModelRunner(PagedRunner):
     decode steps the CUDA graphs are captured for; ``cuda_graphs=False`` turns them off.
     ``quantization`` (``none`` or ``int8``) converts the linear layers' weights once
     loaded; ``kv_cache_dtype`` (``auto``, ``int8``, ``fp8``) is the cache's element type.
+    ``max_loras`` LoRA slots of rank ``max_lora_rank`` serve adapters (``LoraRunner``).
     """
+
+    serves_lora = True  # a tensor-parallel runner does not (yet)
 
     def __init__(
         self,
@@ -47,7 +52,8 @@ class TorchModelRunner(PagedRunner):
         device: str | torch.device = "cpu",
         block_size: int = 64,
         num_blocks: int | None = None,
-        adapters: Sequence[str | Path] = (),
+        max_loras: int = 4,
+        max_lora_rank: int = 16,
         max_num_seqs: int = 128,
         max_model_len: int | None = None,
         cuda_graphs: bool = True,
@@ -67,25 +73,47 @@ class TorchModelRunner(PagedRunner):
             cuda_graphs=cuda_graphs,
         )
         self.ops = attention_ops(self.device, self.kv_dtype)
-        self.model = self._load_model(model_dir, adapters)
+        self.model = self._load_model(model_dir)
         quantize_linears(self.model, quantization)
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.loras: ModelLoras | None = None  # made when the first adapter is loaded
         self.kv_caches: list[LayerCache] = []
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
 
-    def _load_model(
-        self, model_dir: str | Path, adapters: Sequence[str | Path]
-    ) -> LlamaForCausalLM:
+    def _load_model(self, model_dir: str | Path) -> LlamaForCausalLM:
         """The model with its weights on ``self.device`` (a tensor-parallel rank overrides
         this to load its shard)."""
         weights = load_weights(model_dir, self.dtype, self.device)
-        apply_lora_adapters(weights, adapters)
         return build_model(weights, self.config, self.device)
+
+    def read_lora(self, spec: AdapterSpec) -> LoraWeights:
+        return read_lora_weights(spec, self.dtype, pin=self.device.type == "cuda")
+
+    def load_lora_slot(self, slot: int, weights: LoraWeights) -> None:
+        if self.loras is None:
+            kernel = "triton" if self.device.type == "cuda" else "torch"
+            self.loras = ModelLoras(
+                self.model, self.max_loras, self.max_lora_rank, self.dtype, kernel
+            )
+        self.loras.load_slot(slot, weights)
+
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        if batch.lora_slots is None:
+            return super().execute(batch)
+        context = self.loras.context
+        context.prepare(batch.lora_slots, batch.query_lens)
+        try:
+            return super().execute(batch)
+        finally:
+            context.clear()
 
     def _allocate(self, num_blocks: int) -> None:
         """One ``[2, layers, num_blocks, block_size, kv_heads, head_dim]`` tensor, viewed
-        as a (K, V) pair per layer, each handed to its attention layer; an int8 / fp8 cache has a float32 scale per token and
-        KV head beside it, ``[2, layers, num_blocks, block_size, kv_heads]``. Zeroed, not
+        as a (K, V) pair per layer and handed to that layer's attention (``bind``); an
+        int8 / fp8 cache has a float32 scale per token and KV head beside it, ``[2,
+        layers, num_blocks, block_size, kv_heads]``. Zeroed, not
         empty: attention masks unwritten slots with a zero weight, and 0 * NaN from
         uninitialised memory would still be NaN. On the CPU its memory is taken as blocks
         are first used (``new_cache``)."""

@@ -65,7 +65,9 @@ class ShardRunner(TorchModelRunner):
             kv_cache_dtype=kv_cache_dtype,
         )
 
-    def _load_model(self, model_dir: str | Path, adapters: Any) -> ParallelLlamaForCausalLM:
+    serves_lora = False  # adapters are not sharded yet: the torch backend's rule says so
+
+    def _load_model(self, model_dir: str | Path) -> ParallelLlamaForCausalLM:
         return load_shard(str(model_dir), self.full_config, self.shard, self.dtype, self.device)
 
 

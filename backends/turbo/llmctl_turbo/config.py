@@ -70,10 +70,13 @@ RULES = (
         ),
     ),
     OptionRule(
-        "adapters",
-        "not supported",
+        "lora",
+        "not supported yet (use --backend torch)",
         lambda value, options, hardware: (
-            "turbo does not support LoRA adapters (use the torch backend)" if value else None
+            "turbo does not serve LoRA adapters yet: use --backend torch (or auto, which "
+            "then picks torch)"
+            if value
+            else None
         ),
     ),
     OptionRule(

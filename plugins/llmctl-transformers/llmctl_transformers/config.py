@@ -117,12 +117,15 @@ def refuse_batch_over_tokens(
     return None
 
 
-def refuse_adapters(value: list[str], options: Mapping[str, Any], hardware: Hardware) -> str | None:
-    """adapters: this backend loads no LoRA adapters."""
+def refuse_lora(
+    value: dict[str, str], options: Mapping[str, Any], hardware: Hardware
+) -> str | None:
+    """lora: this backend serves no LoRA adapters."""
     if value:
         return (
-            "the transformers backend does not load LoRA adapters: merge them into the "
-            "weights (PEFT's merge_and_unload) or use --backend torch"
+            "the transformers backend does not serve LoRA adapters: use --backend torch "
+            "(batched adapters, chosen per request), or merge one into the weights (PEFT's "
+            "merge_and_unload)"
         )
     return None
 
@@ -152,7 +155,7 @@ RULES = (
     OptionRule("quantization", "`none` only", refuse_quantization),
     OptionRule("kv_cache_dtype", "`auto` only", refuse_kv_cache_dtype),
     OptionRule("max_batch_size", "at most max_prefill_token_num", refuse_batch_over_tokens),
-    OptionRule("adapters", "not supported", refuse_adapters),
+    OptionRule("lora", "not supported", refuse_lora),
     OptionRule(
         "cuda_graphs",
         "on CUDA, transformers captures graphs where its decode path supports them; "

@@ -1,94 +1,135 @@
-"""LoRA adapters merged at load, against transformers with the merge done by hand."""
+"""LoRA adapters on the torch backend, through the Python API: batched beside the base
+weights, chosen per prompt, against transformers + peft on the same adapters."""
 
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
-import torch
-from llmctl_torch.runner import TorchModelRunner
-from safetensors.torch import save_file
 
-from llmctl.errors import ModelError, OptionError
-from llmctl.model.config import ModelConfig
-from tests.helpers.tiny_models import PagedSequences, load_hf_model
+from llmctl import LLM, SamplingParams
+from llmctl.errors import BackendError, InvalidRequest, ModelError
+from tests.helpers.lora_adapters import ATTENTION, MLP, make_adapter
+from tests.helpers.tiny_models import hf_greedy, load_hf_model
 
-TARGETS = ("q_proj", "v_proj", "o_proj", "down_proj")
+MAX_TOKENS = 12
+# A shared prefix longer than a block (16 tokens): the prefix cache holds it after the
+# first request, and must not hand one adapter's K/V to another.
+PREFIX = [5, 77, 301, 42, 9, 250, 13, 404, 88, 61, 7, 199, 23, 310, 64, 3, 120, 45]
+PROMPTS = [PREFIX + [11], PREFIX + [12, 90], [30, 31, 32], PREFIX + [11]]
 
-
-def write_adapter(directory, model, rank=4, alpha=8.0, seed=0, **config_extra):
-    """A random PEFT LoRA adapter for ``model`` (transformers); returns its A/B per module."""
-    generator = torch.Generator().manual_seed(seed)
-    pairs, tensors = {}, {}
-    for name, module in model.named_modules():
-        if name.split(".")[-1] in TARGETS:
-            out_features, in_features = module.weight.shape
-            a = torch.randn(rank, in_features, generator=generator) * 0.3
-            b = torch.randn(out_features, rank, generator=generator) * 0.3
-            tensors[f"base_model.model.{name}.lora_A.weight"] = a
-            tensors[f"base_model.model.{name}.lora_B.weight"] = b
-            pairs[name] = (a, b)
-    directory.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(directory / "adapter_model.safetensors"))
-    config = {
-        "peft_type": "LORA",
-        "r": rank,
-        "lora_alpha": alpha,
-        "target_modules": list(TARGETS),
-        "bias": "none",
-        **config_extra,
-    }
-    (directory / "adapter_config.json").write_text(json.dumps(config))
-    return pairs
+# name -> (rank, target modules, rsLoRA): different ranks, modules, scalings
+ADAPTERS = {
+    "attn8": (8, ATTENTION, False),
+    "mlp4": (4, MLP, False),
+    "all16": (16, ATTENTION + MLP, True),
+    "qv2": (2, ["q_proj", "v_proj"], False),
+}
 
 
-def runner_logits(model_dir, adapters, prompt):
-    runner = TorchModelRunner(
-        model_dir, ModelConfig.from_dir(model_dir), block_size=16, num_blocks=8, adapters=adapters
-    )
-    paged = PagedSequences(runner)
-    paged.add(prompt)
-    return paged.step({0: len(prompt)})[0]
+@pytest.fixture(scope="module", params=["llama3-rope", "qwen2"])
+def served(request, tiny_model_dir, tmp_path_factory):
+    """A tiny model, four adapters of it, and each one's reference (transformers + peft)
+    greedy tokens for every prompt (``None``: the base model)."""
+    model_dir = tiny_model_dir(request.param)
+    root = tmp_path_factory.mktemp(f"adapters-{request.param}")
+    paths, want = {}, {None: hf_greedy(load_hf_model(model_dir), PROMPTS, MAX_TOKENS)}
+    for seed, (name, (rank, modules, rslora)) in enumerate(ADAPTERS.items()):
+        paths[name] = str(root / name)
+        peft_model = make_adapter(
+            root / name, model_dir, rank=rank, target_modules=modules, use_rslora=rslora, seed=seed
+        )
+        want[name] = hf_greedy(peft_model, PROMPTS, MAX_TOKENS)
+        assert want[name] != want[None], f"{name} must change the output to be tested"
+    return model_dir, paths, want
 
 
-@pytest.mark.parametrize("use_rslora", [False, True])
-def test_merged_adapter_matches_transformers_with_the_delta_added(
-    tiny_model_dir, tmp_path, use_rslora
-):
-    model_dir = tiny_model_dir("llama3-rope")
-    model = load_hf_model(model_dir)
-    pairs = write_adapter(tmp_path / "adapter", model, use_rslora=use_rslora)
-    scale = 8.0 / math.sqrt(4) if use_rslora else 8.0 / 4
-    prompt = [1, 17, 250, 33, 400, 9, 77]
-    with torch.no_grad():
-        base = model(torch.tensor([prompt])).logits[0, -1]
-        modules = dict(model.named_modules())
-        for name, (a, b) in pairs.items():
-            modules[name].weight += (b.double() @ a.double() * scale).float()
-        want = model(torch.tensor([prompt])).logits[0, -1]
-    got = runner_logits(model_dir, [tmp_path / "adapter"], prompt)
-    assert (want - base).abs().max() > 0.5  # the adapter matters
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+def greedy(llm: LLM, names: list[str | None]) -> list[list[int]]:
+    """Each (adapter, prompt) pair in one generate call: one mixed batch."""
+    prompts = [p for _ in names for p in PROMPTS]
+    loras = [n for n in names for _ in PROMPTS]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS, temperature=0), lora=loras)
+    tokens = [o.token_ids for o in outs]
+    return [tokens[i * len(PROMPTS) : (i + 1) * len(PROMPTS)] for i in range(len(names))]
 
 
-def test_more_than_one_adapter_is_refused(tiny_model_dir, tmp_path):
-    with pytest.raises(OptionError, match="one LoRA adapter.*got 2"):
-        runner_logits(tiny_model_dir("llama3-rope"), [tmp_path / "a", tmp_path / "b"], [1])
+@pytest.mark.parametrize("max_loras", [4, 1])
+def test_a_mixed_batch_of_adapters_matches_peft(served, max_loras):
+    """Four adapters and the base model in one batch; with max_loras 1 the adapters take
+    turns in the one slot (swapped in least-recently-used), and stay correct."""
+    model_dir, paths, want = served
+    names = [None, *ADAPTERS, None]
+    with LLM(
+        str(model_dir), backend="torch", lora=paths, max_loras=max_loras, cache_block_seq_len=16,
+        max_lora_rank=16,
+    ) as llm:  # fmt: skip
+        got = greedy(llm, names)
+        for name, tokens in zip(names, got):
+            assert tokens == want[name], name
+        # Again, one at a time: the prefix cache holds PREFIX's blocks now, per adapter.
+        for name in names:
+            assert greedy(llm, [name]) == [want[name]], name
+        if max_loras == 1:
+            assert llm.engine.engine.loras.num_loads >= len(ADAPTERS)
+        assert llm.engine.engine.block_size == 16  # adapters never change the block size
 
 
-def test_unsupported_adapters_are_refused_with_the_reason(tiny_model_dir, tmp_path):
-    model_dir = tiny_model_dir("llama3-rope")
-    model = load_hf_model(model_dir)
-    write_adapter(tmp_path / "dora", model, use_dora=True)
-    with pytest.raises(ModelError, match="use_dora: DoRA adapters are not supported"):
-        runner_logits(model_dir, [tmp_path / "dora"], [1])
-    with pytest.raises(ModelError, match="no adapter_config.json"):
-        runner_logits(model_dir, [tmp_path / "missing"], [1])
+def test_adapters_with_ngram_speculation_match_peft(served):
+    """Speculative steps verify proposals with the adapter of their row."""
+    model_dir, paths, want = served
+    with LLM(
+        str(model_dir), backend="torch", lora=paths, cache_block_seq_len=16,
+        speculative_method="ngram",
+    ) as llm:  # fmt: skip
+        names = [None, *ADAPTERS]
+        assert greedy(llm, names) == [want[name] for name in names]
 
 
-def test_adapter_for_another_model_is_refused(tiny_model_dir, tmp_path):
-    other = load_hf_model(tiny_model_dir("mistral"))  # different head layout
-    write_adapter(tmp_path / "adapter", other)
-    with pytest.raises(ModelError, match="do not fit the base weight"):
-        runner_logits(tiny_model_dir("llama3-rope"), [tmp_path / "adapter"], [1])
+def test_adapters_load_and_unload_at_run_time(served):
+    model_dir, paths, want = served
+    with LLM(str(model_dir), backend="torch", cache_block_seq_len=16) as llm:
+        llm.load_lora("late", paths["all16"])
+        assert greedy(llm, ["late", None]) == [want["all16"], want[None]]
+        llm.unload_lora("late")
+        with pytest.raises(InvalidRequest, match="'late' is not loaded"):
+            greedy(llm, ["late"])
+        llm.load_lora("late", paths["mlp4"])  # the name again, other weights: no stale cache
+        assert greedy(llm, ["late"]) == [want["mlp4"]]
+
+
+def test_bad_adapters_are_refused_with_the_reason(served, tiny_model_dir, tmp_path):
+    model_dir, paths, _ = served
+    # A model of other shapes (q_proj [64, 64] against [128, 64]).
+    other = tiny_model_dir("qwen2" if "llama3" in model_dir.name else "llama3-rope")
+    make_adapter(tmp_path / "other", other, rank=4, target_modules=ATTENTION)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+    (broken / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    with LLM(str(model_dir), backend="torch", max_lora_rank=8) as llm:
+        cases = [
+            ("a", paths["all16"], "rank 16, above max_lora_rank 8.*--max-lora-rank 16"),
+            ("a", str(tmp_path / "other"), "do not fit the base model's.*another model"),
+            ("a", str(tmp_path / "missing"), "does not exist"),
+            ("a", str(broken), "truncated or not a safetensors file"),
+            (llm.engine.model_name, paths["attn8"], "is the base model's name"),
+        ]
+        for name, path, message in cases:
+            with pytest.raises(ModelError, match=message):
+                llm.load_lora(name, path)
+        llm.load_lora("a", paths["attn8"])
+        with pytest.raises(ModelError, match="'a' is already loaded"):
+            llm.load_lora("a", paths["mlp4"])
+        with pytest.raises(InvalidRequest, match="'nope' is not loaded"):
+            llm.generate([[1, 2, 3]], lora="nope")
+        assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].token_ids) == 2
+
+
+def test_turbo_and_transformers_refuse_adapters_naming_torch(served):
+    model_dir, paths, _ = served
+    for backend, message in (("turbo", "--backend torch"), ("transformers", "--backend torch")):
+        with pytest.raises(BackendError, match=message):
+            LLM(str(model_dir), backend=backend, lora={"a": paths["attn8"]})
+    with LLM(str(model_dir), backend="turbo") as llm:
+        with pytest.raises(InvalidRequest, match="turbo backend serves no LoRA adapters"):
+            llm.generate([[1, 2, 3]], lora="a")
