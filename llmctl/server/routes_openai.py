@@ -94,16 +94,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         echo_logprobs=body.echo and body.logprobs is not None,
         prompt_logprobs=body.prompt_logprobs is not None,
     )
-    return await _respond(
-        request,
-        state,
-        requests,
-        formatter,
-        stream=body.stream,
-        n=body.n,
-        grammar_param=body.structured_param,
-        continuous_usage=body.continuous_usage,
-    )
+    return await _respond(request, state, body, requests, formatter)
 
 
 @router.post(
@@ -141,16 +132,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         in_reasoning=reasoning and _prompt_opens_reasoning(state, prompt),
         prompt_logprobs=body.prompt_logprobs is not None,
     )
-    return await _respond(
-        request,
-        state,
-        requests,
-        formatter,
-        stream=body.stream,
-        n=body.n,
-        grammar_param=body.structured_param,
-        continuous_usage=body.continuous_usage,
-    )
+    return await _respond(request, state, body, requests, formatter)
 
 
 def _prompt_opens_reasoning(state: ServerState, prompt: dict[str, Any]) -> bool:
@@ -218,14 +200,13 @@ def _engine_requests(
 async def _respond(
     request: Request,
     state: ServerState,
+    body: CompletionRequest | ChatCompletionRequest,
     requests: list[GenerationRequest],
     formatter: Formatter,
-    *,
-    stream: bool,
-    n: int,
-    grammar_param: str | None = None,
-    continuous_usage: bool = False,
 ) -> Response:
+    """Run ``requests`` (the ``n`` choices of ``body``'s prompts) and answer, streamed
+    or whole as ``body`` asks."""
+    n, grammar_param = body.n, body.structured_param
     arrived_at = time.monotonic()
     _log_start(state, formatter.id, requests)
     try:
@@ -240,9 +221,9 @@ async def _respond(
         state.admission.release()
         _log_end(state, formatter.id, generation, n)
 
-    if stream:
+    if body.stream:
         return EventStreamResponse(
-            _events(generation, formatter, n, continuous_usage),
+            _events(generation, formatter, n, body.continuous_usage),
             on_close=finish,
             send_timeout=state.client_timeout,
         )
