@@ -36,6 +36,12 @@ at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t groups) {
   return cpu::pack_linear_weight(weight, groups);
 }
 
+int64_t gguf_block_bytes(int64_t ggml_type) { return cpu::gguf_block_bytes(ggml_type); }
+
+at::Tensor pack_gguf_weight(const at::Tensor& raw, int64_t ggml_type, int64_t groups) {
+  return cpu::pack_gguf_weight(raw, ggml_type, groups);
+}
+
 void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
             const at::Tensor& bias, const at::Tensor& scale) {
   if (weight.dim() == 3) {
