@@ -38,7 +38,7 @@ void check_weights(at::TensorList weights, int64_t num_layers, int64_t hidden,
     check_model_dtype(w[5], {"post-attention norm", l});
     TORCH_CHECK(w[7].dim() >= 2, "layer ", l, ": down must be [", hidden,
                 ", intermediate] or packed, got shape ", w[7].sizes());
-    const int64_t intermediate = w[7].size(1);  // down's input features
+    const int64_t intermediate = linear_in_features(w[7]);  // down's input features
     check_linear_weight(w[1], {"qkv", l}, embed, hidden, qkv_width, 1, w[8]);
     check_linear_weight(w[3], {"o_proj", l}, embed, attn_width, hidden, 1, w[9]);
     check_linear_weight(w[6], {"gate_up", l}, embed, hidden, 2 * intermediate, 2, w[10]);
@@ -97,7 +97,7 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
   check_positions(positions, cos_sin_cache.size(0));
   check_token_ids(input_ids, embed.size(0));
 
-  const int64_t intermediate = weights[kHeadWeights + 7].size(1);
+  const int64_t intermediate = linear_in_features(weights[kHeadWeights + 7]);
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   const auto options = embed.options();
 

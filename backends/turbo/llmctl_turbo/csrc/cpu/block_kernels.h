@@ -83,59 +83,148 @@ inline uint8_t block_quant(const uint8_t* q, int g, int f, int kk) {
   }
 }
 
+#ifdef TURBO_CPU_X86
+// The x86 vector operations of the block tile, on V::kLanes features at a time (16 in a
+// zmm, 8 in a ymm: AVX2 runs a panel as two halves). dot4(acc, w, x) adds, per int32
+// lane, the 4 products of w's unsigned bytes with x's 4 signed bytes: one vpdpbusd with
+// VNNI; else vpmaddubsw + vpmaddwd, whose 16-bit pair sums saturate above 32767, so 8-bit
+// weights go as two nibble halves (the high one weighted 16 by vpmaddwd itself).
+template <int Lanes>
+struct BlockOps;
+
+template <>
+struct BlockOps<16> {
+  static constexpr int kLanes = 16;
+  using I = __m512i;
+  using F = __m512;
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I zero() { return _mm512_setzero_si512(); }
+  static I broadcast(int32_t v) { return _mm512_set1_epi32(v); }
+  static I nibbles(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+  static I high_nibbles(I v) { return nibbles(_mm512_srli_epi16(v, 4)); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  template <int Bits>
+  static I dot4(I acc, I w, I x) {
+    if constexpr (kVnni) {
+      return _mm512_dpbusd_epi32(acc, w, x);
+    } else if constexpr (Bits == 4) {
+      return add(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+    } else {
+      const I low = _mm512_madd_epi16(_mm512_maddubs_epi16(nibbles(w), x), _mm512_set1_epi16(1));
+      const I high = _mm512_madd_epi16(_mm512_maddubs_epi16(high_nibbles(w), x),
+                                       _mm512_set1_epi16(16));
+      return add(acc, add(low, high));
+    }
+  }
+  static F loadf(const uint8_t* p) { return _mm512_loadu_ps(p); }
+  static F zerof() { return _mm512_setzero_ps(); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F tofloat(I v) { return _mm512_cvtepi32_ps(v); }
+  static F broadcastf(float v) { return _mm512_set1_ps(v); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+
+template <>
+struct BlockOps<8> {
+  static constexpr int kLanes = 8;
+  using I = __m256i;
+  using F = __m256;
+  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const I*>(p)); }
+  static I zero() { return _mm256_setzero_si256(); }
+  static I broadcast(int32_t v) { return _mm256_set1_epi32(v); }
+  static I nibbles(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+  static I high_nibbles(I v) { return nibbles(_mm256_srli_epi16(v, 4)); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  template <int Bits>
+  static I dot4(I acc, I w, I x) {
+    if constexpr (Bits == 4) {
+      return add(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+    } else {
+      const I low = _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles(w), x), _mm256_set1_epi16(1));
+      const I high = _mm256_madd_epi16(_mm256_maddubs_epi16(high_nibbles(w), x),
+                                       _mm256_set1_epi16(16));
+      return add(acc, add(low, high));
+    }
+  }
+  static F loadf(const uint8_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
+  static F zerof() { return _mm256_setzero_ps(); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F tofloat(I v) { return _mm256_cvtepi32_ps(v); }
+  static F broadcastf(float v) { return _mm256_set1_ps(v); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+
+// Features [lane0, lane0 + V::kLanes) of one panel against MR rows: sums[r][lane0 + ..].
+template <typename V, int MR, int Bits>
+inline void block_tile_x86(const QuantizedRows& x, int64_t m0, const uint8_t* panel, int lane0,
+                           float (&sums)[MR][kPanelWidth]) {
+  constexpr int64_t kBytes = quant_block_bytes(Bits);
+  // Several integer accumulators per row when there are few rows (decode): each dot4
+  // waits for the previous one into the same register.
+  constexpr int kChains = MR >= 4 ? 1 : (MR >= 2 ? 2 : 4);
+  typename V::F acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = V::zerof();
+  const int byte0 = lane0 * 4;  // this half's features in each 64-byte group
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    const uint8_t* block = panel + b * kBytes;
+    const typename V::F d = V::loadf(block + lane0 * sizeof(float));
+    const typename V::F c = V::loadf(block + (kPanelWidth + lane0) * sizeof(float));
+    const uint8_t* q = block + kBlockScaleBytes + byte0;
+    typename V::I isum[kChains][MR];
+    for (int h = 0; h < kChains; ++h) {
+      for (int r = 0; r < MR; ++r) isum[h][r] = V::zero();
+    }
+    auto multiply = [&](int g, typename V::I w) __attribute__((always_inline)) {
+      for (int r = 0; r < MR; ++r) {
+        int32_t four;
+        __builtin_memcpy(&four, x.q + (m0 + r) * x.K + b * kQuantBlock + 4 * g, 4);
+        isum[g % kChains][r] = V::template dot4<Bits>(isum[g % kChains][r], w, V::broadcast(four));
+      }
+    };
+    if constexpr (Bits == 8) {
+      for (int g = 0; g < 8; ++g) multiply(g, V::load(q + g * 64));
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        const typename V::I raw = V::load(q + j * 64);
+        multiply(j, V::nibbles(raw));
+        multiply(j + 4, V::high_nibbles(raw));
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      typename V::I total = isum[0][r];
+      for (int h = 1; h < kChains; ++h) total = V::add(total, isum[h][r]);
+      const int64_t at = (m0 + r) * x.blocks + b;
+      acc[r] = V::fma(V::tofloat(total), V::mul(d, V::broadcastf(x.dx[at])), acc[r]);
+      acc[r] = V::fma(c, V::broadcastf(x.sx[at]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) V::store(sums[r] + lane0, acc[r]);
+}
+
+// A panel's 16 features, V::kLanes at a time.
+template <int Lanes, int MR, int Bits>
+inline void block_tile_lanes(const QuantizedRows& x, int64_t m0, const uint8_t* panel,
+                             float (&sums)[MR][kPanelWidth]) {
+  for (int lane0 = 0; lane0 < kPanelWidth; lane0 += Lanes) {
+    block_tile_x86<BlockOps<Lanes>, MR, Bits>(x, m0, panel, lane0, sums);
+  }
+}
+#endif
+
 // sums[r][f] = x[m0 + r] . w[f] for the 16 features of one panel, MR rows.
 template <int MR, int Bits>
 inline void block_tile(const QuantizedRows& x, int64_t m0, const uint8_t* panel,
                        float (&sums)[MR][kPanelWidth]) {
-  constexpr int64_t kBytes = quant_block_bytes(Bits);
 #ifdef TURBO_CPU_X86
-  if constexpr (kVnni) {
-    // Several integer accumulators per row when there are few rows (decode): each
-    // vpdpbusd waits for the previous one into the same register.
-    constexpr int kChains = MR >= 4 ? 1 : (MR >= 2 ? 2 : 4);
-    __m512 acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-    const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
-    for (int64_t b = 0; b < x.blocks; ++b) {
-      const uint8_t* block = panel + b * kBytes;
-      const __m512 d = _mm512_loadu_ps(block);
-      const __m512 c = _mm512_loadu_ps(block + kPanelWidth * sizeof(float));
-      const uint8_t* q = block + kBlockScaleBytes;
-      __m512i isum[kChains][MR];
-      for (int h = 0; h < kChains; ++h) {
-        for (int r = 0; r < MR; ++r) isum[h][r] = _mm512_setzero_si512();
-      }
-      auto multiply = [&](int g, __m512i w) __attribute__((always_inline)) {
-        for (int r = 0; r < MR; ++r) {
-          int32_t four;
-          __builtin_memcpy(&four, x.q + (m0 + r) * x.K + b * kQuantBlock + 4 * g, 4);
-          isum[g % kChains][r] =
-              _mm512_dpbusd_epi32(isum[g % kChains][r], w, _mm512_set1_epi32(four));
-        }
-      };
-      if constexpr (Bits == 8) {
-        for (int g = 0; g < 8; ++g) multiply(g, _mm512_loadu_si512(q + g * 64));
-      } else {
-        for (int j = 0; j < 4; ++j) {
-          const __m512i raw = _mm512_loadu_si512(q + j * 64);
-          multiply(j, _mm512_and_si512(raw, low_nibbles));
-          multiply(j + 4, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low_nibbles));
-        }
-      }
-      for (int r = 0; r < MR; ++r) {
-        __m512i total = isum[0][r];
-        for (int h = 1; h < kChains; ++h) total = _mm512_add_epi32(total, isum[h][r]);
-        const int64_t at = (m0 + r) * x.blocks + b;
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total),
-                                 _mm512_mul_ps(d, _mm512_set1_ps(x.dx[at])), acc[r]);
-        acc[r] = _mm512_fmadd_ps(c, _mm512_set1_ps(x.sx[at]), acc[r]);
-      }
-    }
-    for (int r = 0; r < MR; ++r) _mm512_storeu_ps(sums[r], acc[r]);
+  if constexpr (kVectorWidth >= 8) {  // AVX2 and AVX-512 (with or without VNNI)
+    block_tile_lanes<kVectorWidth, MR, Bits>(x, m0, panel, sums);
     return;
   }
 #endif
-  // Portable form of the same sums (the compiler vectorises the feature loop).
+  // Portable form of the same sums, for any CPU (the baseline build).
+  constexpr int64_t kBytes = quant_block_bytes(Bits);
   for (int r = 0; r < MR; ++r) {
     for (int f = 0; f < kPanelWidth; ++f) sums[r][f] = 0.f;
   }
@@ -164,8 +253,8 @@ inline void block_tile(const QuantizedRows& x, int64_t m0, const uint8_t* panel,
   }
 }
 
-// Rows per block tile: 8 fill the VNNI registers (8 float + 8 int accumulators).
-constexpr int kBlockTileRows = kVnni ? 8 : 4;
+// Rows per block tile: 8 fill AVX-512's registers (8 float + 8 int accumulators).
+constexpr int kBlockTileRows = kVectorWidth == 16 ? 8 : 4;
 
 // Every row of x against one panel, kBlockTileRows at a time (then fewer):
 // store(m, sums) per row.
