@@ -62,7 +62,7 @@ void check_linear_weight(const at::Tensor& w, WeightName name, const at::Tensor&
   const bool scaled = scale.defined() && scale.numel() != 0;
   if (w.scalar_type() == at::kByte) {  // GGUF blocks (pack_gguf_weight)
     const int64_t panels = groups * ((features / groups + kPanelWidth - 1) / kPanelWidth);
-    const int64_t scale_bytes = 2 * kPanelWidth * sizeof(float);
+    const int64_t scale_bytes = kGgufScaleBytes;
     const int64_t bytes = w.dim() == 3 ? w.size(2) : 0;
     TORCH_CHECK(w.is_cpu() && like.is_cpu() && w.dim() == 3 && w.is_contiguous() &&
                     w.size(0) == panels && w.size(1) * kGgufBlock == in_features &&

@@ -153,24 +153,32 @@ at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t groups) {
 namespace {
 
 // One GGUF block of 32 weights (ggml's block_q8_0 / block_q4_0 / block_q4_1) as
-// w = d * q + c with unsigned q (cpu/block_kernels.h).
-void decode_gguf_block(const uint8_t* block, int64_t ggml_type, float& d, float& c,
+// w = d * q + c with unsigned q (cpu/block_kernels.h); d and c as fp16 bits, exactly
+// (the file's d and m are fp16; -8d and -128d only move the exponent).
+void decode_gguf_block(const uint8_t* block, int64_t ggml_type, uint16_t& d, uint16_t& c,
                        uint8_t (&q)[kGgufBlock]) {
-  auto half = [](const uint8_t* p) {
-    uint16_t bits;
-    std::memcpy(&bits, p, sizeof(bits));
-    return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+  std::memcpy(&d, block, sizeof(d));
+  auto times = [&](float factor) {
+    const float value = static_cast<float>(c10::Half(d, c10::Half::from_bits())) * factor;
+    TORCH_CHECK(std::fabs(value) <= 65504.f, "a GGUF block's scale ", value / factor,
+                " is too large for turbo's block kernels (its offset overflows float16)");
+    return c10::Half(value).x;
   };
-  d = half(block);
   if (ggml_type == kGgmlQ8_0) {  // fp16 d, int8 q[32]
-    c = -128.f * d;
-    for (int i = 0; i < kGgufBlock; ++i) q[i] = static_cast<uint8_t>(static_cast<int8_t>(block[2 + i]) + 128);
+    c = times(-128.f);
+    for (int i = 0; i < kGgufBlock; ++i) {
+      q[i] = static_cast<uint8_t>(static_cast<int8_t>(block[2 + i]) + 128);
+    }
     return;
   }
   // Q4_0: fp16 d, 16 bytes; Q4_1: fp16 d, fp16 m, 16 bytes. Byte i holds weight i in its
   // low nibble and weight i + 16 in its high nibble.
   const uint8_t* nibbles = block + (ggml_type == kGgmlQ4_1 ? 4 : 2);
-  c = ggml_type == kGgmlQ4_1 ? half(block + 2) : -8.f * d;
+  if (ggml_type == kGgmlQ4_1) {
+    std::memcpy(&c, block + 2, sizeof(c));
+  } else {
+    c = times(-8.f);
+  }
   for (int i = 0; i < kGgufBlock / 2; ++i) {
     q[i] = nibbles[i] & 0x0F;
     q[i + kGgufBlock / 2] = nibbles[i] >> 4;
@@ -195,8 +203,7 @@ at::Tensor pack_gguf_weight(const at::Tensor& raw, int64_t ggml_type, int64_t gr
   const int bits = ggml_type == kGgmlQ8_0 ? 8 : 4;
   const int64_t rows = raw.size(0) / groups, blocks = raw.size(1) / gguf_block_bytes(ggml_type);
   const int64_t group_panels = (rows + kPanelWidth - 1) / kPanelWidth;
-  const int64_t scale_bytes = 2 * kPanelWidth * sizeof(float);
-  const int64_t out_block = scale_bytes + kGgufBlock * kPanelWidth * bits / 8;
+  const int64_t out_block = kGgufScaleBytes + kGgufBlock * kPanelWidth * bits / 8;
   // Zeros: the padding features of a last panel have d = c = 0, so they sum to 0.
   at::Tensor packed = at::zeros({groups * group_panels, blocks, out_block}, raw.options());
   const uint8_t* in = raw.data_ptr<uint8_t>();
@@ -207,14 +214,14 @@ at::Tensor pack_gguf_weight(const at::Tensor& raw, int64_t ggml_type, int64_t gr
       const int64_t panel = group * group_panels + row / kPanelWidth;
       const int f = static_cast<int>(row % kPanelWidth);
       for (int64_t b = 0; b < blocks; ++b) {
-        float d, c;
+        uint16_t d, c;
         uint8_t q[kGgufBlock];
         decode_gguf_block(in + (group * rows + row) * row_bytes + b * gguf_block_bytes(ggml_type),
                           ggml_type, d, c, q);
         uint8_t* block = out + (panel * blocks + b) * out_block;
-        std::memcpy(block + f * sizeof(float), &d, sizeof(d));
-        std::memcpy(block + (kPanelWidth + f) * sizeof(float), &c, sizeof(c));
-        uint8_t* quants = block + scale_bytes;
+        std::memcpy(block + f * sizeof(d), &d, sizeof(d));
+        std::memcpy(block + (kPanelWidth + f) * sizeof(c), &c, sizeof(c));
+        uint8_t* quants = block + kGgufScaleBytes;
         for (int k = 0; k < kGgufBlock; ++k) {
           const int g = k / 4, kk = k % 4;
           if (bits == 8) {

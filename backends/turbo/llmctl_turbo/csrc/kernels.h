@@ -49,6 +49,8 @@ at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t groups);
 // cpu/block_kernels.h), `groups` as for pack_linear_weight; no `scale`. CPU only.
 constexpr int64_t kGgmlQ4_0 = 2, kGgmlQ4_1 = 3, kGgmlQ8_0 = 8;
 constexpr int kGgufBlock = 32;  // weights per GGUF block
+// A packed block's scales: fp16 d[16] and c[16], one each per feature of the panel.
+constexpr int64_t kGgufScaleBytes = 2 * kPanelWidth * 2;
 int64_t gguf_block_bytes(int64_t ggml_type);  // 0 for a type turbo has no kernel for
 at::Tensor pack_gguf_weight(const at::Tensor& raw, int64_t ggml_type, int64_t groups);
 

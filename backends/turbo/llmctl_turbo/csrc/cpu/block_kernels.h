@@ -8,14 +8,15 @@
 // integer (so that one VNNI instruction, unsigned x signed bytes, multiplies it):
 //   Q8_0: q = q8 + 128, c = -128 d;   Q4_0: q = nibble, c = -8 d;   Q4_1: q = nibble, c = m.
 // Packed layout: uint8 [panels][K / 32 blocks][block bytes]; one block of one panel is
-//   float d[16], float c[16]                      128 bytes
+//   fp16 d[16], fp16 c[16]                         64 bytes
 //   8-bit: uint8 q[8 groups][16 features][4]       512 bytes (group g: inputs 4g .. 4g+3)
 //   4-bit: uint8 q[4 chunks][16 features][4]       256 bytes (chunk j: low nibbles are
 //                                                   group j, high nibbles group j + 4)
 // so one 64-byte load holds 4 inputs of each of the 16 features, and vpdpbusd against 4
 // broadcast activation bytes sums each feature's 4 products into its own int32 lane: no
-// horizontal sums, and a panel's blocks stream from memory in order. d and c stay float32
-// (GGUF has fp16): exact, and Q4_0 / Q8_0's c = -8d / -128d cannot overflow.
+// horizontal sums, and a panel's blocks stream from memory in order. d and c are fp16, as
+// in the file (exact: -8d and -128d only shift the exponent), so a packed Q4_1 matrix
+// takes the file's 5 bits per weight, Q8_0 9 (the file: 8.5).
 //
 // Activations are quantized per block of 32 to int8, as llama.cpp does:
 //   dx = max|x| / 127, xq = round(x * (1 / dx)), sx = dx * sum(xq), and then
@@ -26,7 +27,7 @@
 // converts in registers). Its cost is the activations' 8-bit rounding, as in llama.cpp.
 
 constexpr int64_t kQuantBlock = 32;                                     // inputs per block
-constexpr int64_t kBlockScaleBytes = 2 * kPanelWidth * sizeof(float);  // d[16], c[16]
+constexpr int64_t kBlockScaleBytes = kGgufScaleBytes;  // fp16 d[16], c[16]
 
 constexpr int64_t quant_block_bytes(int bits) {
   return kBlockScaleBytes + kQuantBlock * kPanelWidth * bits / 8;
@@ -116,7 +117,9 @@ struct BlockOps<16> {
       return add(acc, add(low, high));
     }
   }
-  static F loadf(const uint8_t* p) { return _mm512_loadu_ps(p); }
+  static F load_halves(const uint8_t* p) {  // 16 fp16 values
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   static F zerof() { return _mm512_setzero_ps(); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
@@ -147,7 +150,9 @@ struct BlockOps<8> {
       return add(acc, add(low, high));
     }
   }
-  static F loadf(const uint8_t* p) { return _mm256_loadu_ps(reinterpret_cast<const float*>(p)); }
+  static F load_halves(const uint8_t* p) {  // 8 fp16 values
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   static F zerof() { return _mm256_setzero_ps(); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
@@ -169,8 +174,8 @@ inline void block_tile_x86(const QuantizedRows& x, int64_t m0, const uint8_t* pa
   const int byte0 = lane0 * 4;  // this half's features in each 64-byte group
   for (int64_t b = 0; b < x.blocks; ++b) {
     const uint8_t* block = panel + b * kBytes;
-    const typename V::F d = V::loadf(block + lane0 * sizeof(float));
-    const typename V::F c = V::loadf(block + (kPanelWidth + lane0) * sizeof(float));
+    const typename V::F d = V::load_halves(block + lane0 * 2);
+    const typename V::F c = V::load_halves(block + (kPanelWidth + lane0) * 2);
     const uint8_t* q = block + kBlockScaleBytes + byte0;
     typename V::I isum[kChains][MR];
     for (int h = 0; h < kChains; ++h) {
@@ -231,8 +236,13 @@ inline void block_tile(const QuantizedRows& x, int64_t m0, const uint8_t* panel,
   for (int64_t b = 0; b < x.blocks; ++b) {
     const uint8_t* block = panel + b * kBytes;
     float d[kPanelWidth], c[kPanelWidth];
-    __builtin_memcpy(d, block, sizeof(d));
-    __builtin_memcpy(c, block + sizeof(d), sizeof(c));
+    for (int f = 0; f < kPanelWidth; ++f) {
+      uint16_t bits[2];
+      __builtin_memcpy(&bits[0], block + 2 * f, 2);
+      __builtin_memcpy(&bits[1], block + 2 * (kPanelWidth + f), 2);
+      d[f] = static_cast<float>(c10::Half(bits[0], c10::Half::from_bits()));
+      c[f] = static_cast<float>(c10::Half(bits[1], c10::Half::from_bits()));
+    }
     const uint8_t* q = block + kBlockScaleBytes;
     for (int r = 0; r < MR; ++r) {
       const int8_t* xq = x.q + (m0 + r) * x.K + b * kQuantBlock;
