@@ -5,9 +5,11 @@
     python scripts/bench_vs_llama_cpp.py --quantization int8   # turbo int8 vs a Q8_0 GGUF
     python scripts/bench_vs_llama_cpp.py --quantization gguf   # the same GGUF file, both sides
 
-llama.cpp is built with ``GGML_NATIVE=OFF`` and AVX2, AVX-512 (F, VNNI, BF16, VBMI) and
-AVX-VNNI on, AMX off: a CPU may report AMX while its kernel refuses the process AMX
-tiles (a ``GGML_NATIVE=ON`` build then dies with "Illegal instruction").
+llama.cpp is built with ``GGML_NATIVE=OFF``, each x86 extension (AVX2, AVX-512 F / VNNI /
+BF16 / VBMI, AVX-VNNI) on only where /proc/cpuinfo lists it, and AMX off: a CPU may
+report AMX (or a virtual machine an extension) that the process cannot use, and a
+``GGML_NATIVE=ON`` build then dies with "Illegal instruction" (here: AVX-VNNI's VEX
+``vpdpbusd`` in ``ggml_vec_dot_q4_1_q8_1``).
 
 llama.cpp is a benchmark-only tool here, never a dependency of llmctl. Its source comes
 from the package registry (``pip download --no-binary :all: llama-cpp-python`` vendors
@@ -99,13 +101,22 @@ def llama_cpp_source(work_dir: Path) -> Path:
     return source
 
 
-BUILD_FLAGS = [
-    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON",
-    "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_AVX_VNNI=ON", "-DGGML_AVX512=ON",
-    "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AVX512_VBMI=ON",
-    "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF",
-    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-]  # fmt: skip
+def build_flags() -> list[str]:
+    """llama.cpp's CMake flags: GGML_NATIVE off, each x86 extension on where this CPU's
+    /proc/cpuinfo lists it, AMX always off (see the module docstring)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.is_file() else set()
+    extensions = {
+        "AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "AVX_VNNI": "avx_vnni",
+        "AVX512": "avx512f", "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16",
+        "AVX512_VBMI": "avx512vbmi",
+    }  # fmt: skip
+    return [
+        "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF",
+        *(f"-DGGML_{name}={'ON' if flag in flags else 'OFF'}" for name, flag in extensions.items()),
+        "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+    ]  # fmt: skip
 
 
 def llama_cpp_binary(source: Path, name: str, threads: int) -> Path:
@@ -114,7 +125,7 @@ def llama_cpp_binary(source: Path, name: str, threads: int) -> Path:
     if binary.is_file():
         return binary
     print(f"building {name} (several minutes) ...", flush=True)
-    run(["cmake", "-S", source, "-B", source / "build", *BUILD_FLAGS])
+    run(["cmake", "-S", source, "-B", source / "build", *build_flags()])
     run(["cmake", "--build", source / "build", "--target", name, "-j", threads])
     return binary
 

@@ -5,7 +5,9 @@ Matrices stored as Q8_0, Q4_0 or Q4_1 are read as the file's bytes
 (``csrc/cpu/block_kernels.h``) for turbo's CPU block kernels: 4-bit types stay 4-bit in
 memory. A fused matrix (q/k/v, gate/up) runs as blocks when its parts share one type;
 otherwise, and for every type with no kernel (K-quants, F16...), it is dequantized to the
-model dtype as ``quantization=none`` does, and the log line says how many.
+model dtype as ``quantization=none`` does, and the log line says how many. The embedding
+table stays the file's rows (a tied Q8_0 embedding: its bytes twice, as rows for the
+lookup and as panels for the LM head), dequantized per token by the lookup.
 """
 
 from __future__ import annotations
@@ -50,6 +52,15 @@ class BlockPacker:
 
     def float_matrix(self, part: Weight) -> torch.Tensor:
         return part.dequantize().to(self.dtype) if isinstance(part, GGUFBlocks) else part
+
+    def embedding_table(self, weight: Weight) -> torch.Tensor:
+        """The embedding lookup's table: the file's rows (uint8 [vocab, row bytes], read
+        by ``llama_step``'s GGUF lookup) for a block type, else the float matrix."""
+        if isinstance(weight, GGUFBlocks):
+            self.kinds[f"{weight.tensor_type} rows (embedding lookup)"] += 1
+            self.bytes += weight.data.numel()
+            return weight.data
+        return weight
 
     def pack(self, parts: list[Weight], groups: int = 1) -> torch.Tensor:
         """``torch.cat(parts)`` packed: GGUF blocks when every part is blocks of one type

@@ -62,8 +62,8 @@ def prepare_weights(
     as int8 ``[out, in]`` matrices with float32 scales ``[out]`` for the CUDA ones. The
     embeddings and the LM head keep the model dtype. ``quantization="gguf"`` (CPU only):
     ``weights`` holds a GGUF file's block matrices as ``GGUFBlocks``, packed as blocks
-    (``llmctl_turbo.gguf_weights``), the LM head included; the embedding table for the
-    lookup is dequantized to the model dtype.
+    (``llmctl_turbo.gguf_weights``), the LM head included; the embedding table stays the
+    file's rows, dequantized per looked-up token.
     """
     if config.architecture not in LLAMA_FAMILY:
         raise ModelError(
@@ -86,8 +86,8 @@ def prepare_weights(
     blocks = BlockPacker(final_norm.dtype) if quantization == "gguf" else None
     embed_weight = take("model.embed_tokens.weight")
     lm_head = embed_weight if config.tie_word_embeddings else take("lm_head.weight")
-    embed = blocks.float_matrix(embed_weight) if blocks else embed_weight
-    none = embed.new_empty(0)  # "no bias", "no scale"
+    embed = blocks.embedding_table(embed_weight) if blocks else embed_weight
+    none = final_norm.new_empty(0)  # "no bias", "no scale"
     quantized = bytes_before = bytes_after = 0
 
     def layer_matrix(parts: list, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -236,6 +236,33 @@ at::Tensor pack_gguf_weight(const at::Tensor& raw, int64_t ggml_type, int64_t gr
   return packed;
 }
 
+void embedding_gguf(at::Tensor& out, const at::Tensor& raw, const at::Tensor& ids,
+                    int64_t ggml_type) {
+  const int64_t hidden = out.size(1), blocks = hidden / kGgufBlock;
+  const int64_t block_bytes = gguf_block_bytes(ggml_type), row_bytes = raw.size(1);
+  const uint8_t* table = raw.data_ptr<uint8_t>();
+  const int32_t* id = ids.data_ptr<int32_t>();
+  TURBO_DISPATCH_FLOAT_TYPES(out.scalar_type(), "embedding_gguf", [&] {
+    scalar_t* rows = out.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < ids.size(0); ++t) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        uint16_t d, c;
+        uint8_t q[kGgufBlock];
+        decode_gguf_block(table + id[t] * row_bytes + b * block_bytes, ggml_type, d, c, q);
+        const float df = static_cast<float>(c10::Half(d, c10::Half::from_bits()));
+        const float cf = static_cast<float>(c10::Half(c, c10::Half::from_bits()));
+        // As gguf.quants dequantizes: d * (q - zero), or Q4_1's d * q + m.
+        const int zero = ggml_type == kGgmlQ8_0 ? 128 : (ggml_type == kGgmlQ4_0 ? 8 : 0);
+        scalar_t* row = rows + t * out.stride(0) + b * kGgufBlock;
+        for (int k = 0; k < kGgufBlock; ++k) {
+          const float value = ggml_type == kGgmlQ4_1 ? df * q[k] + cf : df * (q[k] - zero);
+          row[k] = static_cast<scalar_t>(value);
+        }
+      }
+    }
+  });
+}
+
 void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
             const at::Tensor& bias, const at::Tensor& scale) {
   TURBO_ON_ACTIVE_ISA(linear, out, x, packed, bias, scale);
