@@ -285,10 +285,12 @@ CORE_OPTIONS: tuple[Option, ...] = (
         "quantization",
         "str",
         "none",
-        "Weight quantization: `none` (the checkpoint's weights in `dtype`) or `int8` "
-        "(weight-only, symmetric, one scale per output channel, quantized from the checkpoint "
-        "when the model loads; embeddings and the LM head stay in `dtype`).",
-        choices=("none", "int8"),
+        "Weight quantization: `none` (the checkpoint's weights in `dtype`; a GGUF file's "
+        "blocks dequantized at load), `int8` (weight-only, symmetric, one scale per output "
+        "channel, quantized from the checkpoint when the model loads; embeddings and the LM "
+        "head stay in `dtype`) or `gguf` (a GGUF file's quantized matrices run as the types "
+        "stored in it, Q4_1 as Q4_1, by kernels that read the blocks).",
+        choices=("none", "int8", "gguf"),
     ),
     Option(
         "kv_cache_dtype",

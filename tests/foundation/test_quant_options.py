@@ -34,7 +34,7 @@ def turbo_builds_here(builtins, monkeypatch):
 
 
 def test_the_options_are_in_the_schema_with_their_choices():
-    assert option_named("quantization").choices == ("none", "int8")
+    assert option_named("quantization").choices == ("none", "int8", "gguf")
     assert option_named("quantization").default == "none"
     assert option_named("kv_cache_dtype").choices == ("auto", "int8", "fp8")
     assert option_named("kv_cache_dtype").default == "auto"
@@ -106,6 +106,20 @@ def test_turbo_takes_int8_weights_on_cpu_and_cuda(builtins, hardware):
         assert ("quantization" in turbo.option_errors(options, hardware)) == refused
     both = {"quantization": "int8", "kv_cache_dtype": "int8", "device": "auto"}
     assert turbo.option_errors(both, hardware) == {}
+
+
+def test_gguf_runs_on_turbo_cpu_only_and_torch_refuses_it(builtins):
+    """quantization=gguf: turbo's block kernels are CPU ones (float32 / bfloat16) and need
+    a GGUF file; torch has none and says so."""
+    turbo, torch_backend = builtins["turbo"], builtins["torch"]
+    gguf = {"quantization": "gguf", "device": "auto", "model": "/models/m.Q4_1.gguf"}
+    assert turbo.option_errors(gguf, CPU) == {}
+    assert "CPU only" in turbo.option_errors(gguf, HOPPER)["quantization"]
+    half = {**gguf, "dtype": "float16"}
+    assert "not float16" in turbo.option_errors(half, CPU)["quantization"]
+    directory = {**gguf, "model": "/models/some-hf-checkpoint"}
+    assert "is not one" in turbo.option_errors(directory, CPU)["quantization"]
+    assert "no kernels for GGUF blocks" in torch_backend.option_errors(gguf, CPU)["quantization"]
 
 
 def test_auto_keeps_turbo_for_int8_cache_and_picks_torch_for_fp8_saying_why(

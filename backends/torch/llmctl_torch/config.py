@@ -173,8 +173,15 @@ RULES = (
     TORCH_THREADS_RULE,
     OptionRule(
         "quantization",
-        "`int8` on CPU (torch's int8 kernel) and CUDA (a Triton GEMM)",
-        lambda value, options, hardware: None,
+        "`int8` on CPU (torch's int8 kernel) and CUDA (a Triton GEMM); no `gguf` (it has no "
+        "block kernels: `none` dequantizes a GGUF file to `dtype`)",
+        lambda value, options, hardware: (
+            "the torch backend has no kernels for GGUF blocks: with quantization none it "
+            "dequantizes the file's blocks to its dtype at load; for the blocks themselves "
+            "use --backend turbo (CPU)"
+            if value == "gguf"
+            else None
+        ),
     ),
     OptionRule(
         "kv_cache_dtype",

@@ -50,6 +50,42 @@ def int8_weights_problem(device: str, dtype: str) -> str | None:
     return None
 
 
+def gguf_blocks_problem(device: str, dtype: str) -> str | None:
+    """Why turbo cannot run a GGUF file's blocks on ``device`` in ``dtype`` (``None``: it
+    can). Its block kernels are CPU ones, with float32 or bfloat16 activations."""
+    if device == "cuda":
+        return (
+            "turbo's GGUF block kernels run on the CPU only; on CUDA use quantization none "
+            "(the blocks dequantized at load) or int8"
+        )
+    if dtype == "float16":
+        return (
+            "turbo's GGUF block kernels take float32 or bfloat16 activations, not float16; "
+            "use --dtype float32 or bfloat16"
+        )
+    return None
+
+
+def quantization_problem(value: str, options: Mapping[str, Any], hardware: Hardware) -> str | None:
+    """The quantization rule: int8 and gguf each have their device and dtype limits, and
+    gguf needs a GGUF file."""
+    device = hardware.device_for(options.get("device", "auto"))
+    dtype = options.get("dtype", "auto")
+    if value == "int8":
+        return int8_weights_problem(device, dtype)
+    if value == "gguf":
+        from llmctl.model.gguf import gguf_file  # numpy: not at import (llmctl --help)
+
+        model = options.get("model")
+        if model and gguf_file(model) is None:
+            return (
+                f"quantization=gguf runs the blocks of a GGUF file, and {model} is not one; "
+                "use quantization none or int8 for a Hugging Face checkpoint"
+            )
+        return gguf_blocks_problem(device, dtype)
+    return None
+
+
 def quantized_kv_problem(kv_cache_dtype: str) -> str | None:
     """Why turbo cannot keep a ``kv_cache_dtype`` cache (``None``: it can). An int8 cache is read by its CPU kernels and its CUDA SIMT attention kernel; fp8 by
     none of its kernels."""
@@ -88,14 +124,10 @@ RULES = (
     OptionRule(
         "quantization",
         "`int8` on CUDA (any dtype) and on CPU (turbo's CPU kernels, float32 or bfloat16 "
-        "activations)",
-        lambda value, options, hardware: (
-            int8_weights_problem(
-                hardware.device_for(options.get("device", "auto")), options.get("dtype", "auto")
-            )
-            if value == "int8"
-            else None
-        ),
+        "activations); `gguf` on CPU for a GGUF file: Q8_0, Q4_0 and Q4_1 matrices run as "
+        "their blocks (int8 activations per 32-block, AVX-512 VNNI where the CPU has it), "
+        "other types dequantized to `dtype`; not on CUDA, not float16",
+        quantization_problem,
     ),
     OptionRule(
         "kv_cache_dtype",

@@ -30,21 +30,24 @@ from llmctl.engine.runner import PagedRunner
 from llmctl.engine.step import StepInputs
 from llmctl.errors import ModelError
 from llmctl.model.config import ModelConfig
+from llmctl.model.gguf import GGUFBlocks
 from llmctl.model.weights import load_weights
 from llmctl_turbo.build import load_ops
 from llmctl_turbo.config import (
     LLAMA_FAMILY,
+    gguf_blocks_problem,
     int8_weights_problem,
     mlp_bias_problem,
     quantized_kv_problem,
 )
+from llmctl_turbo.gguf_weights import BlockPacker, load_gguf_weights
 from llmctl_turbo.rope import model_cos_sin_cache
 
 CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def prepare_weights(
-    weights: dict[str, torch.Tensor],
+    weights: dict[str, torch.Tensor | GGUFBlocks],
     config: ModelConfig,
     pack: bool = False,
     quantization: str = "none",
@@ -57,7 +60,10 @@ def prepare_weights(
     ``quantization="int8"`` quantizes the layers' matrices as the torch backend does
     (``llmctl.engine.quant``) and logs what that saved; packed for the CPU kernels, left
     as int8 ``[out, in]`` matrices with float32 scales ``[out]`` for the CUDA ones. The
-    embeddings and the LM head keep the model dtype.
+    embeddings and the LM head keep the model dtype. ``quantization="gguf"`` (CPU only):
+    ``weights`` holds a GGUF file's block matrices as ``GGUFBlocks``, packed as blocks
+    (``llmctl_turbo.gguf_weights``), the LM head included; the embedding table stays the
+    file's rows, dequantized per looked-up token.
     """
     if config.architecture not in LLAMA_FAMILY:
         raise ModelError(
@@ -68,7 +74,7 @@ def prepare_weights(
         raise ModelError(problem)
     quantize = quantization == "int8"
 
-    def take(name: str) -> torch.Tensor:
+    def take(name: str) -> torch.Tensor | GGUFBlocks:
         if name not in weights:
             raise ModelError(f"the checkpoint has no tensor {name!r}")
         return weights[name]
@@ -76,14 +82,21 @@ def prepare_weights(
     def matrix(tensor: torch.Tensor, groups: int = 1) -> torch.Tensor:
         return load_ops().pack_linear_weight(tensor, groups) if pack else tensor
 
-    embed = take("model.embed_tokens.weight")
-    lm_head = embed if config.tie_word_embeddings else take("lm_head.weight")
-    none = embed.new_empty(0)  # "no bias", "no scale"
+    final_norm = take("model.norm.weight")
+    blocks = BlockPacker(final_norm.dtype) if quantization == "gguf" else None
+    embed_weight = take("model.embed_tokens.weight")
+    lm_head = embed_weight if config.tie_word_embeddings else take("lm_head.weight")
+    embed = blocks.embedding_table(embed_weight) if blocks else embed_weight
+    none = final_norm.new_empty(0)  # "no bias", "no scale"
     quantized = bytes_before = bytes_after = 0
 
-    def layer_matrix(tensor: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """A layer's matrix as the kernels read it, and its scales (``none`` unless int8)."""
+    def layer_matrix(parts: list, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's matrix (``parts`` fused) as the kernels read it, and its scales
+        (``none`` unless int8)."""
         nonlocal quantized, bytes_before, bytes_after
+        if blocks:
+            return blocks.pack(parts, groups), none
+        tensor = torch.cat(parts) if len(parts) > 1 else parts[0]
         if not quantize:
             return matrix(tensor, groups), none
         qweight, scale = pack_int8_linear(tensor, groups) if pack else quantize_weight_int8(tensor)
@@ -93,21 +106,23 @@ def prepare_weights(
         return qweight, scale
 
     layers = range(config.num_layers)
-    if quantize:
-        layers = track(layers, description="quantizing weights to int8", transient=True)
-    prepared = [embed, take("model.norm.weight"), matrix(lm_head)]
+    if quantize or blocks:
+        what = "packing GGUF blocks" if blocks else "quantizing weights to int8"
+        layers = track(layers, description=what, transient=True)
+    head = blocks.pack([lm_head]) if blocks else matrix(lm_head)
+    prepared = [embed, final_norm, head]
     for layer in layers:
         prefix = f"model.layers.{layer}."
         attn, mlp = prefix + "self_attn.", prefix + "mlp."
-        qkv, qkv_scale = layer_matrix(torch.cat([take(f"{attn}{p}_proj.weight") for p in "qkv"]))
+        qkv, qkv_scale = layer_matrix([take(f"{attn}{p}_proj.weight") for p in "qkv"])
         qkv_bias = (
             torch.cat([take(f"{attn}{p}_proj.bias") for p in "qkv"]) if config.qkv_bias else none
         )
-        o_proj, o_scale = layer_matrix(take(attn + "o_proj.weight"))
+        o_proj, o_scale = layer_matrix([take(attn + "o_proj.weight")])
         gate_up, gate_up_scale = layer_matrix(
-            torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]), groups=2
+            [take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")], groups=2
         )
-        down, down_scale = layer_matrix(take(mlp + "down_proj.weight"))
+        down, down_scale = layer_matrix([take(mlp + "down_proj.weight")])
         prepared += [
             take(prefix + "input_layernorm.weight"),
             qkv,
@@ -124,6 +139,8 @@ def prepare_weights(
         ]
     if quantize:  # the torch backend's line: its layers are these fused ones too
         QuantizationReport(quantized, bytes_before, bytes_after).log()
+    if blocks:
+        blocks.log()
     return prepared
 
 
@@ -148,6 +165,8 @@ class TurboModelRunner(PagedRunner):
     ``cpu_threads`` sizes the native kernels' thread pool (and torch's) on the CPU.
     ``quantization="int8"`` runs the layers' matrices as int8 in turbo's kernels (CPU:
     packed, float32 or bfloat16 activations; CUDA: any model dtype);
+    ``quantization="gguf"`` runs a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices as their
+    blocks in turbo's CPU block kernels (``llmctl_turbo.gguf_weights``).
     ``kv_cache_dtype="int8"`` keeps the KV cache as int8 with a float32 scale per token
     and KV head (the torch backend's bytes), read by those kernels too.
     """
@@ -191,9 +210,16 @@ class TurboModelRunner(PagedRunner):
             problem = int8_weights_problem(self.device.type, str(self.dtype).removeprefix("torch."))
             if problem:
                 raise ModelError(problem)
+        if quantization == "gguf":
+            problem = gguf_blocks_problem(self.device.type, str(self.dtype).removeprefix("torch."))
+            if problem:
+                raise ModelError(problem)
         if self.device.type == "cpu":
             ops.set_cpu_threads(self.cpu_threads)
-        weights = load_weights(model_dir, self.dtype, self.device)
+        if quantization == "gguf":
+            weights = load_gguf_weights(model_dir, self.dtype)
+        else:
+            weights = load_weights(model_dir, self.dtype, self.device)
         self.weights = prepare_weights(
             weights, config, pack=on_cpu_kernels, quantization=quantization
         )

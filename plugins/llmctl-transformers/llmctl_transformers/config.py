@@ -132,6 +132,11 @@ def refuse_lora(
 
 def refuse_quantization(value: str, options: Mapping[str, Any], hardware: Hardware) -> str | None:
     """quantization: this backend runs the checkpoint's weights as they are."""
+    if value == "gguf":
+        return (
+            "the transformers backend dequantizes a GGUF file's blocks at load: use "
+            "quantization none, or --backend turbo to run the blocks themselves"
+        )
     if value != "none":
         return (
             "the transformers backend does not quantize weights at load: use "

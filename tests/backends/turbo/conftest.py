@@ -18,7 +18,7 @@ def turbo_ops():
     return load_ops()
 
 
-ISAS = ["avx512", "avx2", "portable"]
+ISAS = ["avx512vnni", "avx512", "avx2", "portable"]
 
 
 @pytest.fixture(params=ISAS)

@@ -60,6 +60,21 @@ void check_linear_weight(const at::Tensor& w, WeightName name, const at::Tensor&
                          const at::Tensor& scale) {
   const bool int8 = w.scalar_type() == at::kChar;
   const bool scaled = scale.defined() && scale.numel() != 0;
+  if (w.scalar_type() == at::kByte) {  // GGUF blocks (pack_gguf_weight)
+    const int64_t panels = groups * ((features / groups + kPanelWidth - 1) / kPanelWidth);
+    const int64_t scale_bytes = kGgufScaleBytes;
+    const int64_t bytes = w.dim() == 3 ? w.size(2) : 0;
+    TORCH_CHECK(w.is_cpu() && like.is_cpu() && w.dim() == 3 && w.is_contiguous() &&
+                    w.size(0) == panels && w.size(1) * kGgufBlock == in_features &&
+                    (bytes == scale_bytes + kGgufBlock * kPanelWidth ||
+                     bytes == scale_bytes + kGgufBlock * kPanelWidth / 2),
+                name, " is uint8, so it must be GGUF blocks packed by pack_gguf_weight for ",
+                features, " outputs and ", in_features, " inputs in ", groups,
+                " group(s), on the CPU: [", panels, ", ", in_features / kGgufBlock,
+                ", block bytes], got ", w.sizes(), " on ", w.device());
+    TORCH_CHECK(!scaled, name, " is GGUF blocks: their scales are inside (pass none)");
+    return;
+  }
   TORCH_CHECK((int8 || w.scalar_type() == like.scalar_type()) && w.device() == like.device(),
               name, " is ", w.scalar_type(), " on ", w.device(), " but must be ",
               like.scalar_type(), " (or packed int8) on ", like.device());

@@ -6,6 +6,8 @@
 
 #include <ostream>
 
+#include "kernels.h"
+
 namespace turbo {
 
 // `t` is a tensor of dtype `dtype` with `dim` dimensions on `device_of`'s device.
@@ -30,10 +32,16 @@ std::ostream& operator<<(std::ostream& out, const WeightName& weight);
 // `like`'s (checked) dtype and device: the checkpoint's [out, in] matrix with contiguous rows, or
 // that matrix packed by pack_linear_weight (kernels.h) for the CPU kernels; or int8 with
 // `scale` its float32 scales: packed on the CPU, a contiguous [out, in] matrix on CUDA.
-// `scale` is empty (or undefined) for float weights.
+// `scale` is empty (or undefined) for float weights. Or GGUF blocks (uint8, CPU only)
+// packed by pack_gguf_weight, with no `scale`.
 void check_linear_weight(const at::Tensor& w, WeightName name, const at::Tensor& like,
                          int64_t in_features, int64_t features, int64_t groups,
                          const at::Tensor& scale);
+
+// A linear weight's input features: size(1), or blocks x 32 for GGUF blocks (uint8).
+inline int64_t linear_in_features(const at::Tensor& w) {
+  return w.scalar_type() == at::kByte ? w.size(1) * kGgufBlock : w.size(1);
+}
 
 // One KV-cache tensor of one layer: [num_blocks, block_size, num_kv_heads, head_dim], in
 // `like`'s dtype, or int8 with `scale` (check_cache_scale).

@@ -12,6 +12,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -58,9 +59,32 @@ struct AttentionShape {
 namespace avx512 {
 // 32 vector registers: an 8-row x 2-panel tile keeps 16 accumulators in registers.
 constexpr int kVectorWidth = 16, kTileRows = 8, kTilePanels = 2;
+constexpr bool kVnni = false;
 #include "cpu/row_kernels.h"
+#include "cpu/block_kernels.h"
 #include "cpu/tensor_kernels.h"
 }  // namespace avx512
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+// AVX-512 with VNNI (vpdpbusd): the same kernels, and the GGUF block kernels' integer dot
+// products (cpu/block_kernels.h). Never AMX: its tiles need the OS's permission.
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")
+#endif
+namespace avx512vnni {
+constexpr int kVectorWidth = 16, kTileRows = 8, kTilePanels = 2;
+constexpr bool kVnni = true;
+#include "cpu/row_kernels.h"
+#include "cpu/block_kernels.h"
+#include "cpu/tensor_kernels.h"
+}  // namespace avx512vnni
 #if defined(__clang__)
 #pragma clang attribute pop
 #else
@@ -76,7 +100,9 @@ constexpr int kVectorWidth = 16, kTileRows = 8, kTilePanels = 2;
 namespace avx2 {
 // 16 vector registers: a 6-row x 1-panel tile keeps 12 accumulators in registers.
 constexpr int kVectorWidth = 8, kTileRows = 6, kTilePanels = 1;
+constexpr bool kVnni = false;
 #include "cpu/row_kernels.h"
+#include "cpu/block_kernels.h"
 #include "cpu/tensor_kernels.h"
 }  // namespace avx2
 #if defined(__clang__)
@@ -89,13 +115,17 @@ constexpr int kVectorWidth = 8, kTileRows = 6, kTilePanels = 1;
 // Any CPU: the compiler's baseline (SSE2 on x86-64, NEON on aarch64).
 namespace portable {
 constexpr int kVectorWidth = 4, kTileRows = 2, kTilePanels = 1;
+constexpr bool kVnni = false;
 #include "cpu/row_kernels.h"
+#include "cpu/block_kernels.h"
 #include "cpu/tensor_kernels.h"
 }  // namespace portable
 
 #ifdef TURBO_CPU_X86
 #define TURBO_ON_ACTIVE_ISA(fn, ...)   \
   switch (active_isa()) {              \
+    case Isa::kAvx512Vnni:             \
+      return avx512vnni::fn(__VA_ARGS__); \
     case Isa::kAvx512:                 \
       return avx512::fn(__VA_ARGS__);  \
     case Isa::kAvx2:                   \
@@ -118,6 +148,119 @@ at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t groups) {
     panels.push_back(padded_group.view({padded / kPanelWidth, kPanelWidth, K}).transpose(1, 2));
   }
   return at::cat(panels).contiguous();
+}
+
+namespace {
+
+// One GGUF block of 32 weights (ggml's block_q8_0 / block_q4_0 / block_q4_1) as
+// w = d * q + c with unsigned q (cpu/block_kernels.h); d and c as fp16 bits, exactly
+// (the file's d and m are fp16; -8d and -128d only move the exponent).
+void decode_gguf_block(const uint8_t* block, int64_t ggml_type, uint16_t& d, uint16_t& c,
+                       uint8_t (&q)[kGgufBlock]) {
+  std::memcpy(&d, block, sizeof(d));
+  auto times = [&](float factor) {
+    const float value = static_cast<float>(c10::Half(d, c10::Half::from_bits())) * factor;
+    TORCH_CHECK(std::fabs(value) <= 65504.f, "a GGUF block's scale ", value / factor,
+                " is too large for turbo's block kernels (its offset overflows float16)");
+    return c10::Half(value).x;
+  };
+  if (ggml_type == kGgmlQ8_0) {  // fp16 d, int8 q[32]
+    c = times(-128.f);
+    for (int i = 0; i < kGgufBlock; ++i) {
+      q[i] = static_cast<uint8_t>(static_cast<int8_t>(block[2 + i]) + 128);
+    }
+    return;
+  }
+  // Q4_0: fp16 d, 16 bytes; Q4_1: fp16 d, fp16 m, 16 bytes. Byte i holds weight i in its
+  // low nibble and weight i + 16 in its high nibble.
+  const uint8_t* nibbles = block + (ggml_type == kGgmlQ4_1 ? 4 : 2);
+  if (ggml_type == kGgmlQ4_1) {
+    std::memcpy(&c, block + 2, sizeof(c));
+  } else {
+    c = times(-8.f);
+  }
+  for (int i = 0; i < kGgufBlock / 2; ++i) {
+    q[i] = nibbles[i] & 0x0F;
+    q[i + kGgufBlock / 2] = nibbles[i] >> 4;
+  }
+}
+
+}  // namespace
+
+int64_t gguf_block_bytes(int64_t ggml_type) {
+  switch (ggml_type) {
+    case kGgmlQ8_0:
+      return 34;
+    case kGgmlQ4_0:
+      return 18;
+    case kGgmlQ4_1:
+      return 20;
+  }
+  return 0;
+}
+
+at::Tensor pack_gguf_weight(const at::Tensor& raw, int64_t ggml_type, int64_t groups) {
+  const int bits = ggml_type == kGgmlQ8_0 ? 8 : 4;
+  const int64_t rows = raw.size(0) / groups, blocks = raw.size(1) / gguf_block_bytes(ggml_type);
+  const int64_t group_panels = (rows + kPanelWidth - 1) / kPanelWidth;
+  const int64_t out_block = kGgufScaleBytes + kGgufBlock * kPanelWidth * bits / 8;
+  // Zeros: the padding features of a last panel have d = c = 0, so they sum to 0.
+  at::Tensor packed = at::zeros({groups * group_panels, blocks, out_block}, raw.options());
+  const uint8_t* in = raw.data_ptr<uint8_t>();
+  uint8_t* out = packed.data_ptr<uint8_t>();
+  const int64_t row_bytes = raw.size(1);
+  for (int64_t group = 0; group < groups; ++group) {
+    for (int64_t row = 0; row < rows; ++row) {
+      const int64_t panel = group * group_panels + row / kPanelWidth;
+      const int f = static_cast<int>(row % kPanelWidth);
+      for (int64_t b = 0; b < blocks; ++b) {
+        uint16_t d, c;
+        uint8_t q[kGgufBlock];
+        decode_gguf_block(in + (group * rows + row) * row_bytes + b * gguf_block_bytes(ggml_type),
+                          ggml_type, d, c, q);
+        uint8_t* block = out + (panel * blocks + b) * out_block;
+        std::memcpy(block + f * sizeof(d), &d, sizeof(d));
+        std::memcpy(block + (kPanelWidth + f) * sizeof(c), &c, sizeof(c));
+        uint8_t* quants = block + kGgufScaleBytes;
+        for (int k = 0; k < kGgufBlock; ++k) {
+          const int g = k / 4, kk = k % 4;
+          if (bits == 8) {
+            quants[g * 64 + f * 4 + kk] = q[k];
+          } else {  // groups 0-3 in the low nibbles of chunks 0-3, groups 4-7 in the high
+            quants[(g & 3) * 64 + f * 4 + kk] |= static_cast<uint8_t>(q[k] << (g < 4 ? 0 : 4));
+          }
+        }
+      }
+    }
+  }
+  return packed;
+}
+
+void embedding_gguf(at::Tensor& out, const at::Tensor& raw, const at::Tensor& ids,
+                    int64_t ggml_type) {
+  const int64_t hidden = out.size(1), blocks = hidden / kGgufBlock;
+  const int64_t block_bytes = gguf_block_bytes(ggml_type), row_bytes = raw.size(1);
+  const uint8_t* table = raw.data_ptr<uint8_t>();
+  const int32_t* id = ids.data_ptr<int32_t>();
+  TURBO_DISPATCH_FLOAT_TYPES(out.scalar_type(), "embedding_gguf", [&] {
+    scalar_t* rows = out.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < ids.size(0); ++t) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        uint16_t d, c;
+        uint8_t q[kGgufBlock];
+        decode_gguf_block(table + id[t] * row_bytes + b * block_bytes, ggml_type, d, c, q);
+        const float df = static_cast<float>(c10::Half(d, c10::Half::from_bits()));
+        const float cf = static_cast<float>(c10::Half(c, c10::Half::from_bits()));
+        // As gguf.quants dequantizes: d * (q - zero), or Q4_1's d * q + m.
+        const int zero = ggml_type == kGgmlQ8_0 ? 128 : (ggml_type == kGgmlQ4_0 ? 8 : 0);
+        scalar_t* row = rows + t * out.stride(0) + b * kGgufBlock;
+        for (int k = 0; k < kGgufBlock; ++k) {
+          const float value = ggml_type == kGgmlQ4_1 ? df * q[k] + cf : df * (q[k] - zero);
+          row[k] = static_cast<scalar_t>(value);
+        }
+      }
+    }
+  });
 }
 
 void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,

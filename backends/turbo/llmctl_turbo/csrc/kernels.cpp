@@ -36,6 +36,26 @@ at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t groups) {
   return cpu::pack_linear_weight(weight, groups);
 }
 
+int64_t gguf_block_bytes(int64_t ggml_type) { return cpu::gguf_block_bytes(ggml_type); }
+
+at::Tensor pack_gguf_weight(const at::Tensor& raw, int64_t ggml_type, int64_t groups) {
+  return cpu::pack_gguf_weight(raw, ggml_type, groups);
+}
+
+int64_t gguf_row_type(int64_t row_bytes, int64_t features) {
+  if (features <= 0 || features % kGgufBlock != 0) return -1;
+  const int64_t blocks = features / kGgufBlock;
+  for (int64_t type : {kGgmlQ8_0, kGgmlQ4_0, kGgmlQ4_1}) {
+    if (row_bytes == blocks * gguf_block_bytes(type)) return type;
+  }
+  return -1;
+}
+
+void embedding_gguf(at::Tensor& out, const at::Tensor& raw, const at::Tensor& ids,
+                    int64_t ggml_type) {
+  cpu::embedding_gguf(out, raw, ids, ggml_type);
+}
+
 void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
             const at::Tensor& bias, const at::Tensor& scale) {
   if (weight.dim() == 3) {

@@ -43,6 +43,24 @@ namespace turbo {
 constexpr int64_t kPanelWidth = 16;
 at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t groups);
 
+// quantization=gguf: a packed weight may be GGUF blocks (Q8_0, Q4_0, Q4_1; ggml's type
+// ids below), repacked by pack_gguf_weight from the file's rows (`raw`: uint8 [N, row
+// bytes], K a multiple of 32) into uint8 [panels, K / 32, block bytes] (layout in
+// cpu/block_kernels.h), `groups` as for pack_linear_weight; no `scale`. CPU only.
+constexpr int64_t kGgmlQ4_0 = 2, kGgmlQ4_1 = 3, kGgmlQ8_0 = 8;
+constexpr int kGgufBlock = 32;  // weights per GGUF block
+// A packed block's scales: fp16 d[16] and c[16], one each per feature of the panel.
+constexpr int64_t kGgufScaleBytes = 2 * kPanelWidth * 2;
+int64_t gguf_block_bytes(int64_t ggml_type);  // 0 for a type turbo has no kernel for
+at::Tensor pack_gguf_weight(const at::Tensor& raw, int64_t ggml_type, int64_t groups);
+// The type of GGUF rows of `row_bytes` for `features` values (-1: none turbo reads).
+int64_t gguf_row_type(int64_t row_bytes, int64_t features);
+// out[t] = the dequantized row ids[t] of a GGUF file's rows `raw` (uint8 [vocab, row
+// bytes] of `ggml_type` blocks): the embedding lookup of quantization=gguf, so that the
+// table stays the file's bytes instead of a float copy. CPU only.
+void embedding_gguf(at::Tensor& out, const at::Tensor& raw, const at::Tensor& ids,
+                    int64_t ggml_type);
+
 // out [T, N] = x [T, K] @ (weight * scale)^T (+ bias [N]; an empty bias is none).
 void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
             const at::Tensor& bias, const at::Tensor& scale);
@@ -94,6 +112,10 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
 
 namespace cpu {
 at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t groups);
+int64_t gguf_block_bytes(int64_t ggml_type);
+at::Tensor pack_gguf_weight(const at::Tensor& raw, int64_t ggml_type, int64_t groups);
+void embedding_gguf(at::Tensor& out, const at::Tensor& raw, const at::Tensor& ids,
+                    int64_t ggml_type);
 void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
             const at::Tensor& bias, const at::Tensor& scale);
 void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,

@@ -14,7 +14,8 @@ namespace {
 
 // Checks that the prepared weights fit together, once per call (cheap: shapes only).
 void check_weights(at::TensorList weights, int64_t num_layers, int64_t hidden,
-                   int64_t qkv_width, int64_t attn_width, const at::Tensor& embed) {
+                   int64_t qkv_width, int64_t attn_width, int64_t vocab,
+                   const at::Tensor& like) {
   TORCH_CHECK(static_cast<int64_t>(weights.size()) == kHeadWeights + kLayerWeights * num_layers,
               "weights must hold ", kHeadWeights, " + ", kLayerWeights, " x ", num_layers,
               " layers = ", kHeadWeights + kLayerWeights * num_layers, " tensors, got ",
@@ -22,13 +23,14 @@ void check_weights(at::TensorList weights, int64_t num_layers, int64_t hidden,
   // Embeddings, norms and biases are in the model dtype; matrices may be packed int8,
   // with their scales (check_linear_weight).
   auto check_model_dtype = [&](const at::Tensor& w, WeightName name) {
-    TORCH_CHECK(w.scalar_type() == embed.scalar_type() && w.device() == embed.device(), name,
+    TORCH_CHECK(w.scalar_type() == like.scalar_type() && w.device() == like.device(), name,
                 " is ", w.scalar_type(), " on ", w.device(), "; it must be ",
-                embed.scalar_type(), " on ", embed.device(), " like embed_tokens");
+                like.scalar_type(), " on ", like.device(), " like the final norm");
   };
-  check_model_dtype(weights[1], {"weights[1] (final norm)"});
+  check_model_dtype(weights[0].scalar_type() == at::kByte ? like : weights[0],
+                    {"weights[0] (embed_tokens)"});
   const at::Tensor none;
-  check_linear_weight(weights[2], {"weights[2] (lm_head)"}, embed, hidden, embed.size(0), 1,
+  check_linear_weight(weights[2], {"weights[2] (lm_head)"}, like, hidden, vocab, 1,
                       none);
   for (int64_t l = 0; l < num_layers; ++l) {
     const at::Tensor* w = weights.data() + kHeadWeights + kLayerWeights * l;
@@ -38,11 +40,11 @@ void check_weights(at::TensorList weights, int64_t num_layers, int64_t hidden,
     check_model_dtype(w[5], {"post-attention norm", l});
     TORCH_CHECK(w[7].dim() >= 2, "layer ", l, ": down must be [", hidden,
                 ", intermediate] or packed, got shape ", w[7].sizes());
-    const int64_t intermediate = w[7].size(1);  // down's input features
-    check_linear_weight(w[1], {"qkv", l}, embed, hidden, qkv_width, 1, w[8]);
-    check_linear_weight(w[3], {"o_proj", l}, embed, attn_width, hidden, 1, w[9]);
-    check_linear_weight(w[6], {"gate_up", l}, embed, hidden, 2 * intermediate, 2, w[10]);
-    check_linear_weight(w[7], {"down", l}, embed, intermediate, hidden, 1, w[11]);
+    const int64_t intermediate = linear_in_features(w[7]);  // down's input features
+    check_linear_weight(w[1], {"qkv", l}, like, hidden, qkv_width, 1, w[8]);
+    check_linear_weight(w[3], {"o_proj", l}, like, attn_width, hidden, 1, w[9]);
+    check_linear_weight(w[6], {"gate_up", l}, like, hidden, 2 * intermediate, 2, w[10]);
+    check_linear_weight(w[7], {"down", l}, like, intermediate, hidden, 1, w[11]);
   }
 }
 
@@ -62,48 +64,68 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
               "kv_cache must be a contiguous [layers, 2, num_blocks, block_size, kv_heads, "
               "head_dim] tensor, got shape ", kv_cache.sizes());
   TORCH_CHECK(!weights.empty(), "weights is empty");
+  // The final norm is in the model dtype; the embedding table is too, or a GGUF file's
+  // rows (uint8, quantization=gguf: kernels.h's embedding_gguf reads them).
+  TORCH_CHECK(weights.size() > 1, "weights holds ", weights.size(), " tensors");
   const at::Tensor& embed = weights[0];
+  const at::Tensor& like = weights[1];
   const int64_t num_layers = kv_cache.size(0);
   const int64_t num_blocks = kv_cache.size(2), block_size = kv_cache.size(3);
   const int64_t num_kv_heads = kv_cache.size(4), head_dim = kv_cache.size(5);
-  const int64_t hidden = embed.size(1);
+  check_float_type(like, "weights[1] (final norm)");
+  TORCH_CHECK(like.dim() == 1, "weights[1] (final norm) must be [hidden], got ", like.sizes());
+  const int64_t hidden = like.size(0);
+  const int64_t vocab = embed.size(0);
   const int64_t num_tokens = input_ids.size(0), num_seqs = context_lens.size(0);
   TORCH_CHECK(num_heads > 0 && num_heads % num_kv_heads == 0, "num_heads (", num_heads,
               ") must be a positive multiple of the cache's kv heads (", num_kv_heads, ")");
   const int64_t q_width = num_heads * head_dim, kv_width = num_kv_heads * head_dim;
   const int64_t qkv_width = q_width + 2 * kv_width;
 
-  check_float_type(embed, "weights[0] (embed_tokens)");
-  TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous(),
-              "weights[0] (embed_tokens) must be a contiguous [vocab, hidden] tensor");
-  check_tensor(input_ids, "input_ids", at::kInt, 1, embed);
-  check_tensor(positions, "positions", at::kInt, 1, embed);
-  check_tensor(slot_mapping, "slot_mapping", at::kInt, 1, embed);
-  check_tensor(block_tables, "block_tables", at::kInt, 2, embed);
-  check_tensor(query_start_loc, "query_start_loc", at::kInt, 1, embed);
-  check_tensor(context_lens, "context_lens", at::kInt, 1, embed);
+  if (embed.scalar_type() == at::kByte) {
+    TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous() && embed.is_cpu() &&
+                    hidden % kGgufBlock == 0 &&
+                    gguf_block_bytes(gguf_row_type(embed.size(1), hidden)) != 0,
+                "weights[0] (embed_tokens) is uint8, so it must be a GGUF file's contiguous "
+                "[vocab, row bytes] rows of Q8_0, Q4_0 or Q4_1 blocks for ", hidden,
+                " features, on the CPU; got ", embed.sizes(), " on ", embed.device());
+  } else {  // its dtype: check_weights
+    TORCH_CHECK(embed.dim() == 2 && embed.is_contiguous() && embed.size(1) == hidden,
+                "weights[0] (embed_tokens) must be a contiguous [vocab, ", hidden, "] tensor, "
+                "got ", embed.sizes());
+  }
+  check_tensor(input_ids, "input_ids", at::kInt, 1, like);
+  check_tensor(positions, "positions", at::kInt, 1, like);
+  check_tensor(slot_mapping, "slot_mapping", at::kInt, 1, like);
+  check_tensor(block_tables, "block_tables", at::kInt, 2, like);
+  check_tensor(query_start_loc, "query_start_loc", at::kInt, 1, like);
+  check_tensor(context_lens, "context_lens", at::kInt, 1, like);
   const bool int8_cache = kv_cache.scalar_type() == at::kChar;
-  check_tensor(kv_cache, "kv_cache", int8_cache ? at::kChar : embed.scalar_type(), 6, embed);
+  check_tensor(kv_cache, "kv_cache", int8_cache ? at::kChar : like.scalar_type(), 6, like);
   const at::Tensor kv_scale = kv_cache_scale.has_value() ? *kv_cache_scale : at::Tensor();
   check_cache_scale(kv_cache, kv_scale, "kv_cache");
-  check_tensor(cos_sin_cache, "cos_sin_cache", at::kFloat, 2, embed);
+  check_tensor(cos_sin_cache, "cos_sin_cache", at::kFloat, 2, like);
   TORCH_CHECK(positions.size(0) == num_tokens && slot_mapping.size(0) == num_tokens,
               "input_ids, positions and slot_mapping must all have one entry per token");
   TORCH_CHECK(cos_sin_cache.size(1) == head_dim && cos_sin_cache.is_contiguous(),
               "cos_sin_cache must be a contiguous [max_positions, ", head_dim, "] tensor");
-  check_weights(weights, num_layers, hidden, qkv_width, q_width, embed);
+  check_weights(weights, num_layers, hidden, qkv_width, q_width, vocab, like);
   check_batch(block_tables, query_start_loc, context_lens, num_tokens, num_blocks, block_size);
   check_slots(slot_mapping, num_blocks * block_size);
   check_positions(positions, cos_sin_cache.size(0));
-  check_token_ids(input_ids, embed.size(0));
+  check_token_ids(input_ids, vocab);
 
-  const int64_t intermediate = weights[kHeadWeights + 7].size(1);
+  const int64_t intermediate = linear_in_features(weights[kHeadWeights + 7]);
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
-  const auto options = embed.options();
+  const auto options = like.options();
 
   // The step's buffers, reused by every layer. The residual stream starts as embeddings.
   at::Tensor residual = at::empty({num_tokens, hidden}, options);
-  embedding(residual, embed, input_ids);
+  if (embed.scalar_type() == at::kByte) {
+    embedding_gguf(residual, embed, input_ids, gguf_row_type(embed.size(1), hidden));
+  } else {
+    embedding(residual, embed, input_ids);
+  }
   at::Tensor normed = at::empty({num_tokens, hidden}, options);
   at::Tensor projected = at::empty({num_tokens, hidden}, options);
   at::Tensor qkv = at::empty({num_tokens, qkv_width}, options);
@@ -149,7 +171,7 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
   // last new token (all tokens when every one decodes).
   at::Tensor last_rows;
   if (logits_indices.has_value()) {
-    check_tensor(*logits_indices, "logits_indices", at::kInt, 1, embed);
+    check_tensor(*logits_indices, "logits_indices", at::kInt, 1, like);
     check_token_indices(*logits_indices, num_tokens);
     last_rows = at::index_select(normed, 0, *logits_indices);
   } else {
@@ -157,7 +179,7 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
                     ? normed
                     : at::index_select(normed, 0, query_start_loc.narrow(0, 1, num_seqs).sub(1));
   }
-  at::Tensor logits = at::empty({last_rows.size(0), embed.size(0)}, options);
+  at::Tensor logits = at::empty({last_rows.size(0), vocab}, options);
   linear(logits, last_rows, weights[2], no_bias, no_bias);  // the LM head: never int8
   return logits.scalar_type() == at::kFloat ? logits : logits.to(at::kFloat);
 }

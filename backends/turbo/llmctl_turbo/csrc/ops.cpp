@@ -98,6 +98,20 @@ at::Tensor pack_linear_weight_op(const at::Tensor& weight, int64_t groups) {
   return pack_linear_weight(weight, groups);
 }
 
+at::Tensor pack_gguf_weight_op(const at::Tensor& raw, int64_t ggml_type, int64_t groups) {
+  const int64_t block = gguf_block_bytes(ggml_type);
+  TORCH_CHECK(block != 0, "pack_gguf_weight packs GGML types ", kGgmlQ8_0, " (Q8_0), ",
+              kGgmlQ4_0, " (Q4_0) and ", kGgmlQ4_1, " (Q4_1), got type ", ggml_type);
+  TORCH_CHECK(raw.dim() == 2 && raw.is_cpu() && raw.scalar_type() == at::kByte &&
+                  raw.is_contiguous() && raw.size(1) % block == 0,
+              "pack_gguf_weight packs a GGUF tensor's rows: a contiguous uint8 [out, row "
+              "bytes] tensor on the CPU, row bytes a multiple of ", block, ", got ",
+              raw.scalar_type(), " ", raw.sizes(), " on ", raw.device());
+  TORCH_CHECK(groups >= 1 && raw.size(0) % groups == 0, "groups (", groups,
+              ") must divide the ", raw.size(0), " rows of raw");
+  return pack_gguf_weight(raw, ggml_type, groups);
+}
+
 // No scale: float weights or a float KV cache; int8 ones need their scales (kernels.h).
 at::Tensor scale_or_empty(const std::optional<at::Tensor>& scale) {
   return scale.has_value() ? *scale : at::Tensor();
@@ -230,6 +244,7 @@ void paged_decode_attention_op(at::Tensor out, const at::Tensor& q, const at::Te
 
 TORCH_LIBRARY(llmctl_turbo, m) {
   m.def("pack_linear_weight(Tensor weight, int groups=1) -> Tensor");
+  m.def("pack_gguf_weight(Tensor raw, int ggml_type, int groups=1) -> Tensor");
   m.def("linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor bias, "
         "Tensor? weight_scale=None) -> ()");
   m.def("linear_silu_mul(Tensor(a!) out, Tensor x, Tensor gate_up, "
@@ -272,6 +287,7 @@ TORCH_LIBRARY(llmctl_turbo, m) {
 // The same checked entry points serve CPU and CUDA tensors: kernels.h picks the device.
 #define TURBO_REGISTER_OPS(m)                                    \
   m.impl("pack_linear_weight", &pack_linear_weight_op);          \
+  m.impl("pack_gguf_weight", &pack_gguf_weight_op);              \
   m.impl("linear", &linear_op);                                  \
   m.impl("linear_silu_mul", &linear_silu_mul_op);                \
   m.impl("rms_norm", &rms_norm_op);                              \

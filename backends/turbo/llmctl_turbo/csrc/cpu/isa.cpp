@@ -10,6 +10,8 @@ namespace {
 bool supported(Isa isa) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   switch (isa) {
+    case Isa::kAvx512Vnni:
+      return supported(Isa::kAvx512) && __builtin_cpu_supports("avx512vnni");
     case Isa::kAvx512:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
@@ -27,7 +29,7 @@ bool supported(Isa isa) {
 }
 
 Isa best_isa() {
-  for (Isa isa : {Isa::kAvx512, Isa::kAvx2}) {
+  for (Isa isa : {Isa::kAvx512Vnni, Isa::kAvx512, Isa::kAvx2}) {
     if (supported(isa)) return isa;
   }
   return Isa::kPortable;
@@ -44,6 +46,8 @@ Isa active_isa() { return selected().load(std::memory_order_relaxed); }
 
 const char* isa_name(Isa isa) {
   switch (isa) {
+    case Isa::kAvx512Vnni:
+      return "avx512vnni";
     case Isa::kAvx512:
       return "avx512";
     case Isa::kAvx2:
@@ -55,7 +59,7 @@ const char* isa_name(Isa isa) {
 }
 
 void set_isa(const std::string& name) {
-  for (Isa isa : {Isa::kAvx512, Isa::kAvx2, Isa::kPortable}) {
+  for (Isa isa : {Isa::kAvx512Vnni, Isa::kAvx512, Isa::kAvx2, Isa::kPortable}) {
     if (name == isa_name(isa)) {
       TORCH_CHECK(supported(isa), "this CPU does not support ", name, "; the best it supports "
                   "is ", isa_name(best_isa()));
@@ -63,7 +67,7 @@ void set_isa(const std::string& name) {
       return;
     }
   }
-  TORCH_CHECK(false, "unknown instruction set '", name, "': use avx512, avx2 or portable");
+  TORCH_CHECK(false, "unknown instruction set '", name, "': use avx512vnni, avx512, avx2 or portable");
 }
 
 }  // namespace turbo::cpu

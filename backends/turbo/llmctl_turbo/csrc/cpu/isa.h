@@ -10,12 +10,13 @@
 
 namespace turbo::cpu {
 
-enum class Isa { kPortable, kAvx2, kAvx512 };
+// kAvx512Vnni: AVX-512 with its 8-bit dot products (the GGUF block kernels use them).
+enum class Isa { kPortable, kAvx2, kAvx512, kAvx512Vnni };
 
 // The instruction set the kernels use now (default: the best this CPU supports).
 Isa active_isa();
 const char* isa_name(Isa isa);
-// Selects one by name ("avx512", "avx2", "portable"); refuses one this CPU lacks.
+// Selects one by name ("avx512vnni", "avx512", "avx2", "portable"); refuses one this CPU lacks.
 void set_isa(const std::string& name);
 
 }  // namespace turbo::cpu

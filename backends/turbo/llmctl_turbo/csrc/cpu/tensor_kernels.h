@@ -25,14 +25,31 @@ inline const float* float_rows(const at::Tensor& x, int64_t& stride) {
   return converted;
 }
 
-// The packed weight is the activations' type, or int8 with float32 scales (else empty).
+// A GGUF block weight (uint8, block_kernels.h): its quants' width from its block size.
+inline int block_bits(const at::Tensor& packed) {
+  return packed.size(2) == quant_block_bytes(8) ? 8 : 4;
+}
+
+// The packed weight is the activations' type, int8 with float32 scales (else empty), or
+// GGUF blocks (uint8, no scales: they are inside the blocks).
 void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
             const at::Tensor& bias, const at::Tensor& scale) {
   int64_t x_stride;
   const float* xf = float_rows(x, x_stride);
   TURBO_DISPATCH_LINEAR_TYPES(out.scalar_type(), "linear", [&] {
     const scalar_t* b = bias.numel() ? bias.data_ptr<scalar_t>() : nullptr;
-    if (packed.scalar_type() == at::kChar) {
+    if (packed.scalar_type() == at::kByte) {
+      const auto run = [&](auto bits) {
+        block_linear_rows<decltype(bits)::value, scalar_t>(
+            out.data_ptr<scalar_t>(), out.stride(0), xf, x_stride, x.size(0), x.size(1),
+            packed.data_ptr<uint8_t>(), out.size(1), b);
+      };
+      if (block_bits(packed) == 8) {
+        run(std::integral_constant<int, 8>{});
+      } else {
+        run(std::integral_constant<int, 4>{});
+      }
+    } else if (packed.scalar_type() == at::kChar) {
       linear_rows<int8_t, scalar_t>(out.data_ptr<scalar_t>(), out.stride(0), xf, x_stride,
                                     x.size(0), x.size(1), packed.data_ptr<int8_t>(),
                                     out.size(1), b, scale.data_ptr<float>());
@@ -49,7 +66,18 @@ void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
   int64_t x_stride;
   const float* xf = float_rows(x, x_stride);
   TURBO_DISPATCH_LINEAR_TYPES(out.scalar_type(), "linear_silu_mul", [&] {
-    if (packed.scalar_type() == at::kChar) {
+    if (packed.scalar_type() == at::kByte) {
+      const auto run = [&](auto bits) {
+        block_linear_silu_mul_rows<decltype(bits)::value, scalar_t>(
+            out.data_ptr<scalar_t>(), out.stride(0), xf, x_stride, x.size(0), x.size(1),
+            packed.data_ptr<uint8_t>(), out.size(1));
+      };
+      if (block_bits(packed) == 8) {
+        run(std::integral_constant<int, 8>{});
+      } else {
+        run(std::integral_constant<int, 4>{});
+      }
+    } else if (packed.scalar_type() == at::kChar) {
       linear_silu_mul_rows<int8_t, scalar_t>(out.data_ptr<scalar_t>(), out.stride(0), xf,
                                              x_stride, x.size(0), x.size(1),
                                              packed.data_ptr<int8_t>(), out.size(1),

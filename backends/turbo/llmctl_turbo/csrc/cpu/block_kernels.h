@@ -1,0 +1,368 @@
+// GGUF block-quantized linear layers (quantization=gguf), compiled once per instruction
+// set like row_kernels.h (included after it, in the same namespaces; kVnni is true only in
+// the avx512vnni one).
+//
+// Weights: Q8_0, Q4_0 and Q4_1 blocks, repacked at load by pack_gguf_weight
+// (cpu_kernels.cpp) into panels of kPanelWidth = 16 output features. Every format becomes
+// one form, per block of 32 inputs and per feature: w = d * q + c, with q an UNSIGNED
+// integer (so that one VNNI instruction, unsigned x signed bytes, multiplies it):
+//   Q8_0: q = q8 + 128, c = -128 d;   Q4_0: q = nibble, c = -8 d;   Q4_1: q = nibble, c = m.
+// Packed layout: uint8 [panels][K / 32 blocks][block bytes]; one block of one panel is
+//   fp16 d[16], fp16 c[16]                         64 bytes
+//   8-bit: uint8 q[8 groups][16 features][4]       512 bytes (group g: inputs 4g .. 4g+3)
+//   4-bit: uint8 q[4 chunks][16 features][4]       256 bytes (chunk j: low nibbles are
+//                                                   group j, high nibbles group j + 4)
+// so one 64-byte load holds 4 inputs of each of the 16 features, and vpdpbusd against 4
+// broadcast activation bytes sums each feature's 4 products into its own int32 lane: no
+// horizontal sums, and a panel's blocks stream from memory in order. d and c are fp16, as
+// in the file (exact: -8d and -128d only shift the exponent), so a packed Q4_1 matrix
+// takes the file's 5 bits per weight, Q8_0 9 (the file: 8.5).
+//
+// Activations are quantized per block of 32 to int8, as llama.cpp does:
+//   dx = max|x| / 127, xq = round(x * (1 / dx)), sx = dx * sum(xq), and then
+//   x . w over a block = d * dx * sum(q * xq) + c * sx,
+// the integer sum exact in int32. That is llama.cpp's choice over dequantizing weights to
+// float in registers: 64 multiply-adds per instruction instead of 16, and no int-to-float
+// conversion per weight (measured in docs/benchmarks.md against turbo's int8 kernel, which
+// converts in registers). Its cost is the activations' 8-bit rounding, as in llama.cpp.
+
+constexpr int64_t kQuantBlock = 32;                                     // inputs per block
+constexpr int64_t kBlockScaleBytes = kGgufScaleBytes;  // fp16 d[16], c[16]
+
+constexpr int64_t quant_block_bytes(int bits) {
+  return kBlockScaleBytes + kQuantBlock * kPanelWidth * bits / 8;
+}
+
+// x's rows quantized per 32-block: q [M][K] int8, dx and sx [M][K / 32].
+struct QuantizedRows {
+  const int8_t* q;
+  const float* dx;
+  const float* sx;
+  int64_t K, blocks;
+};
+
+inline QuantizedRows quantize_activations(const float* x, int64_t x_stride, int64_t M,
+                                          int64_t K) {
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> scales;
+  const int64_t blocks = K / kQuantBlock;
+  q.resize(M * K);
+  scales.resize(2 * M * blocks);
+  int8_t* qs = q.data();
+  float* dx = scales.data();
+  float* sx = dx + M * blocks;
+  parallel_for(0, M, grain_for(4 * K), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float* xb = x + r * x_stride + b * kQuantBlock;
+        float amax = 0.f;
+        for (int i = 0; i < kQuantBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
+        const float d = amax / 127.f;
+        const float inverse = d > 0.f ? 1.f / d : 0.f;
+        int8_t* qb = qs + r * K + b * kQuantBlock;
+        int32_t sum = 0;
+        for (int i = 0; i < kQuantBlock; ++i) {
+          qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * inverse));
+          sum += qb[i];
+        }
+        dx[r * blocks + b] = d;
+        sx[r * blocks + b] = d * static_cast<float>(sum);
+      }
+    }
+  });
+  return {qs, dx, sx, K, blocks};
+}
+
+// The 4 weight bytes of feature f, inputs 4g .. 4g+3, of one packed block's quants.
+template <int Bits>
+inline uint8_t block_quant(const uint8_t* q, int g, int f, int kk) {
+  if constexpr (Bits == 8) {
+    return q[g * 64 + f * 4 + kk];
+  } else {
+    const uint8_t byte = q[(g & 3) * 64 + f * 4 + kk];
+    return g < 4 ? byte & 0x0F : byte >> 4;
+  }
+}
+
+#ifdef TURBO_CPU_X86
+// The x86 vector operations of the block tile, on V::kLanes features at a time (16 in a
+// zmm, 8 in a ymm: AVX2 runs a panel as two halves). dot4(acc, w, x) adds, per int32
+// lane, the 4 products of w's unsigned bytes with x's 4 signed bytes: one vpdpbusd with
+// VNNI; else vpmaddubsw + vpmaddwd, whose 16-bit pair sums saturate above 32767, so 8-bit
+// weights go as two nibble halves (the high one weighted 16 by vpmaddwd itself).
+template <int Lanes>
+struct BlockOps;
+
+template <>
+struct BlockOps<16> {
+  static constexpr int kLanes = 16;
+  using I = __m512i;
+  using F = __m512;
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I zero() { return _mm512_setzero_si512(); }
+  static I broadcast(int32_t v) { return _mm512_set1_epi32(v); }
+  static I nibbles(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+  static I high_nibbles(I v) { return nibbles(_mm512_srli_epi16(v, 4)); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  template <int Bits>
+  static I dot4(I acc, I w, I x) {
+    if constexpr (kVnni) {
+      return _mm512_dpbusd_epi32(acc, w, x);
+    } else if constexpr (Bits == 4) {
+      return add(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+    } else {
+      const I low = _mm512_madd_epi16(_mm512_maddubs_epi16(nibbles(w), x), _mm512_set1_epi16(1));
+      const I high = _mm512_madd_epi16(_mm512_maddubs_epi16(high_nibbles(w), x),
+                                       _mm512_set1_epi16(16));
+      return add(acc, add(low, high));
+    }
+  }
+  static F load_halves(const uint8_t* p) {  // 16 fp16 values
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static F zerof() { return _mm512_setzero_ps(); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F tofloat(I v) { return _mm512_cvtepi32_ps(v); }
+  static F broadcastf(float v) { return _mm512_set1_ps(v); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+
+template <>
+struct BlockOps<8> {
+  static constexpr int kLanes = 8;
+  using I = __m256i;
+  using F = __m256;
+  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const I*>(p)); }
+  static I zero() { return _mm256_setzero_si256(); }
+  static I broadcast(int32_t v) { return _mm256_set1_epi32(v); }
+  static I nibbles(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+  static I high_nibbles(I v) { return nibbles(_mm256_srli_epi16(v, 4)); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
+  template <int Bits>
+  static I dot4(I acc, I w, I x) {
+    if constexpr (Bits == 4) {
+      return add(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+    } else {
+      const I low = _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles(w), x), _mm256_set1_epi16(1));
+      const I high = _mm256_madd_epi16(_mm256_maddubs_epi16(high_nibbles(w), x),
+                                       _mm256_set1_epi16(16));
+      return add(acc, add(low, high));
+    }
+  }
+  static F load_halves(const uint8_t* p) {  // 8 fp16 values
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static F zerof() { return _mm256_setzero_ps(); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F tofloat(I v) { return _mm256_cvtepi32_ps(v); }
+  static F broadcastf(float v) { return _mm256_set1_ps(v); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
+
+// Features [lane0, lane0 + V::kLanes) of one panel against MR rows: sums[r][lane0 + ..].
+template <typename V, int MR, int Bits>
+inline void block_tile_x86(const QuantizedRows& x, int64_t m0, const uint8_t* panel, int lane0,
+                           float (&sums)[MR][kPanelWidth]) {
+  constexpr int64_t kBytes = quant_block_bytes(Bits);
+  // Several integer accumulators per row when there are few rows (decode): each dot4
+  // waits for the previous one into the same register.
+  constexpr int kChains = MR >= 4 ? 1 : (MR >= 2 ? 2 : 4);
+  typename V::F acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = V::zerof();
+  const int byte0 = lane0 * 4;  // this half's features in each 64-byte group
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    const uint8_t* block = panel + b * kBytes;
+    const typename V::F d = V::load_halves(block + lane0 * 2);
+    const typename V::F c = V::load_halves(block + (kPanelWidth + lane0) * 2);
+    const uint8_t* q = block + kBlockScaleBytes + byte0;
+    typename V::I isum[kChains][MR];
+    for (int h = 0; h < kChains; ++h) {
+      for (int r = 0; r < MR; ++r) isum[h][r] = V::zero();
+    }
+    auto multiply = [&](int g, typename V::I w) __attribute__((always_inline)) {
+      for (int r = 0; r < MR; ++r) {
+        int32_t four;
+        __builtin_memcpy(&four, x.q + (m0 + r) * x.K + b * kQuantBlock + 4 * g, 4);
+        isum[g % kChains][r] = V::template dot4<Bits>(isum[g % kChains][r], w, V::broadcast(four));
+      }
+    };
+    if constexpr (Bits == 8) {
+      for (int g = 0; g < 8; ++g) multiply(g, V::load(q + g * 64));
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        const typename V::I raw = V::load(q + j * 64);
+        multiply(j, V::nibbles(raw));
+        multiply(j + 4, V::high_nibbles(raw));
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      typename V::I total = isum[0][r];
+      for (int h = 1; h < kChains; ++h) total = V::add(total, isum[h][r]);
+      const int64_t at = (m0 + r) * x.blocks + b;
+      acc[r] = V::fma(V::tofloat(total), V::mul(d, V::broadcastf(x.dx[at])), acc[r]);
+      acc[r] = V::fma(c, V::broadcastf(x.sx[at]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) V::store(sums[r] + lane0, acc[r]);
+}
+
+// A panel's 16 features, V::kLanes at a time.
+template <int Lanes, int MR, int Bits>
+inline void block_tile_lanes(const QuantizedRows& x, int64_t m0, const uint8_t* panel,
+                             float (&sums)[MR][kPanelWidth]) {
+  for (int lane0 = 0; lane0 < kPanelWidth; lane0 += Lanes) {
+    block_tile_x86<BlockOps<Lanes>, MR, Bits>(x, m0, panel, lane0, sums);
+  }
+}
+#endif
+
+// sums[r][f] = x[m0 + r] . w[f] for the 16 features of one panel, MR rows.
+template <int MR, int Bits>
+inline void block_tile(const QuantizedRows& x, int64_t m0, const uint8_t* panel,
+                       float (&sums)[MR][kPanelWidth]) {
+#ifdef TURBO_CPU_X86
+  if constexpr (kVectorWidth >= 8) {  // AVX2 and AVX-512 (with or without VNNI)
+    block_tile_lanes<kVectorWidth, MR, Bits>(x, m0, panel, sums);
+    return;
+  }
+#endif
+  // Portable form of the same sums, for any CPU (the baseline build).
+  constexpr int64_t kBytes = quant_block_bytes(Bits);
+  for (int r = 0; r < MR; ++r) {
+    for (int f = 0; f < kPanelWidth; ++f) sums[r][f] = 0.f;
+  }
+  for (int64_t b = 0; b < x.blocks; ++b) {
+    const uint8_t* block = panel + b * kBytes;
+    float d[kPanelWidth], c[kPanelWidth];
+    for (int f = 0; f < kPanelWidth; ++f) {
+      uint16_t bits[2];
+      __builtin_memcpy(&bits[0], block + 2 * f, 2);
+      __builtin_memcpy(&bits[1], block + 2 * (kPanelWidth + f), 2);
+      d[f] = static_cast<float>(c10::Half(bits[0], c10::Half::from_bits()));
+      c[f] = static_cast<float>(c10::Half(bits[1], c10::Half::from_bits()));
+    }
+    const uint8_t* q = block + kBlockScaleBytes;
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* xq = x.q + (m0 + r) * x.K + b * kQuantBlock;
+      int32_t isum[kPanelWidth] = {};
+      for (int g = 0; g < 8; ++g) {
+        for (int kk = 0; kk < 4; ++kk) {
+          const int32_t xv = xq[4 * g + kk];
+          for (int f = 0; f < kPanelWidth; ++f) isum[f] += block_quant<Bits>(q, g, f, kk) * xv;
+        }
+      }
+      const int64_t at = (m0 + r) * x.blocks + b;
+      const float dx = x.dx[at], sx = x.sx[at];
+      for (int f = 0; f < kPanelWidth; ++f) {
+        sums[r][f] += static_cast<float>(isum[f]) * (d[f] * dx);
+        sums[r][f] += c[f] * sx;
+      }
+    }
+  }
+}
+
+// Rows per block tile: 8 fill AVX-512's registers (8 float + 8 int accumulators).
+constexpr int kBlockTileRows = kVectorWidth == 16 ? 8 : 4;
+
+// Every row of x against one panel, kBlockTileRows at a time (then fewer):
+// store(m, sums) per row.
+template <int MR, int Bits, typename Store>
+inline void block_rows(const QuantizedRows& x, int64_t m_begin, int64_t m_end,
+                       const uint8_t* panel, const Store& store) {
+  int64_t m = m_begin;
+  for (; m + MR <= m_end; m += MR) {
+    float sums[MR][kPanelWidth];
+    block_tile<MR, Bits>(x, m, panel, sums);
+    for (int r = 0; r < MR; ++r) store(m + r, sums[r]);
+  }
+  if constexpr (MR > 1) {
+    if (m < m_end) block_rows<MR - 1, Bits>(x, m, m_end, panel, store);
+  }
+}
+
+// Panels per parallel chunk: a few microseconds of work each (streaming ~20 bytes/ns).
+inline int64_t block_panels_grain(int64_t panel_bytes, int64_t M) {
+  const double ns = static_cast<double>(panel_bytes) * (1 + M / 4) / 20;
+  return std::max<int64_t>(1, static_cast<int64_t>(8000 / ns));
+}
+
+// fn(panel, m, sums) for each panel in [0, num_panels) and row m of x, in parallel over
+// panels; the rows in blocks whose quantized activations stay in L2.
+template <int Bits, typename Fn>
+inline void for_block_panels(const QuantizedRows& x, int64_t M, const uint8_t* packed,
+                             int64_t num_panels, int64_t panel_stride, const Fn& fn) {
+  const int64_t row_block = std::max<int64_t>(64, (256 * 1024) / std::max<int64_t>(1, x.K));
+  parallel_for(0, num_panels, block_panels_grain(panel_stride, M),
+               [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += row_block) {
+      const int64_t m1 = std::min(M, m0 + row_block);
+      for (int64_t p = begin; p < end; ++p) {
+        block_rows<kBlockTileRows, Bits>(x, m0, m1, packed + p * panel_stride,
+                                         [&](int64_t m, const float(&sums)[kPanelWidth]) {
+                                           fn(p, m, sums);
+                                         });
+      }
+    }
+  });
+}
+
+// out[m, n] = x[m] . w[n] (+ bias[n]) for n < N; K a multiple of 32.
+template <int Bits, typename Out>
+void block_linear_rows(Out* out, int64_t out_stride, const float* x, int64_t x_stride,
+                       int64_t M, int64_t K, const uint8_t* packed, int64_t N,
+                       const Out* bias) {
+  const QuantizedRows xq = quantize_activations(x, x_stride, M, K);
+  const int64_t panel_stride = (K / kQuantBlock) * quant_block_bytes(Bits);
+  const int64_t num_panels = (N + kPanelWidth - 1) / kPanelWidth;
+  for_block_panels<Bits>(xq, M, packed, num_panels, panel_stride,
+                         [&](int64_t p, int64_t m, const float(&sums)[kPanelWidth]) {
+    const int64_t n0 = p * kPanelWidth;
+    const int64_t count = std::min<int64_t>(kPanelWidth, N - n0);
+    Out* o = out + m * out_stride + n0;
+    for (int64_t c = 0; c < count; ++c) {
+      o[c] = round_to<Out>(bias ? sums[c] + static_cast<float>(bias[n0 + c]) : sums[c]);
+    }
+  });
+}
+
+// out[m, j] = silu(x[m] . gate[j]) * (x[m] . up[j]) for j < I, gate_up packed in two
+// groups (gate's panels, then up's), as linear_silu_mul_rows.
+template <int Bits, typename Out>
+void block_linear_silu_mul_rows(Out* out, int64_t out_stride, const float* x,
+                                int64_t x_stride, int64_t M, int64_t K, const uint8_t* packed,
+                                int64_t I) {
+  const QuantizedRows xq = quantize_activations(x, x_stride, M, K);
+  const int64_t panel_stride = (K / kQuantBlock) * quant_block_bytes(Bits);
+  const int64_t group_panels = (I + kPanelWidth - 1) / kPanelWidth;
+  const int64_t row_block = std::max<int64_t>(64, (256 * 1024) / std::max<int64_t>(1, K));
+  parallel_for(0, group_panels, block_panels_grain(2 * panel_stride, M),
+               [&](int64_t begin, int64_t end) {
+    std::vector<float> gate(std::min(M, row_block) * kPanelWidth);
+    for (int64_t m0 = 0; m0 < M; m0 += row_block) {
+      const int64_t m1 = std::min(M, m0 + row_block);
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t j0 = p * kPanelWidth;
+        const int64_t count = std::min<int64_t>(kPanelWidth, I - j0);
+        block_rows<kBlockTileRows, Bits>(
+            xq, m0, m1, packed + p * panel_stride,
+            [&](int64_t m, const float(&sums)[kPanelWidth]) {
+              std::copy(sums, sums + kPanelWidth, gate.data() + (m - m0) * kPanelWidth);
+            });
+        block_rows<kBlockTileRows, Bits>(
+            xq, m0, m1, packed + (group_panels + p) * panel_stride,
+            [&](int64_t m, const float(&up_sums)[kPanelWidth]) {
+              const float* gate_sums = gate.data() + (m - m0) * kPanelWidth;
+              Out* o = out + m * out_stride + j0;
+              for (int64_t c = 0; c < count; ++c) {
+                // As linear_silu_mul_rows: gate and up rounded, silu(gate) rounded.
+                const float g = static_cast<float>(round_to<Out>(gate_sums[c]));
+                const float u = static_cast<float>(round_to<Out>(up_sums[c]));
+                o[c] = round_to<Out>(static_cast<float>(round_to<Out>(silu(g))) * u);
+              }
+            });
+      }
+    }
+  });
+}

@@ -1,0 +1,90 @@
+"""``quantization=gguf`` on turbo: the GGUF file's quantized matrices run as their blocks.
+
+Matrices stored as Q8_0, Q4_0 or Q4_1 are read as the file's bytes
+(``GGUFModel.iter_weights(keep_types=...)``) and repacked once by ``pack_gguf_weight``
+(``csrc/cpu/block_kernels.h``) for turbo's CPU block kernels: 4-bit types stay 4-bit in
+memory. A fused matrix (q/k/v, gate/up) runs as blocks when its parts share one type;
+otherwise, and for every type with no kernel (K-quants, F16...), it is dequantized to the
+model dtype as ``quantization=none`` does, and the log line says how many. The embedding
+table stays the file's rows (a tied Q8_0 embedding: its bytes twice, as rows for the
+lookup and as panels for the LM head), dequantized per token by the lookup.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from llmctl.errors import ModelError
+from llmctl.kv_budget import format_bytes
+from llmctl.model.gguf import GGUFBlocks, gguf_file, open_gguf
+from llmctl_turbo.build import load_ops
+
+# GGML's type ids of the formats turbo has CPU block kernels for (csrc/kernels.h).
+BLOCK_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+
+Weight = torch.Tensor | GGUFBlocks
+
+
+def load_gguf_weights(model_path: str | Path, dtype: torch.dtype) -> dict[str, Weight]:
+    """The file's tensors: those of ``BLOCK_TYPES`` as ``GGUFBlocks``, the rest dequantized
+    to ``dtype`` on the CPU."""
+    path = gguf_file(model_path)
+    if path is None:
+        raise ModelError(
+            f"quantization=gguf runs the blocks of a GGUF file, and {model_path} is not one; "
+            "use quantization none or int8 for a Hugging Face checkpoint"
+        )
+    return dict(open_gguf(path).iter_weights(dtype, "cpu", keep_types=tuple(BLOCK_TYPES)))
+
+
+class BlockPacker:
+    """Packs matrices (fused from parts) for turbo's CPU kernels, as blocks where it can,
+    counting what ran as which type for the log line."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.kinds: Counter[str] = Counter()
+        self.bytes = 0
+
+    def float_matrix(self, part: Weight) -> torch.Tensor:
+        return part.dequantize().to(self.dtype) if isinstance(part, GGUFBlocks) else part
+
+    def embedding_table(self, weight: Weight) -> torch.Tensor:
+        """The embedding lookup's table: the file's rows (uint8 [vocab, row bytes], read
+        by ``llama_step``'s GGUF lookup) for a block type, else the float matrix."""
+        if isinstance(weight, GGUFBlocks):
+            self.kinds[f"{weight.tensor_type} rows (embedding lookup)"] += 1
+            self.bytes += weight.data.numel()
+            return weight.data
+        return weight
+
+    def pack(self, parts: list[Weight], groups: int = 1) -> torch.Tensor:
+        """``torch.cat(parts)`` packed: GGUF blocks when every part is blocks of one type
+        (``pack_gguf_weight``), else the dequantized matrix (``pack_linear_weight``)."""
+        ops = load_ops()
+        types = {p.tensor_type if isinstance(p, GGUFBlocks) else None for p in parts}
+        if len(types) == 1 and None not in types:
+            (kind,) = types
+            raw = torch.cat([p.data for p in parts])
+            packed = ops.pack_gguf_weight(raw, BLOCK_TYPES[kind], groups)
+        else:
+            kind = f"dequantized to {str(self.dtype).removeprefix('torch.')}"
+            packed = ops.pack_linear_weight(
+                torch.cat([self.float_matrix(p) for p in parts]), groups
+            )
+        self.kinds[kind] += 1
+        self.bytes += packed.numel() * packed.element_size()
+        return packed
+
+    def log(self) -> None:
+        kinds = ", ".join(f"{count} as {kind}" for kind, count in sorted(self.kinds.items()))
+        logging.getLogger("llmctl").info(
+            "quantization: gguf: %d matrices (%s), %s packed",
+            sum(self.kinds.values()),
+            kinds,
+            format_bytes(self.bytes),
+        )

@@ -1,0 +1,136 @@
+"""turbo's GGUF block kernels (quantization=gguf: Q8_0, Q4_0, Q4_1 weights kept as blocks)
+against a dequantize-then-matmul reference in float64, on fresh random blocks.
+
+The blocks come from ``gguf.quants.quantize`` (llama.cpp's own rounding) of random
+matrices, and their reference weights from ``gguf.quants.dequantize``: neither from
+turbo's packing. The kernels quantize activations per 32-block to int8, as llama.cpp
+does, so each case is checked twice:
+- against the same activation rounding done here in numpy (the kernel's arithmetic
+  exactly, up to float32 sums): a tight tolerance that catches any layout slip;
+- against unrounded activations: the error the 8-bit activations cost, bounded.
+Every instruction set the CPU runs (avx512vnni's vpdpbusd path, and the portable
+integer sums compiled for avx512 / avx2 / baseline), row counts 1-20 and 64 (decode
+batches, a prefill), out features that leave a partial 16-wide panel, K a multiple of
+32 (GGUF's block) but not of 64. Outputs are poisoned with NaN first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+TYPES = ("Q8_0", "Q4_0", "Q4_1")
+ROWS = [*range(1, 21), 64]
+# (in_features, out_features): K = 32 x odd, N not a multiple of 16; SmolLM2's qkv.
+SHAPES = [(32, 1), (96, 37), (224, 130), (576, 960)]
+# Relative to the largest reference value.
+EXACT_TOLERANCE = 2e-5  # the kernel's arithmetic, float32 sums in another order
+ROUNDED_ACTIVATIONS_TOLERANCE = 3e-2  # int8 activations (max error 1/254 of a block's max)
+
+
+def ggml_type(name: str) -> int:
+    return int(GGMLQuantizationType[name])
+
+
+def random_blocks(name: str, out_features: int, in_features: int, seed: int):
+    """(raw GGUF rows uint8 [N, row bytes], their dequantized weights float64 [N, K])."""
+    rng = np.random.default_rng(seed)
+    weights = rng.standard_normal((out_features, in_features)).astype(np.float32) / 8
+    weights += rng.standard_normal((out_features, 1)).astype(np.float32) / 16  # Q4_1's m
+    raw = quantize(weights, GGMLQuantizationType[name])
+    return raw, dequantize(raw, GGMLQuantizationType[name]).astype(np.float64)
+
+
+def rounded_activations(x: np.ndarray) -> np.ndarray:
+    """x as the kernels see it: per 32-block, dx = max|x| / 127, round(x * (1 / dx)) * dx
+    (float32 like the kernel), as float64."""
+    blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    dx = np.abs(blocks).max(axis=2, keepdims=True) / np.float32(127)
+    inverse = np.where(dx > 0, np.float32(1) / np.where(dx > 0, dx, 1), 0).astype(np.float32)
+    q = np.round(blocks * inverse)  # ties to even, as std::nearbyint
+    return (q.astype(np.float64) * dx.astype(np.float64)).reshape(x.shape)
+
+
+def check(out: torch.Tensor, x: np.ndarray, weights: np.ndarray, bias=None, act=None):
+    got = out.double().numpy()
+    assert np.isfinite(got).all(), "the kernel left outputs unwritten"
+    for inputs, tolerance in (
+        (rounded_activations(x), EXACT_TOLERANCE),
+        (x.astype(np.float64), ROUNDED_ACTIVATIONS_TOLERANCE),
+    ):
+        ref = inputs @ weights.T
+        if bias is not None:
+            ref = ref + bias
+        if act is not None:
+            ref = act(ref)
+        scale = np.abs(ref).max()
+        assert np.abs(got - ref).max() <= tolerance * scale, (tolerance, np.abs(got - ref).max())
+
+
+@pytest.fixture(params=["avx512vnni", "avx512", "avx2", "portable"])
+def block_isa(request, turbo_ops):
+    """Each instruction set this CPU supports, then the best again."""
+    best = turbo_ops.cpu_isa()
+    try:
+        turbo_ops.set_cpu_isa(request.param)
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    yield request.param
+    turbo_ops.set_cpu_isa(best)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", TYPES)
+def test_block_linear_matches_dequantized_matmul(turbo_ops, block_isa, name, shape):
+    in_features, out_features = shape
+    raw, weights = random_blocks(name, out_features, in_features, seed=sum(shape))
+    packed = turbo_ops.pack_gguf_weight(torch.from_numpy(raw), ggml_type(name))
+    rng = np.random.default_rng(7)
+    for rows in ROWS:
+        x = rng.standard_normal((rows, in_features)).astype(np.float32)
+        bias = rng.standard_normal(out_features).astype(np.float32)
+        out = torch.full((rows, out_features), float("nan"))
+        turbo_ops.linear(out, torch.from_numpy(x), packed, torch.from_numpy(bias), None)
+        check(out, x, weights, bias=bias)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_block_linear_silu_mul(turbo_ops, block_isa, name):
+    in_features, intermediate = 160, 45
+    raw, weights = random_blocks(name, 2 * intermediate, in_features, seed=3)
+    packed = turbo_ops.pack_gguf_weight(torch.from_numpy(raw), ggml_type(name), 2)
+    rng = np.random.default_rng(11)
+
+    def silu_mul(both):
+        gate, up = both[:, :intermediate], both[:, intermediate:]
+        return gate / (1 + np.exp(-gate)) * up
+
+    for rows in (1, 5, 17, 64):
+        x = rng.standard_normal((rows, in_features)).astype(np.float32)
+        out = torch.full((rows, intermediate), float("nan"))
+        turbo_ops.linear_silu_mul(out, torch.from_numpy(x), packed, None)
+        check(out, x, weights, act=silu_mul)
+
+
+def test_block_linear_bfloat16_output(turbo_ops):
+    raw, weights = random_blocks("Q4_1", 50, 128, seed=5)
+    packed = turbo_ops.pack_gguf_weight(torch.from_numpy(raw), ggml_type("Q4_1"))
+    x = torch.randn(9, 128, generator=torch.Generator().manual_seed(2)).bfloat16()
+    out = torch.full((9, 50), float("nan"), dtype=torch.bfloat16)
+    turbo_ops.linear(out, x, packed, None, None)
+    ref = rounded_activations(x.float().numpy()) @ weights.T
+    assert np.abs(out.double().numpy() - ref).max() <= 1e-2 * np.abs(ref).max()
+
+
+def test_bad_block_inputs_are_named(turbo_ops):
+    raw, _ = random_blocks("Q8_0", 20, 64, seed=1)
+    with pytest.raises(RuntimeError, match="GGML types 8 .Q8_0."):
+        turbo_ops.pack_gguf_weight(torch.from_numpy(raw), 12)  # Q4_K: no kernel
+    with pytest.raises(RuntimeError, match="row bytes a multiple of 34"):
+        turbo_ops.pack_gguf_weight(torch.from_numpy(raw[:, :-1].copy()), ggml_type("Q8_0"))
+    packed = turbo_ops.pack_gguf_weight(torch.from_numpy(raw), ggml_type("Q8_0"))
+    with pytest.raises(RuntimeError, match="packed by pack_gguf_weight for 20 outputs and 96"):
+        turbo_ops.linear(torch.empty(1, 20), torch.randn(1, 96), packed, None, None)
