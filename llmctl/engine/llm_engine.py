@@ -268,16 +268,18 @@ class LLMEngine:
             sampled = self._sample(step, logits, masks)
         except Exception as exc:
             raise StepFailed([seq.request_id for seq in step.seqs], outputs) from exc
+        # A draft model's calls (speculative_method=draft; 0 otherwise) are model time,
+        # and a verification step costs them too (what adaptive stopping weighs).
+        draft_seconds = scheduled - drafting
         if self.speculator is not None:
-            # A verification step costs its drafting too (what adaptive stopping weighs).
-            seconds = perf_counter() - launched + (scheduled - drafting if step.proposed else 0)
+            seconds = perf_counter() - launched + draft_seconds
             self.speculator.step_seconds(len(batch.input_ids), seconds)
         previous, self._in_flight = self._in_flight, (step, sampled)
         profile.steps += 1
         profile.scheduled_seqs += len(step.seqs)
-        profile.schedule += scheduled - started + marked - ran
+        profile.schedule += drafting - started + marked - ran
         profile.inputs += built - scheduled
-        profile.model += ran - launched
+        profile.model += ran - launched + draft_seconds
         profile.sample += perf_counter() - marked
         if not self.overlap:
             return outputs + self._collect()
