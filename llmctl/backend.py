@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 from llmctl.engine.sampling_params import SamplingParams
 from llmctl.errors import BackendError
 from llmctl.hardware import Hardware
 from llmctl.model.config import ModelConfig
 from llmctl.model.info import ModelInfo
+
+if TYPE_CHECKING:
+    from llmctl.model.tokenizer import Tokenizer  # jinja2 and tokenizers: not for --help
 
 __all__ = [
     "Backend",
@@ -181,6 +184,9 @@ class EngineCapabilities:
     vocab_size: int = 0
     # Whether ``messages`` go through a chat template (else their contents are joined).
     has_chat_template: bool = True
+    # The model's tokenizer in this process (/tokenize, echo of token ids, the chat
+    # template); None: the engine forwards to one elsewhere (a proxy).
+    tokenizer: Tokenizer | None = None
     # Why the engine stopped by itself (a tensor-parallel rank lost, say); None: it did not.
     failure: BaseException | None = None
     # LoRA adapters served beside the model, chosen per request (GenerationRequest.lora):
@@ -311,7 +317,7 @@ TORCH_THREADS_RULE = OptionRule(
     lambda value, options, hardware: None,
 )
 
-# The ``cuda_graphs`` rule both local backends share (llmctl.engine.cuda_graphs).
+# The ``cuda_graphs`` rule both local backends share (llmctl.engine.runner.DecodeGraphs).
 CUDA_GRAPHS_RULE = OptionRule(
     "cuda_graphs",
     "on CUDA, decode steps replay graphs captured at start for batch sizes 1, 2, 4, 8, 16, "

@@ -28,7 +28,7 @@ def load_runner(
     if backend == "turbo":
         from llmctl_turbo.runner import TurboModelRunner as Runner
     else:
-        from llmctl_torch.runner import TorchModelRunner as Runner
+        from llmctl_torch.model import TorchModelRunner as Runner
     config = ModelConfig.from_dir(model_dir)
     return Runner(
         model_dir,
@@ -49,7 +49,7 @@ def blocks_needed(batch: int, max_tokens: int, block_size: int = 64) -> int:
 def decode_step_times(runner, batch: int, prompt_len: int, steps: int) -> list[float]:
     """Seconds of each of ``steps`` decode steps of ``batch`` sequences after a prompt of
     ``prompt_len`` tokens (the next token fed back is the greedy one)."""
-    from llmctl.engine.step import StepBatch
+    from llmctl.engine.runner import StepBatch
 
     block_size = runner.block_size
     per_seq = -(-(prompt_len + steps) // block_size)
@@ -91,7 +91,7 @@ def decode_step_times(runner, batch: int, prompt_len: int, steps: int) -> list[f
 
 def prefill_seconds(runner, prompt_len: int) -> float:
     """Seconds of one prefill step of a ``prompt_len``-token prompt (one sequence)."""
-    from llmctl.engine.step import StepBatch
+    from llmctl.engine.runner import StepBatch
 
     block_size = runner.block_size
     vocab = runner.config.vocab_size

@@ -378,7 +378,7 @@ def turbo_decode():
 
 def run_bandwidth(grid: BenchGrid, device: str, deadline: float, dry_run: bool) -> tuple[bool, str]:
     import torch
-    from llmctl_torch.triton_decode import paged_decode_attention, plan_splits
+    from llmctl_torch.triton_attention import paged_decode_attention, plan_splits
 
     timer = Timer(device)
     copy_bw, copy_how = copy_bandwidth(grid.copy_bytes, device)
@@ -519,7 +519,7 @@ def summarize_bandwidth(
 
 def tuned_configs() -> str:
     """The tile sizes and launch settings the autotuner picked for each decode shape."""
-    from llmctl_torch.triton_decode import _decode_kernel
+    from llmctl_torch.triton_attention import _decode_kernel
 
     cache = getattr(_decode_kernel, "cache", {})
     if not cache:

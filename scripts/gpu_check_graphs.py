@@ -86,7 +86,7 @@ def reference_llama(tiny: bool = False) -> Path:
 def decode_batch(num_seqs: int, context: int, block_size: int):
     """A decode step of ``num_seqs`` sequences at ``context`` tokens, each over its own
     blocks (every block of sequence ``i`` follows those of ``i - 1``)."""
-    from llmctl.engine.step import StepBatch
+    from llmctl.engine.runner import StepBatch
 
     blocks_per_seq = -(-context // block_size)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
@@ -108,9 +108,9 @@ def time_decode_step(device: str, dry_run: bool) -> tuple[bool, str]:
     # First: without a GPU it switches Triton's interpreter on before transformers
     # (making the model) imports triton.
     from llmctl_torch import triton_attention  # noqa: F401
-    from llmctl_torch.runner import TorchModelRunner
+    from llmctl_torch.model import TorchModelRunner
 
-    from llmctl.engine.cuda_graphs import DecodeGraphs, record_cuda_graph, replay_eagerly
+    from llmctl.engine.runner import DecodeGraphs, record_cuda_graph, replay_eagerly
     from llmctl.model.config import ModelConfig
 
     title = "### Decode step: eager vs CUDA graph\n\n"

@@ -134,7 +134,7 @@ def time_gemm(device: str, dry_run: bool, env: dict[str, str]) -> tuple[bool, st
 
 def time_attention(device: str, dry_run: bool, env: dict[str, str]) -> tuple[bool, str]:
     import torch
-    from llmctl_torch.triton_decode import paged_decode_attention
+    from llmctl_torch.triton_attention import paged_decode_attention
 
     from llmctl.engine.quant import quantize_kv
 

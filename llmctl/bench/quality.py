@@ -30,9 +30,8 @@ from typing import TYPE_CHECKING, Any
 from llmctl.api import LLM
 from llmctl.bench.report import variant_label
 from llmctl.engine.async_engine import AsyncEngine
-from llmctl.engine.runner import PagedRunner
+from llmctl.engine.runner import PagedRunner, StepBatch
 from llmctl.engine.sampling_params import SamplingParams
-from llmctl.engine.step import StepBatch
 from llmctl.errors import LlmctlError, OptionError
 
 if TYPE_CHECKING:

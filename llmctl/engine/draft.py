@@ -23,10 +23,9 @@ from collections.abc import Sequence as Seq
 
 import numpy as np
 
-from llmctl.engine.runner import PagedRunner
+from llmctl.engine.runner import PagedRunner, StepBatch
 from llmctl.engine.sampler import argmax_rows
 from llmctl.engine.sequence import Sequence
-from llmctl.engine.step import StepBatch
 
 
 class DraftModel:

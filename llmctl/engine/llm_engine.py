@@ -33,12 +33,11 @@ from llmctl.engine.detokenizer import IncrementalDetokenizer
 from llmctl.engine.draft import DraftModel
 from llmctl.engine.faults import FaultPlan
 from llmctl.engine.lora import LoraRunner, LoraSlots
-from llmctl.engine.request_rules import finish_reason, validate_request
 from llmctl.engine.runner import ModelRunner
 from llmctl.engine.sampler import SampledBatch, SampledToken, Sampler
 from llmctl.engine.sampling_params import SamplingParams
 from llmctl.engine.scheduler import ScheduledStep, Scheduler
-from llmctl.engine.sequence import Sequence, SequenceStatus
+from llmctl.engine.sequence import Sequence, SequenceStatus, finish_reason, validate_request
 from llmctl.engine.speculative import Speculator
 from llmctl.engine.step_profile import StepProfile
 from llmctl.engine.transfer import to_device
@@ -105,8 +104,7 @@ class LLMEngine:
             self.num_blocks, self.block_size, config.enable_prefix_caching
         )
         # LoRA adapters, where the runner serves them (None: it does not)
-        serves = getattr(runner, "serves_lora", False)
-        self.loras = LoraSlots(cast(LoraRunner, runner)) if serves else None
+        self.loras = LoraSlots(cast(LoraRunner, runner)) if runner.serves_lora else None
         self.scheduler = Scheduler(
             config,
             self.block_manager,

@@ -1,27 +1,486 @@
 """The interface between the shared engine (scheduler, block manager, sampler) and a backend.
 
-A backend plugs its model into the shared engine by implementing ``ModelRunner``:
-the engine schedules, the runner runs one forward step over a flattened batch
-(``llmctl.engine.step``). ``PagedRunner`` is what both local runners share: dtype,
-device, KV-cache sizing and the checks around allocating it, and the choice of each
-step's path: a decode step that fits a captured CUDA graph replays it, any other step
-runs the runner's ``forward`` eagerly over the staged inputs.
+A backend plugs its model into the shared engine by implementing ``ModelRunner``: the
+engine schedules, the runner runs one forward step over a flattened batch. This module
+holds what every runner shares, in the order a step meets it:
+
+- ``StepBatch``: one scheduler step as the runners see it (flattened new tokens,
+  positions, block tables, slots);
+- ``stage_step``: how a runner turns it into device tensors: every input packed into one
+  int32 buffer and copied to the device once (``StepLayout`` says where each input sits,
+  the same offsets for a padded decode batch of a given size, as CUDA graphs need);
+- ``DecodeGraphs``: CUDA graphs of the decode step (below);
+- ``PagedRunner``: dtype, device, KV-cache sizing and the checks around allocating it,
+  and the choice of each step's path: a decode step that fits a captured CUDA graph
+  replays it, any other step runs the runner's ``forward`` eagerly over the staged
+  inputs.
+
+CUDA graphs of the decode step, shared by both local runners (torch and turbo). A
+decode step of a small model on a big GPU is short on the device and long on the
+host: Python and the launch of a few hundred kernels, layer by layer. A CUDA graph
+records those launches once and replays them with one call. A graph is fixed (its
+shapes, its buffers, every kernel argument), so:
+
+- one graph per batch-size bucket (``batch_buckets``: 1, 2, 4, 8, 16, then every 16 up
+  to ``max_batch_size``); a batch is padded to the smallest bucket that holds it;
+- the step's inputs are staged into fixed device buffers: ONE host-to-device copy of the
+  packed inputs (``stage_step``) into ``staging``, whose head
+  (ids, positions, slots, context lengths, query starts) the graph reads in place, then
+  one device copy of the block tables into a fixed ``[max_batch_size,
+  max_blocks_per_seq]`` table;
+- whatever a kernel plans on the host (the Triton decode kernel's split-K plan, its
+  scratch buffers for partial results) is decided from those fixed shapes at capture
+  time: the table is as wide as the longest session, so the plan covers any context;
+- nothing inside the captured region may synchronise with the host, allocate on the
+  host or read a device value (``.item()``, ``.tolist()``).
+
+How a runner uses it (``forward`` maps ``StepInputs`` to logits ``[batch, vocab]``)::
+
+    graphs = decode_graphs(forward, enabled=..., device=..., max_batch_size=...,
+                           max_blocks_per_seq=..., block_size=..., num_blocks=...)
+    # None on the CPU or when disabled; otherwise captured already.
+    if graphs is not None and graphs.fits(batch):
+        return graphs.run(batch)        # logits [num_seqs, vocab], valid until next run
+    return forward(stage_step(batch, device))   # eager: prefill, mixed, too large
+
+Padding rows write nowhere (slot -1: a kernel must skip negative slots) and attend to
+nothing (context length 0: output 0, no NaN). Block-table rows past the batch and
+entries past a sequence's last block hold stale but valid block ids: kernels must read
+only the entries below ``ceil(context_len / block_size)``.
+
+``forward`` must be capturable: called once eagerly per bucket first (Triton compiles
+and autotunes then, on inputs as long as the longest session, so the tuning is for
+real work), then captured. All graphs share one memory pool, captured largest first
+so the smaller ones reuse its memory.
 """
 
 from __future__ import annotations
 
+import bisect
+import logging
 import math
 import mmap
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Protocol
 
+import numpy as np
 import torch
 
-from llmctl.engine.cuda_graphs import DecodeGraphs, decode_graphs
 from llmctl.engine.quant import kv_cache_torch_dtype
-from llmctl.engine.step import StepBatch, StepInputs, stage_step
 from llmctl.model.config import ModelConfig
 
+logger = logging.getLogger("llmctl")
+
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# A step's integers: a list, or (as the engine builds them) a 1-D int32 numpy array.
+IntArray = list[int] | np.ndarray
+
+
+@dataclass
+class SampledTokenFill:
+    """Input tokens of a step that the step before sampled and the host has not seen yet
+    (steps overlap on the GPU): ``token_ids[i]`` goes to ``input_ids[token_indices[i]]``.
+    Both tensors are on the device."""
+
+    token_indices: torch.Tensor
+    token_ids: torch.Tensor
+
+
+@dataclass
+class StepBatch:
+    """One scheduler step: the new tokens of every scheduled sequence, flattened.
+
+    Sequence ``i`` contributes ``query_lens[i]`` new tokens (a prefill chunk, or 1 for
+    decode). Its KV cache holds ``context_lens[i]`` tokens once this step has written
+    the new ones, so its new tokens sit at positions
+    ``context_lens[i] - query_lens[i] .. context_lens[i] - 1``.
+    ``slot_mapping[t]`` is the physical cache slot (``block * block_size + offset``)
+    where new token ``t`` writes its K/V. ``block_tables`` is one list per sequence, or
+    (as the engine builds it) a 2-D int32 array padded with 0; ``block_table_array()``
+    gives the padded form either way.
+
+    When ``sampled_tokens`` is set, some ``input_ids`` are placeholders: a runner calls
+    ``fill_sampled_tokens`` on its device copy of the input ids before the model runs.
+
+    ``logits_indices`` are the new tokens (indices into ``input_ids``) whose logits the
+    runner returns, in that order; ``None``: the last new token of each sequence. A
+    speculative step sets it to verify every proposed position in one pass.
+
+    ``lora_slots[i]`` is the LoRA adapter slot sequence ``i`` runs with (-1: the base
+    model alone); ``None`` when no sequence of the step uses an adapter.
+    """
+
+    input_ids: IntArray
+    positions: IntArray
+    query_lens: IntArray
+    context_lens: IntArray
+    block_tables: list[list[int]] | np.ndarray
+    slot_mapping: IntArray
+    sampled_tokens: SampledTokenFill | None = None
+    logits_indices: IntArray | None = None
+    lora_slots: IntArray | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence feeds exactly one new token."""
+        return len(self.input_ids) == len(self.query_lens)
+
+    def block_table_array(self) -> np.ndarray:
+        """``[num_seqs, longest table]`` int32, padded with 0 (never read)."""
+        if isinstance(self.block_tables, np.ndarray):
+            return self.block_tables
+        width = max(map(len, self.block_tables), default=0)
+        padded = np.zeros((len(self.block_tables), width), dtype=np.int32)
+        for row, table in enumerate(self.block_tables):
+            padded[row, : len(table)] = table
+        return padded
+
+    def fill_sampled_tokens(self, input_ids: torch.Tensor) -> None:
+        """Write the tokens still on the device into ``input_ids`` (the runner's copy)."""
+        fill = self.sampled_tokens
+        if fill is not None:
+            input_ids[fill.token_indices] = fill.token_ids.to(input_ids.dtype)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """A step's inputs as int32 tensors: views of one packed buffer (see ``StepLayout``)."""
+
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    slot_mapping: torch.Tensor  # [num_tokens]: -1 for padding, which writes nothing
+    context_lens: torch.Tensor  # [num_seqs]: 0 for padding, which attends to nothing
+    query_start_loc: torch.Tensor  # [num_seqs + 1]
+    block_tables: torch.Tensor  # [table_rows, table_width]; rows padded with block 0
+    # [num_logits]: the tokens whose logits the runner returns; None: each sequence's last
+    logits_indices: torch.Tensor | None = None
+
+    def logits_rows(self) -> torch.Tensor:
+        """Indices of the tokens whose logits the step returns."""
+        if self.logits_indices is not None:
+            return self.logits_indices
+        return self.query_start_loc[1:] - 1
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where each input sits in a step's packed int32 buffer, in this order:
+    ``input_ids``, ``positions``, ``slot_mapping`` (``num_tokens`` each), ``context_lens``
+    (``num_seqs``), ``query_start_loc`` (``num_seqs + 1``), then the block tables
+    (``table_rows`` x ``table_width``), then ``num_logits`` logits indices (a speculative
+    step's; none otherwise). The part before the tables depends only on ``num_tokens``
+    and ``num_seqs``, so a padded decode batch of a given size always finds it at the
+    same offsets (what CUDA graphs need)."""
+
+    num_tokens: int
+    num_seqs: int
+    table_rows: int
+    table_width: int
+    num_logits: int = 0
+
+    @property
+    def head_size(self) -> int:
+        """Entries before the block tables."""
+        return 3 * self.num_tokens + 2 * self.num_seqs + 1
+
+    @property
+    def size(self) -> int:
+        return self.head_size + self.table_rows * self.table_width + self.num_logits
+
+    def unpack(self, packed: torch.Tensor) -> StepInputs:
+        """Views of ``packed`` (at least ``size`` entries) as the step's inputs."""
+        tokens, seqs = self.num_tokens, self.num_seqs
+        table_size = self.table_rows * self.table_width
+        parts = packed[: self.size].split(
+            [tokens, tokens, tokens, seqs, seqs + 1, table_size, self.num_logits]
+        )
+        tables = parts[5].view(self.table_rows, self.table_width)
+        return StepInputs(*parts[:5], tables, parts[6] if self.num_logits else None)
+
+
+def pack_step(batch: StepBatch, pad_to: int | None = None) -> tuple[np.ndarray, StepLayout]:
+    """The step's inputs as one flat int32 array, laid out as ``StepLayout`` says.
+
+    ``pad_to`` pads a decode batch (one token per sequence) to that many sequences: the
+    padding feeds token 0 at position 0, writes nowhere (slot -1) and attends to nothing
+    (context length 0). Block tables are sent for the real sequences only, each padded
+    with block 0 to the longest (entries past a sequence's context are never read).
+    """
+    num_seqs = batch.num_seqs
+    pad = 0 if pad_to is None else pad_to - num_seqs
+    if pad and not batch.is_decode:
+        raise ValueError("only a decode batch (one token per sequence) can be padded")
+    if pad < 0:
+        raise ValueError(f"cannot pad a batch of {num_seqs} sequences to {pad_to}")
+    logits_indices = np.zeros(0) if batch.logits_indices is None else batch.logits_indices
+    if pad and len(logits_indices):
+        raise ValueError("a batch with logits_indices cannot be padded")
+    tables = batch.block_table_array()
+    query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(batch.query_lens, out=query_start_loc[1:])
+    zeros = np.zeros(pad, dtype=np.int64)
+    flat = np.concatenate(
+        [
+            batch.input_ids,
+            zeros,
+            batch.positions,
+            zeros,
+            batch.slot_mapping,
+            np.full(pad, -1),
+            batch.context_lens,
+            zeros,
+            query_start_loc,
+            query_start_loc[-1] + 1 + np.arange(pad),  # one (padding) token per padded sequence
+            tables.reshape(-1),
+            logits_indices,
+        ]
+    ).astype(np.int32)
+    layout = StepLayout(
+        len(batch.input_ids) + pad, num_seqs + pad, *tables.shape, len(logits_indices)
+    )
+    return flat, layout
+
+
+def stage_step(
+    batch: StepBatch,
+    device: torch.device,
+    *,
+    pad_to: int | None = None,
+    out: torch.Tensor | None = None,
+) -> StepInputs:
+    """The step's inputs on ``device`` with ONE host-to-device copy (see ``pack_step``).
+
+    On CUDA the packed buffer is pinned and copied without blocking the host. ``out``
+    (int32, on ``device``, at least ``StepLayout.size`` entries) is where the copy lands;
+    by default a new tensor. Per-step Python work matters at a few hundred microseconds a
+    step, so this makes one tensor, not one per input.
+    """
+    flat, layout = pack_step(batch, pad_to)
+    host = torch.from_numpy(flat)
+    if device.type == "cuda":
+        # Pinned (from torch's caching host allocator, which keeps the block until the
+        # copy is done), so the copy is asynchronous.
+        host = host.pin_memory()
+    if out is None:
+        packed = host.to(device, non_blocking=True)
+    else:
+        packed = out[: layout.size]
+        packed.copy_(host, non_blocking=True)
+    inputs = layout.unpack(packed)
+    batch.fill_sampled_tokens(inputs.input_ids)  # tokens the previous step left on the device
+    return inputs
+
+
+DecodeForward = Callable[[StepInputs], torch.Tensor]
+# Records ``fn`` (reading and writing only fixed buffers) for replay: returns the replay
+# function and the output tensor each replay rewrites. ``record_cuda_graph`` on a GPU.
+Recorder = Callable[[Callable[[], torch.Tensor], object], tuple[Callable[[], None], torch.Tensor]]
+
+SMALL_BUCKETS = (1, 2, 4, 8, 16)
+BUCKET_STEP = 16
+
+
+def batch_buckets(max_batch_size: int) -> list[int]:
+    """Batch sizes to capture: 1, 2, 4, 8, 16, then every 16 up to ``max_batch_size``,
+    which is always the last (every batch the scheduler makes fits one)."""
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
+    sizes = [b for b in SMALL_BUCKETS if b < max_batch_size]
+    sizes += range(2 * BUCKET_STEP, max_batch_size, BUCKET_STEP)
+    return [*sizes, max_batch_size]
+
+
+def bucket_for(num_seqs: int, buckets: list[int]) -> int:
+    """The smallest bucket holding ``num_seqs`` sequences."""
+    index = bisect.bisect_left(buckets, num_seqs)
+    if index == len(buckets):
+        raise ValueError(f"a batch of {num_seqs} exceeds the largest bucket {buckets[-1]}")
+    return buckets[index]
+
+
+def record_cuda_graph(
+    fn: Callable[[], torch.Tensor], pool: object
+) -> tuple[Callable[[], None], torch.Tensor]:
+    """Capture ``fn`` into a CUDA graph using the memory ``pool``."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = fn()
+    return graph.replay, output
+
+
+def replay_eagerly(
+    fn: Callable[[], torch.Tensor], pool: object
+) -> tuple[Callable[[], None], torch.Tensor]:
+    """What ``record_cuda_graph`` does, minus the graph, for checks on a machine without
+    a GPU: replaying reruns ``fn`` on the same fixed buffers and writes into the same
+    output tensor, so the staging and padding around the graphs run as they would."""
+    output = fn()
+    return (lambda: output.copy_(fn())), output
+
+
+class DecodeGraphs:
+    """The decode step of one runner, captured for every batch-size bucket.
+
+    ``forward(inputs) -> logits [batch, vocab]`` is the runner's step (see the module
+    docstring). ``max_blocks_per_seq`` is the block-table width of the longest session;
+    ``block_size`` and ``num_blocks`` describe the allocated KV cache (the warm-up reads
+    it, and writes nothing). ``record`` is ``record_cuda_graph``; ``replay_eagerly`` lets
+    the staging and padding be checked on a machine without a GPU.
+    """
+
+    def __init__(
+        self,
+        forward: DecodeForward,
+        *,
+        max_batch_size: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        num_blocks: int,
+        device: torch.device,
+        record: Recorder = record_cuda_graph,
+    ) -> None:
+        self.forward = forward
+        self.buckets = batch_buckets(max_batch_size)
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = torch.device(device)
+        self.record = record
+        largest = self.buckets[-1]
+        # Where stage_step's one copy lands; each bucket's graph reads its head in place.
+        staging_size = StepLayout(largest, largest, largest, max_blocks_per_seq).size
+        self.staging = torch.zeros(staging_size, dtype=torch.int32, device=self.device)
+        self.block_tables = torch.zeros(
+            (largest, max_blocks_per_seq), dtype=torch.int32, device=self.device
+        )
+        self._replays: dict[int, Callable[[], None]] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self.memory_bytes = 0
+        self.replays = 0  # decode steps served by a graph (tests and benchmarks count them)
+
+    def fits(self, batch: StepBatch) -> bool:
+        """Whether ``run`` can take this batch: a decode step within the largest bucket
+        whose block tables fit the captured width (the scheduler's session length
+        guarantees it; a wider one would run eagerly)."""
+        return (
+            batch.is_decode
+            and batch.logits_indices is None
+            and batch.num_seqs <= self.buckets[-1]
+            and batch.block_table_array().shape[1] <= self.max_blocks_per_seq
+        )
+
+    def inputs(self, bucket: int) -> StepInputs:
+        """The fixed buffers the graph of ``bucket`` reads."""
+        head = StepLayout(bucket, bucket, 0, 0).unpack(self.staging)
+        return replace(head, block_tables=self.block_tables[:bucket])
+
+    @torch.inference_mode()
+    def capture(self, progress: bool = True) -> None:
+        """Warm up and capture every bucket, largest first, with a progress bar; log the
+        time and device memory it took."""
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+        started = time.monotonic()
+        free_before = self._free_memory()
+        pool = torch.cuda.graph_pool_handle() if self.device.type == "cuda" else None
+        bar = Progress(
+            TextColumn("capturing CUDA graphs of the decode step"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            transient=True,
+            disable=not progress,
+        )
+        with bar:
+            task = bar.add_task("capture", total=len(self.buckets))
+            for bucket in reversed(self.buckets):
+                self._fill_warmup_inputs(bucket)
+                inputs = self.inputs(bucket)
+                self.forward(inputs)  # compiles and autotunes outside the capture
+                self._synchronize()
+                replay, output = self.record(partial(self.forward, inputs), pool)
+                self._replays[bucket], self._outputs[bucket] = replay, output
+                bar.advance(task)
+        self._synchronize()
+        self.memory_bytes = max(0, free_before - self._free_memory())
+        logger.info(
+            "CUDA graphs: decode captured for %d batch sizes (%s) in %.1f s, using %.0f MiB",
+            len(self.buckets),
+            ", ".join(map(str, self.buckets)),
+            time.monotonic() - started,
+            self.memory_bytes / 2**20,
+        )
+
+    @torch.inference_mode()
+    def run(self, batch: StepBatch) -> torch.Tensor:
+        """Logits ``[num_seqs, vocab]`` of a decode batch (``fits(batch)``): stage, pad to
+        its bucket, replay. The tensor is the graph's output buffer, overwritten by the
+        next ``run``."""
+        bucket = bucket_for(batch.num_seqs, self.buckets)
+        staged = stage_step(batch, self.device, pad_to=bucket, out=self.staging)
+        rows, width = staged.block_tables.shape
+        self.block_tables[:rows, :width].copy_(staged.block_tables)
+        self._replays[bucket]()
+        self.replays += 1
+        return self._outputs[bucket][: batch.num_seqs]
+
+    def _fill_warmup_inputs(self, bucket: int) -> None:
+        """Every sequence at the longest context, over distinct real blocks (read, never
+        written: slots are -1), so the kernels are compiled and tuned for real work."""
+        inputs = self.inputs(bucket)
+        inputs.input_ids.zero_()
+        inputs.positions.zero_()
+        inputs.slot_mapping.fill_(-1)
+        inputs.context_lens.fill_(self.max_blocks_per_seq * self.block_size)
+        inputs.query_start_loc.copy_(torch.arange(bucket + 1, dtype=torch.int32))
+        blocks = torch.arange(self.block_tables.numel(), device=self.device) % self.num_blocks
+        self.block_tables.copy_(blocks.view_as(self.block_tables))
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _free_memory(self) -> int:
+        """Device memory free, with the allocator's unused cache handed back first (so the
+        difference around the capture is what the graphs hold)."""
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.empty_cache()
+        return torch.cuda.mem_get_info(self.device)[0]
+
+
+def decode_graphs(
+    forward: DecodeForward,
+    *,
+    enabled: bool,
+    device: torch.device,
+    max_batch_size: int,
+    max_blocks_per_seq: int,
+    block_size: int,
+    num_blocks: int,
+) -> DecodeGraphs | None:
+    """Captured decode graphs for a runner, or ``None`` where they do not apply: turned off
+    (``cuda_graphs`` false, for debugging) or not on a CUDA device (on the CPU there are
+    no launches to save, and the option is ignored)."""
+    if not enabled or torch.device(device).type != "cuda":
+        return None
+    graphs = DecodeGraphs(
+        forward,
+        max_batch_size=max_batch_size,
+        max_blocks_per_seq=max_blocks_per_seq,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        device=device,
+    )
+    graphs.capture()
+    return graphs
 
 
 class ModelRunner(Protocol):
@@ -31,6 +490,7 @@ class ModelRunner(Protocol):
     num_blocks: int
     device: torch.device  # where execute's logits are (steps overlap on a GPU)
     tensor_parallel_size: int  # ranks the model is sharded over (EngineStats)
+    serves_lora: bool  # LoRA adapters in slots (llmctl.engine.lora.LoraRunner)
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         """Write the batch's K/V into the cache and return fp32 logits ``[num_seqs, vocab]``
@@ -59,14 +519,15 @@ class PagedRunner:
     """
 
     tensor_parallel_size = 1  # ranks the model is sharded over (see the torch backend)
+    serves_lora = False  # a runner with adapter slots says so (llmctl.engine.lora.LoraRunner)
 
     def __init__(
         self,
         config: ModelConfig,
         *,
-        dtype: str | torch.dtype,
-        device: str | torch.device,
-        block_size: int,
+        dtype: str | torch.dtype = "float32",
+        device: str | torch.device = "cpu",
+        block_size: int = 64,
         kv_cache_dtype: str = "auto",
         cpu_threads: int | None = None,
         max_num_seqs: int = 128,

@@ -29,8 +29,8 @@ import torch
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.config import EngineConfig
 from llmctl.engine.lora import NO_SLOT, LoraSlots
+from llmctl.engine.runner import SampledTokenFill, StepBatch
 from llmctl.engine.sequence import Sequence, SequenceStatus
-from llmctl.engine.step import SampledTokenFill, StepBatch
 from llmctl.engine.transfer import to_device
 
 

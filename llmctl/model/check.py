@@ -19,6 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from llmctl.errors import LlmctlError, ModelError
 from llmctl.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
@@ -221,16 +222,26 @@ def _compare_with_config(report: ModelReport, owners: dict[str, Path]) -> None:
             "do not belong together"
         )
     wrong = [
-        f"{name} is {list(tensors[name].shape)} in {owners[name].name}, but config.json says "
-        f"{list(shape)} ({keys})"
-        for name, (shape, keys) in expected.items()
-        if name in tensors and tensors[name].shape != shape
+        f"{name} is {actual} in {owners[name].name}, but config.json says {shape} ({keys})"
+        for name, actual, shape, keys in wrong_shapes(expected, tensors)
     ]
     if wrong:
         report.add(
             f"{report.path}: the weights do not match {config_file}: {_few(wrong, '; ')}; "
             "config.json and the weights belong to different models, or one was edited"
         )
+
+
+def wrong_shapes(
+    expected: dict[str, tuple[tuple[int, ...], str]], tensors: dict[str, Any]
+) -> list[tuple[str, list[int], list[int], str]]:
+    """``(name, shape, expected shape, the config keys behind it)`` for each tensor of
+    ``tensors`` (anything with a ``shape``) that ``expected`` sizes otherwise."""
+    return [
+        (name, list(tensors[name].shape), list(shape), keys)
+        for name, (shape, keys) in expected.items()
+        if name in tensors and tuple(tensors[name].shape) != tuple(shape)
+    ]
 
 
 def _check_tokenizer(report: ModelReport) -> None:

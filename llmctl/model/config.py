@@ -363,19 +363,18 @@ class ConfigReader:
         return float(value)
 
     def boolean(self, key: str, default: bool) -> bool:
-        value = self.config.get(key)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise self._error(key, "true or false", value)
-        return value
+        return self._typed(key, default, bool, "true or false")
 
     def string(self, key: str, default: Any) -> Any:
+        return self._typed(key, default, str, "a string")
+
+    def _typed(self, key: str, default: Any, kind: type, expected: str) -> Any:
+        """The value of ``key``, which must be a ``kind`` (``default`` when absent)."""
         value = self.config.get(key)
         if value is None:
             return default
-        if not isinstance(value, str):
-            raise self._error(key, "a string", value)
+        if not isinstance(value, kind):
+            raise self._error(key, expected, value)
         return value
 
     def _default(self, key: str, default: Any, kind: str) -> Any:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from llmctl.errors import LlmctlError, ModelError
-from llmctl.model.check import ModelReport, expected_tensors
+from llmctl.model.check import ModelReport, expected_tensors, wrong_shapes
 from llmctl.model.config import ModelConfig
 from llmctl.model.gguf import GGUFModel, gguf_file, open_gguf, unreadable_message
 from llmctl.model.tokenizer import Tokenizer
@@ -81,6 +81,11 @@ def _compare_with_metadata(report: ModelReport, model: GGUFModel) -> None:
     where = f"{report.path}"
     missing = sorted(set(expected) - set(tensors), key=_layer_order)
     extra = sorted(set(tensors) - set(expected), key=_layer_order)
+    wrong = [
+        f"{tensors[name].gguf_name} is {actual}, but the metadata says {shape} "
+        f"({_metadata_keys(model, keys)})"
+        for name, actual, shape, keys in wrong_shapes(expected, tensors)
+    ]
     if missing:
         names = [_gguf_name(model, name) for name in missing]
         report.add(
@@ -94,12 +99,6 @@ def _compare_with_metadata(report: ModelReport, model: GGUFModel) -> None:
             f"place for: {_few([tensors[n].gguf_name for n in extra])}; the metadata and the "
             "tensors do not belong together (or the model is of another kind): convert it again"
         )
-    wrong = [
-        f"{tensors[name].gguf_name} is {list(tensors[name].shape)}, but the metadata says "
-        f"{list(shape)} ({_metadata_keys(model, keys)})"
-        for name, (shape, keys) in expected.items()
-        if name in tensors and tensors[name].shape != shape
-    ]
     if wrong:
         report.add(
             f"{where}: the tensors do not match the metadata: {_few(wrong, '; ')}; the "

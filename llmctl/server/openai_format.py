@@ -9,11 +9,32 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from llmctl.backend import GenerationOutput, TokenLogprob
 from llmctl.server.chat_output import ChoiceReader, whole_message
-from llmctl.server.generation import ChoiceProgress
+
+
+@dataclass
+class ChoiceProgress:
+    """What one choice has done so far: its text, token counts, timings, how it ended."""
+
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # a list when the request asked for them
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finish_reason: str | None = None
+    refused: bool = False  # the engine turned it down before it started
+    cached_tokens: int | None = None  # prompt tokens served by the prefix cache
+    prompt_logprobs: list[TokenLogprob] | None = None  # when the request asked for them
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
 
 # JSON has no -inf; OpenAI clients expect a number. vLLM uses the same floor.
 _MIN_LOGPROB = -9999.0

@@ -14,7 +14,9 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
+from llmctl.backend import capabilities
 from llmctl.errors import InvalidRequest
+from llmctl.model.tokenizer import Tokenizer
 from llmctl.server.errors import APIError
 from llmctl.server.openapi import GATE_ERRORS, error_responses
 from llmctl.server.protocol import ChatMessage, TokenId
@@ -53,8 +55,10 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def _tokenizer(state: ServerState):
-    tokenizer = getattr(state.engine, "tokenizer", None)
+def _tokenizer(state: ServerState, model: str | None) -> Tokenizer:
+    """The served model's tokenizer, once ``model`` is known to name it (or an adapter)."""
+    state.check_model(model)
+    tokenizer = capabilities(state.engine).tokenizer
     if tokenizer is None:
         raise APIError(
             501,
@@ -71,8 +75,7 @@ def _tokenizer(state: ServerState):
 )
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     state: ServerState = request.app.state.llmctl
-    state.check_model(body.model)
-    tokenizer = _tokenizer(state)
+    tokenizer = _tokenizer(state, body.model)
     if (body.prompt is None) == (body.messages is None):
         raise InvalidRequest(
             "give prompt or messages (exactly one)", param="prompt", code="invalid_combination"
@@ -103,9 +106,8 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
 )
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, str]:
     state: ServerState = request.app.state.llmctl
-    state.check_model(body.model)
-    tokenizer = _tokenizer(state)
-    vocab_size = getattr(state.engine, "vocab_size", None) or tokenizer.vocab_size
+    tokenizer = _tokenizer(state, body.model)
+    vocab_size = capabilities(state.engine).vocab_size or tokenizer.vocab_size
     bad = [t for t in body.tokens if t >= vocab_size]
     if bad:
         raise InvalidRequest(

@@ -44,8 +44,8 @@ class ServerState:
 
     def chat_template(self) -> str | None:
         """The served model's chat template, where the engine has one here (a local one)."""
-        tokenizer = getattr(self.engine, "tokenizer", None)
-        return getattr(tokenizer, "chat_template", None)
+        tokenizer = capabilities(self.engine).tokenizer
+        return None if tokenizer is None else tokenizer.chat_template
 
     def check_model(self, requested: str | None) -> str | None:
         """The LoRA adapter ``requested`` names (None: the base model); 404 for neither."""

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from llmctl import LLM, SamplingParams
-from llmctl.engine.step import StepBatch
+from llmctl.engine.runner import StepBatch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -144,7 +144,7 @@ def test_overlapped_steps_on_the_gpu_give_the_tokens_of_sequential_ones(
 ) -> None:
     """stories260K on the torch backend's CUDA path: steps overlap by default there, and
     greedy and seeded tokens equal those of steps run one after the other."""
-    from llmctl_torch.runner import TorchModelRunner
+    from llmctl_torch.model import TorchModelRunner
 
     from llmctl.engine.config import EngineConfig
     from llmctl.engine.llm_engine import LLMEngine

@@ -8,8 +8,16 @@ import random
 import pytest
 import torch
 
-from llmctl.engine.cuda_graphs import DecodeGraphs, batch_buckets, bucket_for, replay_eagerly
-from llmctl.engine.step import StepBatch, StepLayout, pack_step, stage_step
+from llmctl.engine.runner import (
+    DecodeGraphs,
+    StepBatch,
+    StepLayout,
+    batch_buckets,
+    bucket_for,
+    pack_step,
+    replay_eagerly,
+    stage_step,
+)
 
 
 def random_batch(rng: random.Random, num_seqs: int, decode: bool, block_size: int = 16):

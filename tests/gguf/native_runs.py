@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from llmctl.engine.step import StepBatch
+from llmctl.engine.runner import StepBatch
 from llmctl.model.config import ModelConfig
 
 BLOCK = 64

@@ -19,12 +19,13 @@ import torch
 
 from llmctl.engine.config import EngineConfig
 from llmctl.engine.llm_engine import LLMEngine
+from llmctl.engine.runner import StepBatch
 from llmctl.engine.sampling_params import SamplingParams
-from llmctl.engine.step import StepBatch
 
 
 class PagedToyModel:
     tensor_parallel_size = 1
+    serves_lora = False
 
     def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 64, seed: int = 0):
         self.num_blocks = num_blocks

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from llmctl.engine.step import StepBatch
+from llmctl.engine.runner import StepBatch
 from tests.conftest import STORIES
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")

@@ -110,8 +110,6 @@ def tensor_parallel_problem(
 def _model_tp_problem(tp: int, options: Mapping[str, Any]) -> str | None:
     if tp == 1:
         return None
-    if options.get("lora"):
-        return "LoRA adapters are served with unsharded weights: use tensor_parallel_size 1"
     try:
         config = resolve_model(options.get("model") or "demo").config
     except ModelError:
@@ -194,7 +192,7 @@ RULES = (
     OptionRule(
         "tensor_parallel_size",
         "must divide the attention heads and MLP size; KV heads divisible by it, or it a "
-        "multiple of them (they are then replicated); no LoRA adapters",
+        "multiple of them (they are then replicated)",
         lambda value, options, hardware: _model_tp_problem(value, options),
         note=lambda value, options, hardware: (
             "decode runs eagerly with more than one rank: CUDA graphs are not captured over "
@@ -208,7 +206,7 @@ RULES = (
     OptionRule(
         "lora",
         "PEFT LoRA adapters (q/k/v/o/gate/up/down) of the model's shapes, rank <= "
-        "max_lora_rank; tensor_parallel_size 1",
+        "max_lora_rank (sharded like the weights with tensor_parallel_size > 1)",
         lambda value, options, hardware: _lora_problem(value, options),
     ),
     OptionRule(

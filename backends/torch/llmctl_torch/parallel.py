@@ -17,6 +17,10 @@ KV heads are split like query heads when there are at least ``tp`` of them. With
 ``tp / num_kv_heads`` ranks, as vLLM does. Norms and RoPE are computed in full on every
 rank. ``slice_of`` says which part of each checkpoint tensor a rank reads, so a rank
 loads only its shard from the safetensors files.
+
+LoRA adapters are sharded the same way (``lora_shard``): a column-parallel layer's
+adapter keeps ``A`` whole and the rank's rows of ``B``; a row-parallel one the rank's
+columns of ``A`` and ``B`` whole, its partial product summed with the base one.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from llmctl.model.config import ModelConfig
 from llmctl.model.weights import SliceOf, load_weight_slices
 from llmctl_torch.config import tensor_parallel_problem
 from llmctl_torch.linear import Linear
+from llmctl_torch.lora import LoraWeights
 from llmctl_torch.model import LlamaForCausalLM, build_model
 
 
@@ -111,6 +116,24 @@ def slice_of(config: ModelConfig, rank: int, tp: int) -> SliceOf:
     return where
 
 
+def lora_shard(weights: LoraWeights, config: ModelConfig, rank: int, tp: int) -> LoraWeights:
+    """This rank's part of an adapter: each module's ``(A [r, in], B [out, r])`` cut where
+    ``slice_of`` cuts the module's weight ``[out, in]`` (B's rows: the output; A's
+    columns: the input); a module every rank holds whole keeps both."""
+    where = slice_of(config, rank, tp)
+    shard: LoraWeights = {}
+    for module, (a, b) in weights.items():
+        part = where(f"{module}.weight", (b.shape[0], a.shape[1]))
+        if part is not None:
+            dim, start, stop = part
+            if dim == 0:
+                b = b[start:stop]
+            else:
+                a = a[:, start:stop]
+        shard[module] = (a.contiguous(), b.contiguous())
+    return shard
+
+
 class RowParallelLinear(Linear):
     """A linear layer over this rank's slice of the input features: the ranks' partial
     products (in the layer's weight format, see ``linear.py``) are summed (all-reduce);
@@ -122,6 +145,11 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.method.apply(self, x, None)
+        lora = self.lora
+        if lora is not None and lora.context.active:
+            # This rank's A columns: B @ (A_rank @ x_rank) is the adapter's partial sum,
+            # completed by the same all-reduce as the base product.
+            lora.apply(x, out)
         dist.all_reduce(out, group=self.shard.group)
         return out if self.bias is None else out + self.bias
 

@@ -38,7 +38,7 @@ class TorchBackend(Backend):
         self, model: ModelInfo, options: Mapping[str, Any], hardware: Hardware
     ) -> Engine:
         from llmctl.engine.assemble import build_engine
-        from llmctl_torch.runner import TorchModelRunner
+        from llmctl_torch.model import TorchModelRunner
 
         config = self.translate(options)
         extra = config.extra
@@ -85,6 +85,8 @@ class TorchBackend(Backend):
                 block_size=config.block_size,
                 quantization=config.quantization,
                 kv_cache_dtype=config.kv_cache_dtype,
+                max_loras=config.lora.max_loras,
+                max_lora_rank=config.lora.max_rank,
             )
             sharded.append(runner)
             return runner

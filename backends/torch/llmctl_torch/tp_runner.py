@@ -22,53 +22,22 @@ import torch
 import torch.distributed as dist
 
 from llmctl.engine.assemble import engine_dtype
-from llmctl.engine.step import StepBatch
+from llmctl.engine.runner import StepBatch
 from llmctl.errors import EngineDead
 from llmctl.model.config import ModelConfig
 from llmctl_torch.config import TorchConfig
 from llmctl_torch.distributed import STOP, HeadRanks, Topology, WorkerLink, run_worker_node
-from llmctl_torch.parallel import ParallelLlamaForCausalLM, Shard, load_shard, local_config
-from llmctl_torch.runner import TorchModelRunner
+from llmctl_torch.lora import LoraWeights
+from llmctl_torch.model import TorchModelRunner
+from llmctl_torch.parallel import (
+    ParallelLlamaForCausalLM,
+    Shard,
+    load_shard,
+    local_config,
+    lora_shard,
+)
 
 logger = logging.getLogger("llmctl")
-
-
-class ShardRunner(TorchModelRunner):
-    """One rank's runner: its shard of the model and the KV cache of its KV heads.
-    ``execute`` returns the logits on rank 0 and ``None`` elsewhere. Decode runs eagerly:
-    CUDA graphs are not captured over the ranks' collectives (yet)."""
-
-    def __init__(
-        self,
-        model_dir: str | Path,
-        config: ModelConfig,
-        shard: Shard,
-        *,
-        dtype: str | torch.dtype,
-        device: torch.device,
-        block_size: int,
-        quantization: str = "none",
-        kv_cache_dtype: str = "auto",
-    ) -> None:
-        self.shard = shard
-        self.full_config = config
-        self.tensor_parallel_size = shard.size
-        # The base class sizes the cache from the config: this rank's heads.
-        super().__init__(
-            model_dir,
-            local_config(config, shard.size),
-            dtype=dtype,
-            device=device,
-            block_size=block_size,
-            cuda_graphs=False,
-            quantization=quantization,
-            kv_cache_dtype=kv_cache_dtype,
-        )
-
-    serves_lora = False  # adapters are not sharded yet: the torch backend's rule says so
-
-    def _load_model(self, model_dir: str | Path) -> ParallelLlamaForCausalLM:
-        return load_shard(str(model_dir), self.full_config, self.shard, self.dtype, self.device)
 
 
 @dataclass(frozen=True)
@@ -80,6 +49,55 @@ class WorkerTask:
     block_size: int
     quantization: str = "none"
     kv_cache_dtype: str = "auto"
+    max_loras: int = 4
+    max_lora_rank: int = 16
+
+    @classmethod
+    def of(cls, model_dir: str | Path, config: TorchConfig, dtype: str | torch.dtype) -> WorkerTask:
+        """The task of the engine ``config`` describes."""
+        return cls(
+            str(model_dir),
+            dtype,
+            config.block_size,
+            config.quantization,
+            config.kv_cache_dtype,
+            config.lora.max_loras,
+            config.lora.max_rank,
+        )
+
+
+class ShardRunner(TorchModelRunner):
+    """One rank's runner: its shard of the model and the KV cache of its KV heads.
+    ``execute`` returns the logits on rank 0 and ``None`` elsewhere. Decode runs eagerly:
+    CUDA graphs are not captured over the ranks' collectives (yet)."""
+
+    def __init__(
+        self, task: WorkerTask, shard: Shard, device: torch.device, config: ModelConfig
+    ) -> None:
+        self.shard = shard
+        self.full_config = config
+        self.tensor_parallel_size = shard.size
+        # The base class sizes the cache from the config: this rank's heads.
+        super().__init__(
+            task.model_dir,
+            local_config(config, shard.size),
+            dtype=task.dtype,
+            device=device,
+            block_size=task.block_size,
+            cuda_graphs=False,
+            quantization=task.quantization,
+            kv_cache_dtype=task.kv_cache_dtype,
+            max_loras=task.max_loras,
+            max_lora_rank=task.max_lora_rank,
+        )
+
+    def load_lora_slot(self, slot: int, weights: LoraWeights) -> None:
+        """Put this rank's part of the adapter (``lora_shard``) in ``slot``."""
+        rank, size = self.shard.rank, self.shard.size
+        super().load_lora_slot(slot, lora_shard(weights, self.full_config, rank, size))
+
+    def _load_model(self, model_dir: str | Path) -> ParallelLlamaForCausalLM:
+        return load_shard(str(model_dir), self.full_config, self.shard, self.dtype, self.device)
 
 
 class TensorParallelRunner(ShardRunner):
@@ -99,22 +117,24 @@ class TensorParallelRunner(ShardRunner):
         block_size: int,
         quantization: str = "none",
         kv_cache_dtype: str = "auto",
+        max_loras: int = 4,
+        max_lora_rank: int = 16,
     ) -> None:
-        task = WorkerTask(str(model_dir), dtype, block_size, quantization, kv_cache_dtype)
+        task = WorkerTask(
+            str(model_dir),
+            dtype,
+            block_size,
+            quantization,
+            kv_cache_dtype,
+            max_loras,
+            max_lora_rank,
+        )
         self.ranks = HeadRanks(topology, run_worker, task)
         self._threads_before = torch.get_num_threads()
         self._rank_threads = topology.threads_per_rank() if device.type == "cpu" else None
         try:
-            super().__init__(
-                model_dir,
-                config,
-                Shard(0, topology.size),
-                dtype=dtype,
-                device=topology.device(0) if device.type == "cuda" else device,
-                block_size=block_size,
-                quantization=quantization,
-                kv_cache_dtype=kv_cache_dtype,
-            )
+            device = topology.device(0) if device.type == "cuda" else device
+            super().__init__(task, Shard(0, topology.size), device, config)
             self.ranks.wait_until_ready()
         except BaseException:
             self.close()
@@ -148,6 +168,11 @@ class TensorParallelRunner(ShardRunner):
                 raise
             except Exception as exc:
                 raise EngineDead(self.ranks.diagnose(exc)) from exc
+
+    def load_lora_slot(self, slot: int, weights: LoraWeights) -> None:
+        # Every rank gets the whole adapter (host memory, pickled) and keeps its part.
+        with self._on_all_ranks(("lora", (slot, weights))):
+            super().load_lora_slot(slot, weights)
 
     def _allocate(self, num_blocks: int) -> None:
         with self._on_all_ranks(("allocate", num_blocks)):
@@ -192,20 +217,18 @@ def run_worker(topology: Topology, task: WorkerTask, rank: int) -> None:
         if topology.device_type == "cpu":
             torch.set_num_threads(topology.threads_per_rank())
         runner = ShardRunner(
-            task.model_dir,
-            ModelConfig.from_dir(task.model_dir),
+            task,
             Shard(rank, topology.size),
-            dtype=task.dtype,
-            device=topology.device(rank),
-            block_size=task.block_size,
-            quantization=task.quantization,
-            kv_cache_dtype=task.kv_cache_dtype,
+            topology.device(rank),
+            ModelConfig.from_dir(task.model_dir),
         )
         link.ready()
         while (command := link.receive()) != STOP:
             kind, value = command
             if kind == "step":
                 runner.execute(value)
+            elif kind == "lora":
+                runner.load_lora_slot(*value)
             else:
                 runner.allocate_kv_cache(value)
                 dist.barrier()
@@ -236,7 +259,5 @@ def serve_worker_node(model_dir: str | Path, config: TorchConfig, device: torch.
     run_worker_node(
         topology,
         run_worker,
-        WorkerTask(
-            str(model_dir), dtype, config.block_size, config.quantization, config.kv_cache_dtype
-        ),
+        WorkerTask.of(model_dir, config, dtype),
     )

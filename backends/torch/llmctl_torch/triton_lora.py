@@ -28,6 +28,20 @@ TILE_ROWS = 16
 
 
 @triton.jit
+def _tile_rows(tiles_ptr, tokens_ptr, num_tiles, BLOCK_M: tl.constexpr):
+    """This program's tile (``tiles``: slots, then starts, then ends): its adapter slot,
+    the rows (token indices) it covers, and which of its ``BLOCK_M`` rows are real."""
+    tile = tl.program_id(0)
+    slot = tl.load(tiles_ptr + tile).to(tl.int64)
+    start = tl.load(tiles_ptr + num_tiles + tile)
+    end = tl.load(tiles_ptr + 2 * num_tiles + tile)
+    index = start + tl.arange(0, BLOCK_M)
+    row_mask = index < end
+    rows = tl.load(tokens_ptr + index, mask=row_mask, other=0).to(tl.int64)
+    return slot, rows, row_mask
+
+
+@triton.jit
 def _lora_shrink_kernel(
     x_ptr,
     a_ptr,
@@ -46,13 +60,7 @@ def _lora_shrink_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    slot = tl.load(tiles_ptr + tile).to(tl.int64)
-    start = tl.load(tiles_ptr + num_tiles + tile)
-    end = tl.load(tiles_ptr + 2 * num_tiles + tile)
-    index = start + tl.arange(0, BLOCK_M)
-    row_mask = index < end
-    rows = tl.load(tokens_ptr + index, mask=row_mask, other=0).to(tl.int64)
+    slot, rows, row_mask = _tile_rows(tiles_ptr, tokens_ptr, num_tiles, BLOCK_M)
     ranks = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     rank_mask = ranks < HR
     x_rows = x_ptr + rows[:, None] * stride_xm
@@ -94,13 +102,7 @@ def _lora_expand_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    slot = tl.load(tiles_ptr + tile).to(tl.int64)
-    start = tl.load(tiles_ptr + num_tiles + tile)
-    end = tl.load(tiles_ptr + 2 * num_tiles + tile)
-    index = start + tl.arange(0, BLOCK_M)
-    row_mask = index < end
-    rows = tl.load(tokens_ptr + index, mask=row_mask, other=0).to(tl.int64)
+    slot, rows, row_mask = _tile_rows(tiles_ptr, tokens_ptr, num_tiles, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     b_cols = b_ptr + slot * stride_bs + cols.to(tl.int64)[None, :] * stride_bn

@@ -45,11 +45,8 @@ def paged_decode_attention(
     *,
     kv_scales: KVScales = None,
 ) -> torch.Tensor:
-    out = torch.empty_like(q)
-    load_ops().paged_decode_attention(
-        out, q, k_cache, v_cache, block_tables, context_lens, scale, *(kv_scales or (None, None))
-    )
-    return out
+    return _attention("paged_decode_attention", q, k_cache, v_cache, block_tables, context_lens,
+                      scale, kv_scales)  # fmt: skip
 
 
 def paged_prefill_attention(
@@ -63,16 +60,14 @@ def paged_prefill_attention(
     *,
     kv_scales: KVScales = None,
 ) -> torch.Tensor:
+    return _attention("paged_prefill_attention", q, k_cache, v_cache, block_tables,
+                      query_start_loc, context_lens, scale, kv_scales)  # fmt: skip
+
+
+def _attention(op: str, q: torch.Tensor, *args: object) -> torch.Tensor:
+    """Call turbo's attention ``op`` into a new output like ``q``; the last of ``args`` is
+    ``kv_scales``, passed to the op as its two scale tensors (``None``: a float cache)."""
     out = torch.empty_like(q)
-    load_ops().paged_prefill_attention(
-        out,
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        query_start_loc,
-        context_lens,
-        scale,
-        *(kv_scales or (None, None)),
-    )
+    *inputs, kv_scales = args
+    getattr(load_ops(), op)(out, q, *inputs, *(kv_scales or (None, None)))
     return out

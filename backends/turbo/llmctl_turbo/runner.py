@@ -7,7 +7,7 @@ lists into int32 tensors (one packed buffer, the shared ``stage_step``) and make
 native call, ``llama_step``, which runs every layer and returns the logits.
 
 On a GPU, decode steps replay CUDA graphs of that call, captured per batch-size bucket
-when the cache is allocated (``llmctl.engine.cuda_graphs``): a step then costs one
+when the cache is allocated (``llmctl.engine.runner.DecodeGraphs``): a step then costs one
 host-to-device copy and one graph launch instead of a few hundred kernel launches.
 Prefill and mixed steps run eagerly.
 """
@@ -15,6 +15,7 @@ Prefill and mixed steps run eagerly.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.progress import track
@@ -26,8 +27,7 @@ from llmctl.engine.quant import (
     quantize_weight_int8,
     tensor_bytes,
 )
-from llmctl.engine.runner import PagedRunner
-from llmctl.engine.step import StepInputs
+from llmctl.engine.runner import PagedRunner, StepInputs
 from llmctl.errors import ModelError
 from llmctl.model.config import ModelConfig
 from llmctl.model.gguf import GGUFBlocks
@@ -176,29 +176,12 @@ class TurboModelRunner(PagedRunner):
         model_dir: str | Path,
         config: ModelConfig,
         *,
-        dtype: str | torch.dtype = "float32",
-        device: str | torch.device = "cpu",
-        block_size: int = 64,
         num_blocks: int | None = None,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 128,
-        cuda_graphs: bool = True,
-        cpu_threads: int | None = None,
         quantization: str = "none",
-        kv_cache_dtype: str = "auto",
+        **paged: Any,
     ) -> None:
-        super().__init__(
-            config,
-            dtype=dtype,
-            device=device,
-            block_size=block_size,
-            kv_cache_dtype=kv_cache_dtype,
-            cpu_threads=cpu_threads,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            cuda_graphs=cuda_graphs,
-        )
-        kv_problem = quantized_kv_problem(kv_cache_dtype)
+        super().__init__(config, **paged)  # PagedRunner's options: dtype, device, block size...
+        kv_problem = quantized_kv_problem(self.kv_cache_dtype)
         if kv_problem:
             raise ModelError(kv_problem)
         ops = load_ops()

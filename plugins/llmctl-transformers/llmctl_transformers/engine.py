@@ -17,9 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
-from contextlib import aclosing, contextmanager
-from functools import partial
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -30,10 +28,8 @@ from transformers.generation.continuous_batching.utils import (
 )
 
 from llmctl.backend import (
-    EngineCapabilities,
     EngineStats,
     GenerationOutput,
-    GenerationRequest,
     Hardware,
     ModelInfo,
 )
@@ -44,7 +40,7 @@ from llmctl.kv_budget import format_bytes
 from llmctl.model.gguf import transformers_source
 from llmctl.model.tokenizer import Tokenizer
 from llmctl_transformers.config import TransformersConfig
-from llmctl_transformers.requests import RequestState, admit
+from llmctl_transformers.requests import RequestEngine, RequestState
 from llmctl_transformers.sampling import ENGINE_SAMPLING, processor_kwargs
 
 # transformers' continuous-batching logger, by its name: the module holding it moved
@@ -172,7 +168,7 @@ def _log_what_transformers_chose(manager: Any, config: TransformersConfig, archi
         )
 
 
-class TransformersEngine(EngineCapabilities):
+class TransformersEngine(RequestEngine):
     def __init__(
         self,
         manager: Any,  # transformers' ContinuousBatchingManager, started
@@ -190,7 +186,7 @@ class TransformersEngine(EngineCapabilities):
         self.manager = manager
         self._processor = manager.batch_processor  # its scheduler and cache, for stats()
         self.num_blocks = self._processor.cache.num_blocks
-        self.page_size = page_size
+        self.block_size = page_size  # transformers' page is llmctl's KV block
         self.vocab_size = vocab_size
         self._bytes_per_block = bytes_per_block
         self._lock = threading.Lock()  # guards _requests and _stopping
@@ -201,37 +197,9 @@ class TransformersEngine(EngineCapabilities):
         )
         self._router.start()
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
-        """Stream a request's outputs; ``InvalidRequest`` before the first one if refused.
-
-        Leaving the iteration early (a client disconnecting) aborts the request, which
-        frees its pages in transformers' cache.
-        """
-        state = admit(
-            request,
-            self.tokenizer,
-            vocab_size=self.vocab_size,
-            max_model_len=self.max_model_len,
-            block_size=self.page_size,
-            num_blocks=self.num_blocks,
-        )
-        self._submit(state)
-
-        async with aclosing(state.stream(partial(self._abort, request.request_id))) as outputs:
-            async for output in outputs:
-                yield output
-
-    @property
-    def has_chat_template(self) -> bool:
-        """Whether ``messages`` go through a chat template (else their contents are joined)."""
-        return self.tokenizer.has_chat_template
-
     def is_alive(self) -> bool:
         """transformers' generation thread and the router still run (else /health is 503)."""
         return self.manager.is_running() and self._router.is_alive() and not self._stopping
-
-    async def abort(self, request_id: str) -> None:
-        self._abort(request_id)
 
     def stats(self) -> EngineStats:
         scheduler = self._processor.scheduler
@@ -240,7 +208,7 @@ class TransformersEngine(EngineCapabilities):
             waiting=len(scheduler.waiting_requests) + self.manager.input_queue.qsize(),
             kv_blocks_total=self.num_blocks,
             kv_blocks_used=self._blocks_in_use(),
-            block_size=self.page_size,
+            block_size=self.block_size,
         )
 
     async def shutdown(self) -> None:

@@ -14,22 +14,19 @@ continuous-batching engine's (``requests.admit``).
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator
-from contextlib import aclosing
-from functools import partial
 from typing import Any
 
 import torch
 import transformers
 
-from llmctl.backend import EngineStats, GenerationOutput, GenerationRequest
+from llmctl.backend import EngineStats, GenerationOutput
 from llmctl.engine.async_engine import joined
 from llmctl.errors import InvalidRequest
 from llmctl.model.tokenizer import Tokenizer
-from llmctl_transformers.requests import admit
+from llmctl_transformers.requests import RequestEngine, RequestState
 
 
-class PlainGenerateEngine:
+class PlainGenerateEngine(RequestEngine):
     def __init__(
         self,
         model: Any,  # a transformers causal LM, loaded and in eval mode
@@ -46,6 +43,8 @@ class PlainGenerateEngine:
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.block_size = 1  # no paged cache: only the session bounds a request
+        self.num_blocks = max_model_len
         self._max_batch = max_batch
         self._generator_seed = seed
         self._lock = threading.Condition()  # guards the four fields below
@@ -56,38 +55,19 @@ class PlainGenerateEngine:
         self._worker = threading.Thread(target=self._serve, name="llmctl-generate", daemon=True)
         self._worker.start()
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
-        state = admit(
-            request,
-            self.tokenizer,
-            vocab_size=self.vocab_size,
-            max_model_len=self.max_model_len,
-            block_size=1,
-            num_blocks=self.max_model_len,  # no paged cache: only the session bounds apply
-        )
+    def _submit(self, state: RequestState) -> None:
         with self._lock:
             if self._stopping:
                 raise RuntimeError("the engine has been shut down")
-            if request.request_id in self._running or any(
-                w.request_id == request.request_id for w in self._waiting
+            if state.request_id in self._running or any(
+                w.request_id == state.request_id for w in self._waiting
             ):
-                raise InvalidRequest(f"request id {request.request_id!r} is already in use")
+                raise InvalidRequest(f"request id {state.request_id!r} is already in use")
             self._waiting.append(state)
             self._lock.notify()
 
-        async with aclosing(state.stream(partial(self._abort, request.request_id))) as outputs:
-            async for output in outputs:
-                yield output
-
-    @property
-    def has_chat_template(self) -> bool:
-        return self.tokenizer.has_chat_template
-
     def is_alive(self) -> bool:
         return self._worker.is_alive() and not self._stopping
-
-    async def abort(self, request_id: str) -> None:
-        self._abort(request_id)
 
     def _abort(self, request_id: str) -> None:
         with self._lock:

@@ -8,12 +8,13 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
+from functools import partial
 
-from llmctl.backend import GenerationOutput, GenerationRequest
+from llmctl.backend import EngineCapabilities, GenerationOutput, GenerationRequest
 from llmctl.engine.async_engine import stream_until_finished
 from llmctl.engine.detokenizer import IncrementalDetokenizer
-from llmctl.engine.request_rules import finish_reason, stop_token_ids, validate_request
 from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.sequence import finish_reason, stop_token_ids, validate_request
 from llmctl.errors import InvalidRequest
 from llmctl.model.tokenizer import Tokenizer
 from llmctl_transformers.sampling import unsupported
@@ -73,7 +74,7 @@ class RequestState:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     detokenizer: IncrementalDetokenizer
-    stop_ids: frozenset[int]  # the ids that end it (request_rules.stop_token_ids)
+    stop_ids: frozenset[int]  # the ids that end it (sequence.stop_token_ids)
     outputs: asyncio.Queue = field(default_factory=asyncio.Queue)
     num_output_tokens: int = 0
 
@@ -123,3 +124,46 @@ class RequestState:
             finish_reason=reason,
             prompt_token_ids=self.prompt_token_ids if first else None,
         )
+
+
+class RequestEngine(EngineCapabilities):
+    """What the plugin's two engines share: a request is admitted against the engine's
+    limits (``admit``), handed to it (``_submit``) and streamed until it ends; leaving
+    the stream early (a client disconnecting) aborts it (``_abort``), which frees what
+    it holds. ``block_size`` and ``num_blocks`` bound a request by the KV cache (1 and
+    the session length where there is no paged cache)."""
+
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationOutput]:
+        """Stream a request's outputs; ``InvalidRequest`` before the first one if refused."""
+        state = admit(
+            request,
+            self.tokenizer,
+            vocab_size=self.vocab_size,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+        )
+        self._submit(state)
+        async with aclosing(state.stream(partial(self._abort, request.request_id))) as outputs:
+            async for output in outputs:
+                yield output
+
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether ``messages`` go through a chat template (else their contents are joined)."""
+        return self.tokenizer.has_chat_template
+
+    async def abort(self, request_id: str) -> None:
+        self._abort(request_id)
+
+    def _submit(self, state: RequestState) -> None:
+        raise NotImplementedError
+
+    def _abort(self, request_id: str) -> None:
+        raise NotImplementedError

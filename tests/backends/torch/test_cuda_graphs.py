@@ -1,7 +1,7 @@
 """Decode through CUDA graphs gives the same greedy tokens as eager decode and transformers.
 
 On a GPU the torch runner captures its decode step per batch-size bucket (see
-``llmctl.engine.cuda_graphs``). The ``gpu`` tests run the whole engine with
+``llmctl.engine.runner.DecodeGraphs``). The ``gpu`` tests run the whole engine with
 ``cuda_graphs`` on and off on three models (stories260K; a random Qwen2, which has
 q/k/v biases; a random Mistral with one KV head), with batches that shrink through
 bucket and non-bucket sizes as requests finish, a second round from the prefix cache,
@@ -20,10 +20,10 @@ import random
 import pytest
 import torch
 from llmctl_torch import triton_attention  # noqa: F401  (switches the interpreter on early)
-from llmctl_torch.runner import TorchModelRunner
+from llmctl_torch.model import TorchModelRunner
 
 from llmctl import LLM
-from llmctl.engine.cuda_graphs import DecodeGraphs, replay_eagerly
+from llmctl.engine.runner import DecodeGraphs, replay_eagerly
 from llmctl.model.config import ModelConfig
 from tests.conftest import STORIES
 from tests.helpers.cuda_graphs import greedy_rounds

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from llmctl_torch.runner import TorchModelRunner
+from llmctl_torch.model import TorchModelRunner
 
 from llmctl.model.config import ModelConfig
 from llmctl.model.demo import demo_model_dir

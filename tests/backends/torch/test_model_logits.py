@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from llmctl_torch.runner import TorchModelRunner
+from llmctl_torch.model import TorchModelRunner
 
 from llmctl.model.config import ModelConfig
 from tests.helpers.tiny_models import TINY_MODELS, PagedSequences, load_hf_model

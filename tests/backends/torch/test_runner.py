@@ -9,9 +9,9 @@ from dataclasses import replace
 import pytest
 import torch
 from llmctl_torch.attention import native_problem
-from llmctl_torch.runner import TorchModelRunner
+from llmctl_torch.model import TorchModelRunner
 
-from llmctl.engine.step import StepBatch
+from llmctl.engine.runner import StepBatch
 from llmctl.errors import ModelError, OptionError
 from llmctl.model.config import ModelConfig
 from tests.helpers.tiny_models import PagedSequences, greedy

@@ -15,11 +15,11 @@ import pytest
 import torch
 from llmctl_torch.config import tensor_parallel_problem
 from llmctl_torch.distributed import Topology
-from llmctl_torch.runner import TorchModelRunner
+from llmctl_torch.model import TorchModelRunner
 from llmctl_torch.tp_runner import TensorParallelRunner, with_host_tokens
 
 from llmctl import LLM, SamplingParams
-from llmctl.engine.step import SampledTokenFill, StepBatch
+from llmctl.engine.runner import SampledTokenFill, StepBatch
 from llmctl.model.config import ModelConfig
 from tests.conftest import STORIES
 from tests.helpers.tiny_models import (
@@ -199,3 +199,34 @@ def test_a_dropped_sharded_llm_releases_its_ranks_for_the_next():
     with open_llm("demo") as again:
         assert len(again.generate([[1, 2, 3]], SamplingParams(max_tokens=3))[0].token_ids) == 3
     assert not dist.is_initialized()
+
+
+def test_sharded_lora_adapters_match_peft(tmp_path):
+    """Two adapters (attention only; every module, rsLoRA) and the base model in one
+    batch at tp 2 give transformers + peft's greedy tokens: each rank holds its slice of
+    A or B, the row-parallel partial products meet in the layers' all-reduce. Two KV
+    heads over two ranks, and one slot: the adapters swap in on every rank."""
+    from tests.helpers.lora_adapters import ATTENTION, MLP, make_adapter
+
+    model_dir = make_tiny_model(tmp_path / "model", "llama3-rope")
+    prompts = [[5, 77, 301, 42, 9, 250, 13], [30, 31, 32], [404, 88, 61, 7, 199, 23]]
+    adapters = {"attn": (8, ATTENTION, False), "all": (4, ATTENTION + MLP, True)}
+    paths, want = {}, {None: hf_greedy(load_hf_model(model_dir), prompts, 10)}
+    for seed, (name, (rank, modules, rslora)) in enumerate(adapters.items()):
+        paths[name] = str(tmp_path / name)
+        peft_model = make_adapter(
+            tmp_path / name, model_dir, rank=rank, target_modules=modules, use_rslora=rslora,
+            seed=seed,
+        )  # fmt: skip
+        want[name] = hf_greedy(peft_model, prompts, 10)
+        assert want[name] != want[None]
+    names = [None, "attn", "all"]
+    with open_llm(model_dir, lora=paths, max_loras=1, cache_block_seq_len=16) as llm:
+        outputs = llm.generate(
+            [p for _ in names for p in prompts],
+            SamplingParams(max_tokens=10, temperature=0),
+            lora=[n for n in names for _ in prompts],
+        )
+    got = [o.token_ids for o in outputs]
+    for index, name in enumerate(names):
+        assert got[index * len(prompts) : (index + 1) * len(prompts)] == want[name], name

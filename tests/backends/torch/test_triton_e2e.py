@@ -17,7 +17,7 @@ import json
 import pytest
 import torch
 from llmctl_torch import triton_attention  # noqa: F401  (switches the interpreter on early)
-from llmctl_torch.runner import TorchModelRunner
+from llmctl_torch.model import TorchModelRunner
 
 from llmctl.model.config import ModelConfig
 from tests.helpers.tiny_models import PagedSequences

@@ -32,9 +32,9 @@ import torch
 from llmctl_torch.triton_attention import (
     paged_decode_attention,
     paged_prefill_attention,
+    plan_splits,
     write_kv,
 )
-from llmctl_torch.triton_decode import plan_splits
 
 from llmctl.engine.quant import dequantize_kv, quantize_kv
 
@@ -435,7 +435,7 @@ def compile_for_nvidia_gpus() -> None:
     """Compile every kernel and tuning config for sm_80 and sm_90 (no GPU needed: Triton
     ships ptxas), the int8 / fp8 cache variants and the int8 GEMM too. Runs in a child
     process started with ``TRITON_INTERPRET=0``."""
-    from llmctl_torch import triton_attention, triton_decode, triton_int8_linear, triton_prefill
+    from llmctl_torch import triton_attention, triton_int8_linear
     from llmctl_torch.triton_common import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -474,14 +474,14 @@ def compile_for_nvidia_gpus() -> None:
         for quantized, cache in caches:
             types = quantized_cache(cache) if quantized else None
             flags = dict(UPCAST=False, QUANTIZED=quantized)
-            for config in triton_decode._decode_kernel.configs[:configs]:
+            for config in triton_attention._decode_kernel.configs[:configs]:
                 for split in (False, True):
                     constants = shape | config.kwargs | flags | dict(SPLIT=split)
-                    compile_kernel(triton_decode._decode_kernel, constants, arch, dtype,
+                    compile_kernel(triton_attention._decode_kernel, constants, arch, dtype,
                                    config.num_warps, config.num_stages, types)  # fmt: skip
-            for config in triton_prefill._prefill_kernel.configs[:configs]:
+            for config in triton_attention._prefill_kernel.configs[:configs]:
                 constants = shape | config.kwargs | flags | dict(GROUP_PAD=4)
-                compile_kernel(triton_prefill._prefill_kernel, constants, arch, dtype,
+                compile_kernel(triton_attention._prefill_kernel, constants, arch, dtype,
                                config.num_warps, config.num_stages, types)  # fmt: skip
             qmax, round_ = {None: (0.0, False), "*i8": (127.0, True), "*fp8e4nv": (448.0, False)}[
                 cache
@@ -495,7 +495,7 @@ def compile_for_nvidia_gpus() -> None:
                 types=types,
             )
         compile_kernel(
-            triton_decode._combine_splits_kernel,
+            triton_attention._combine_splits_kernel,
             dict(HEAD_DIM=128, HEAD_DIM_PAD=128, SPLITS_PAD=4),
             arch,
             dtype,

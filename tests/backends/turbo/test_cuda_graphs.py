@@ -2,7 +2,7 @@
 transformers (marked ``gpu``; ``scripts/gpu_check.py`` runs them on a GPU machine).
 
 The turbo runner captures its whole native step (``llama_step``) per batch-size bucket
-(``llmctl.engine.cuda_graphs``). Batches shrink through bucket and non-bucket sizes as
+(``llmctl.engine.runner.DecodeGraphs``). Batches shrink through bucket and non-bucket sizes as
 requests finish; a second round starts from the prefix cache; a tight cache forces
 preemption. Padding rows (context length 0, slot -1) must change nothing: the KV cache
 after graph decode equals the one after eager decode.

@@ -36,7 +36,7 @@ def test_tiny_model_logits_match_transformers(turbo_ops, tiny_model_dir, kind):
 
 
 def test_step_refuses_inconsistent_batch(turbo_ops, stories_dir):
-    from llmctl.engine.step import StepBatch
+    from llmctl.engine.runner import StepBatch
 
     runner = TurboModelRunner(
         stories_dir, ModelConfig.from_dir(stories_dir), block_size=16, num_blocks=4

@@ -2,8 +2,6 @@
 
 #include <c10/util/StringUtil.h>
 
-#include <string>
-
 #include "kernels.h"
 
 namespace turbo {
@@ -168,44 +166,42 @@ void check_batch(const at::Tensor& block_tables, const at::Tensor& query_start_l
   }
 }
 
-void check_slots(const at::Tensor& slot_mapping, int64_t num_slots) {
-  TORCH_CHECK(slot_mapping.is_contiguous(), "slot_mapping must be contiguous");
-  if (!slot_mapping.device().is_cpu()) return;
-  const int32_t* slots = slot_mapping.data_ptr<int32_t>();
-  for (int64_t t = 0; t < slot_mapping.size(0); ++t) {
-    TORCH_CHECK(slots[t] >= -1 && slots[t] < num_slots, "slot_mapping[", t, "] = ", slots[t],
-                " is outside the cache's ", num_slots, " slots (-1 skips a token)");
+namespace {
+
+// Every entry of the int32 index tensor `values` (named `name`) lies in [low, high); the
+// message for the first that does not ends with `before`, the bound, `after` (built only
+// then: these checks run every step). Only CPU tensors are read: a device tensor's
+// values would need a copy back each step.
+void check_index_range(const at::Tensor& values, const char* name, int64_t low, int64_t high,
+                       const char* before, int64_t bound, const char* after) {
+  TORCH_CHECK(values.is_contiguous(), name, " must be contiguous");
+  if (!values.device().is_cpu()) return;
+  const int32_t* v = values.data_ptr<int32_t>();
+  for (int64_t i = 0; i < values.size(0); ++i) {
+    TORCH_CHECK(v[i] >= low && v[i] < high, name, "[", i, "] = ", v[i], before, bound, after);
   }
+}
+
+}  // namespace
+
+void check_slots(const at::Tensor& slot_mapping, int64_t num_slots) {
+  check_index_range(slot_mapping, "slot_mapping", -1, num_slots, " is outside the cache's ",
+                    num_slots, " slots (-1 skips a token)");
 }
 
 void check_token_ids(const at::Tensor& input_ids, int64_t vocab_size) {
-  TORCH_CHECK(input_ids.is_contiguous(), "input_ids must be contiguous");
-  if (!input_ids.device().is_cpu()) return;
-  const int32_t* ids = input_ids.data_ptr<int32_t>();
-  for (int64_t t = 0; t < input_ids.size(0); ++t) {
-    TORCH_CHECK(ids[t] >= 0 && ids[t] < vocab_size, "input_ids[", t, "] = ", ids[t],
-                " is outside the vocabulary of ", vocab_size, " tokens");
-  }
+  check_index_range(input_ids, "input_ids", 0, vocab_size, " is outside the vocabulary of ",
+                    vocab_size, " tokens");
 }
 
 void check_positions(const at::Tensor& positions, int64_t max_positions) {
-  TORCH_CHECK(positions.is_contiguous(), "positions must be contiguous");
-  if (!positions.device().is_cpu()) return;
-  const int32_t* pos = positions.data_ptr<int32_t>();
-  for (int64_t t = 0; t < positions.size(0); ++t) {
-    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_positions, "positions[", t, "] = ", pos[t],
-                " has no row in cos_sin_cache (", max_positions, " positions)");
-  }
+  check_index_range(positions, "positions", 0, max_positions, " has no row in cos_sin_cache (",
+                    max_positions, " positions)");
 }
 
 void check_token_indices(const at::Tensor& indices, int64_t num_tokens) {
-  TORCH_CHECK(indices.is_contiguous(), "logits_indices must be contiguous");
-  if (!indices.device().is_cpu()) return;
-  const int32_t* index = indices.data_ptr<int32_t>();
-  for (int64_t i = 0; i < indices.size(0); ++i) {
-    TORCH_CHECK(index[i] >= 0 && index[i] < num_tokens, "logits_indices[", i, "] = ", index[i],
-                " is not one of the step's ", num_tokens, " tokens");
-  }
+  check_index_range(indices, "logits_indices", 0, num_tokens, " is not one of the step's ",
+                    num_tokens, " tokens");
 }
 
 }  // namespace turbo

@@ -48,14 +48,20 @@ struct AttentionShape {
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define TURBO_CPU_X86 1
+// Compile the functions that follow for the instruction set `isa` (a target string),
+// up to TURBO_END_TARGET.
+#define TURBO_PRAGMA(x) _Pragma(#x)
+#if defined(__clang__)
+#define TURBO_BEGIN_TARGET(isa) \
+  TURBO_PRAGMA(clang attribute push(__attribute__((target(isa))), apply_to = function))
+#define TURBO_END_TARGET TURBO_PRAGMA(clang attribute pop)
+#else
+#define TURBO_BEGIN_TARGET(isa) TURBO_PRAGMA(GCC push_options) TURBO_PRAGMA(GCC target(isa))
+#define TURBO_END_TARGET TURBO_PRAGMA(GCC pop_options)
+#endif
 #include <immintrin.h>  // before the pragmas, like every header
 
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
-#endif
+TURBO_BEGIN_TARGET("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c")
 namespace avx512 {
 // 32 vector registers: an 8-row x 2-panel tile keeps 16 accumulators in registers.
 constexpr int kVectorWidth = 16, kTileRows = 8, kTilePanels = 2;
@@ -64,20 +70,11 @@ constexpr bool kVnni = false;
 #include "cpu/block_kernels.h"
 #include "cpu/tensor_kernels.h"
 }  // namespace avx512
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+TURBO_END_TARGET
 
 // AVX-512 with VNNI (vpdpbusd): the same kernels, and the GGUF block kernels' integer dot
 // products (cpu/block_kernels.h). Never AMX: its tiles need the OS's permission.
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")
-#endif
+TURBO_BEGIN_TARGET("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")
 namespace avx512vnni {
 constexpr int kVectorWidth = 16, kTileRows = 8, kTilePanels = 2;
 constexpr bool kVnni = true;
@@ -85,18 +82,9 @@ constexpr bool kVnni = true;
 #include "cpu/block_kernels.h"
 #include "cpu/tensor_kernels.h"
 }  // namespace avx512vnni
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+TURBO_END_TARGET
 
-#if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
-#else
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-#endif
+TURBO_BEGIN_TARGET("avx2,fma,f16c")
 namespace avx2 {
 // 16 vector registers: a 6-row x 1-panel tile keeps 12 accumulators in registers.
 constexpr int kVectorWidth = 8, kTileRows = 6, kTilePanels = 1;
@@ -105,11 +93,7 @@ constexpr bool kVnni = false;
 #include "cpu/block_kernels.h"
 #include "cpu/tensor_kernels.h"
 }  // namespace avx2
-#if defined(__clang__)
-#pragma clang attribute pop
-#else
-#pragma GCC pop_options
-#endif
+TURBO_END_TARGET
 #endif  // x86-64
 
 // Any CPU: the compiler's baseline (SSE2 on x86-64, NEON on aarch64).

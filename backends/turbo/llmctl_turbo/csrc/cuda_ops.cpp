@@ -174,26 +174,21 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
     paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale);
     return;
   }
+  // The prefill kernels take the same arguments; the SIMT one also an int8 cache's scales.
+  const auto launch = [&](auto kernel, const char* name, auto... scales) {
+    check_launch(kernel(dtype, out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0),
+                        k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr<int32_t>(),
+                        block_tables.stride(0), query_start_loc.data_ptr<int32_t>(),
+                        context_lens.data_ptr<int32_t>(), context_lens.size(0), q.size(0),
+                        q.size(1), k_cache.size(2), head_dim, k_cache.size(1),
+                        static_cast<float>(scale), scales..., stream_of(q)),
+                 name);
+  };
   if (vectorised && turbo_cuda_prefill_supported(dtype, head_dim) && has_sm80(q)) {
-    check_launch(turbo_cuda_paged_prefill_attention(
-                     dtype, out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0),
-                     k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr<int32_t>(),
-                     block_tables.stride(0), query_start_loc.data_ptr<int32_t>(),
-                     context_lens.data_ptr<int32_t>(), context_lens.size(0), q.size(0),
-                     q.size(1), k_cache.size(2), head_dim, k_cache.size(1),
-                     static_cast<float>(scale), stream_of(q)),
-                 "paged_prefill_attention");
-    return;
+    launch(turbo_cuda_paged_prefill_attention, "paged_prefill_attention");
+  } else {
+    launch(turbo_cuda_paged_attention, "paged_attention", scales_of(k_scale), scales_of(v_scale));
   }
-  check_launch(turbo_cuda_paged_attention(
-                   dtype, out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0),
-                   k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr<int32_t>(),
-                   block_tables.stride(0), query_start_loc.data_ptr<int32_t>(),
-                   context_lens.data_ptr<int32_t>(), context_lens.size(0), q.size(0),
-                   q.size(1), k_cache.size(2), head_dim, k_cache.size(1),
-                   static_cast<float>(scale), scales_of(k_scale), scales_of(v_scale),
-                   stream_of(q)),
-               "paged_attention");
 }
 
 // Decode-sized batches stream the int8 weight through turbo_cuda_int8_linear, which

@@ -117,14 +117,19 @@ at::Tensor scale_or_empty(const std::optional<at::Tensor>& scale) {
   return scale.has_value() ? *scale : at::Tensor();
 }
 
-void linear_op(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
-               const at::Tensor& bias, const std::optional<at::Tensor>& weight_scale) {
-  const at::Tensor scale = scale_or_empty(weight_scale);
+// A linear op's input and output rows: x [rows, in_features], out [rows, out_features].
+void check_linear_rows(const at::Tensor& out, const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2, "x must be [rows, in_features], got shape ", x.sizes());
   check_float_rows(x, "x", x);
   check_float_rows(out, "out", x);
   TORCH_CHECK(out.size(0) == x.size(0), "out must have x's ", x.size(0), " rows, got ",
               out.sizes());
+}
+
+void linear_op(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
+               const at::Tensor& bias, const std::optional<at::Tensor>& weight_scale) {
+  const at::Tensor scale = scale_or_empty(weight_scale);
+  check_linear_rows(out, x);
   check_linear_weight(weight, {"weight"}, x, x.size(1), out.size(1), 1, scale);
   if (bias.numel() != 0) {
     check_tensor(bias, "bias", x.scalar_type(), 1, x);
@@ -137,11 +142,7 @@ void linear_op(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
 void linear_silu_mul_op(at::Tensor out, const at::Tensor& x, const at::Tensor& gate_up,
                         const std::optional<at::Tensor>& weight_scale) {
   const at::Tensor scale = scale_or_empty(weight_scale);
-  TORCH_CHECK(x.dim() == 2, "x must be [rows, in_features], got shape ", x.sizes());
-  check_float_rows(x, "x", x);
-  check_float_rows(out, "out", x);
-  TORCH_CHECK(out.size(0) == x.size(0), "out must have x's ", x.size(0), " rows, got ",
-              out.sizes());
+  check_linear_rows(out, x);
   check_linear_weight(gate_up, {"gate_up"}, x, x.size(1), 2 * out.size(1), 2, scale);
   at::Tensor buffer;
   linear_silu_mul(out, x, gate_up, scale, buffer);
