@@ -47,6 +47,14 @@ def dequantized(rows: torch.Tensor, name: str) -> torch.Tensor:
     return torch.from_numpy(dequantize(rows.numpy(), GGMLQuantizationType[name]))
 
 
+def magnitude_tolerance(tolerance: dict, expected: torch.Tensor) -> dict:
+    """``tolerance`` (a dtype's rtol / atol) with its absolute part scaled to the outputs'
+    magnitude (sums of hundreds of order-1 products), so that it bounds summation order
+    and the output's rounding, not the size of K."""
+    scale = max(1.0, expected.abs().max().item())
+    return dict(rtol=tolerance["rtol"], atol=tolerance["atol"] * scale)
+
+
 def reference_linear(x: torch.Tensor, rows: torch.Tensor, name: str, bias=None) -> torch.Tensor:
     """x @ dequantize(rows)^T (+ bias) in float64."""
     out = x.double() @ dequantized(rows, name).double().T

@@ -267,21 +267,13 @@ GGUF_LEGACY_SHAPES = [(1, 7, 96), (2, 13, 32), (3, 33, 160), (5, 9, 352), (8, 16
 GGUF_K_SHAPES = [(1, 7, 256), (4, 13, 768), (8, 5, 512), (20, 3, 256)]
 
 
-def gguf_tolerance(dtype, expected: torch.Tensor) -> dict:
-    """The dtype's tolerance, its absolute part scaled to the outputs' magnitude (sums of
-    hundreds of products of order-1 terms), so it bounds summation order and the output
-    rounding, not the size of K."""
-    tol = TOLERANCE[dtype]
-    return dict(rtol=tol["rtol"], atol=tol["atol"] * max(1.0, expected.abs().max().item()))
-
-
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gguf_linear_against_dequantized_matmul(emulated, name, dtype):
     """Every block type and activation dtype against float64 x @ dequantize(w)^T on fresh
     random blocks; x contiguous (4-element loads) and a strided view 3 columns in (the
     element-wise path), with and without a bias."""
-    from tests.helpers.gguf_blocks import random_gguf_rows, reference_linear
+    from tests.helpers.gguf_blocks import magnitude_tolerance, random_gguf_rows, reference_linear
 
     ggml_type = GGMLQuantizationType[name].value
     shapes = GGUF_K_SHAPES if name.endswith("_K") else GGUF_LEGACY_SHAPES
@@ -297,7 +289,9 @@ def test_gguf_linear_against_dequantized_matmul(emulated, name, dtype):
                 assert vectorized == (x.data_ptr() % (4 * x.element_size()) == 0)
                 expected = reference_linear(x, weight, name, b)
                 torch.testing.assert_close(
-                    out.double(), expected.to(dtype).double(), **gguf_tolerance(dtype, expected)
+                    out.double(),
+                    expected.to(dtype).double(),
+                    **magnitude_tolerance(TOLERANCE[dtype], expected),
                 )
 
 
