@@ -51,7 +51,8 @@ def _sources() -> list[Path]:
 
 def _library_path() -> Path:
     digest = hashlib.sha256()
-    for path in sorted(CUDA_DIR.iterdir()) + sorted(HERE.glob("*.[ch]*")):
+    # The .cu files include gguf_types.h from CSRC too.
+    for path in sorted(CUDA_DIR.iterdir()) + [CSRC / "gguf_types.h"] + sorted(HERE.glob("*.[ch]*")):
         digest.update(path.name.encode() + path.read_bytes())
     return cache_dir() / "turbo-emulator" / digest.hexdigest()[:16] / "libturbo_emulated.so"
 
