@@ -259,12 +259,15 @@ def test_int8_linear_against_dequantized_matmul(emulated, dtype):
 # quantization=gguf on CUDA: the decode GEMV over a GGUF file's blocks as stored, and the
 # dequantization prompts take, against gguf.quants' dequantization (float64 product).
 
-# (rows, features, in_features per 32-weight block type): 1-8 rows (one partial tile), 9
-# and 20 (several tiles); features that leave partial warp and block tiles; K not a
-# multiple of a warp's 256 (Q8_0) or 128 (Q4) weights per step.
-GGUF_LEGACY_SHAPES = [(1, 7, 96), (2, 13, 32), (3, 33, 160), (5, 9, 352), (8, 16, 64), (9, 3, 96)]
-# K-quants: blocks of 256; Q6_K's warp step is 512 weights, so 768 leaves a partial one.
-GGUF_K_SHAPES = [(1, 7, 256), (4, 13, 768), (8, 5, 512), (20, 3, 256)]
+# (rows, features, in_features): 1-8 rows (one partial tile of 8), 9 and 20 (several);
+# odd feature counts (partial tiles of 2); K from less than a warp's chunks to more than
+# the thread block's 128 (a partial second pass: Q8_0 / Q4 take 8 weights a chunk, so
+# 1056 is 132 chunks), never a multiple of the block's step.
+GGUF_LEGACY_SHAPES = [
+    (1, 7, 96), (2, 13, 32), (3, 33, 160), (5, 9, 1056), (8, 16, 64), (9, 3, 352), (20, 5, 2080)
+]  # fmt: skip
+# K-quants: blocks of 256, 32 chunks each (Q6_K: 16), so 2304 is 288 (144) chunks.
+GGUF_K_SHAPES = [(1, 7, 256), (4, 13, 768), (8, 5, 2304), (20, 3, 512)]
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])

@@ -7,10 +7,13 @@
 // Decode is bound by reading the weight, so the weight is read once per tile of up to
 // kMaxRows activation rows and dequantized in registers: the design of llama.cpp's
 // mul_mat_vec_q, without its quantization of the activations to 8 bits (this kernel's
-// result is the dequantized matrix's product up to fp32 summation order). The lanes of a
-// warp take consecutive chunks of a row (a few bytes each: llama.cpp's split of a block
-// across threads), so a warp's loads are contiguous. Blocks of 18, 34 and 210 bytes leave
-// rows only 2-byte aligned, so the quants are read 16 bits at a time.
+// result is the dequantized matrix's product up to fp32 summation order). A thread block
+// serves kFeatures output features; its threads take consecutive chunks of a row (a few
+// bytes each: llama.cpp's split of a block across threads), so loads are contiguous, and
+// all its warps share the row (split K, summed through shared memory at the end): a 4-bit
+// row of a few thousand weights is only a few hundred threads' worth of chunks, and the
+// more warps stream it, the more bytes are in flight. Blocks of 18, 34 and 210 bytes
+// leave rows only 2-byte aligned, so the quants are read 16 bits at a time.
 #include "../gguf_types.h"
 #include "common.cuh"
 
@@ -18,8 +21,10 @@ namespace turbo_cuda {
 namespace {
 
 constexpr int kWarpsPerBlock = 4;
-constexpr int kFeatures = 2;  // output features per warp
+constexpr int kThreads = kWarpsPerBlock * kWarp;
+constexpr int kFeatures = 2;  // output features per thread block
 constexpr int kMaxRows = 8;   // activation rows per tile (a thread block serves one tile)
+static_assert(kMaxRows * kFeatures <= kThreads, "one thread writes each output of a tile");
 
 // Four bytes at a 2-byte aligned address (byte i in bits 8i..8i+7).
 __device__ __forceinline__ uint32_t load_u32(const uint8_t* p) {
@@ -191,27 +196,26 @@ __device__ __forceinline__ void load4(const T* p, float (&out)[4]) {
   }
 }
 
-// Grid: (feature tiles of kWarpsPerBlock * kFeatures, row tiles of kMaxRows).
+// Grid: (feature tiles of kFeatures, row tiles of kMaxRows).
 template <typename T, typename F, bool kVector>
 // A block count of 1 lifts the 64-register budget ptxas picks for sm_80 without it (Q5_K
 // spilled there); occupancy comes from the grid's many blocks, not from registers.
-__global__ void __launch_bounds__(kWarpsPerBlock * kWarp, 1)
+__global__ void __launch_bounds__(kThreads, 1)
     gguf_linear_kernel(T* out, int64_t out_stride, const T* x, int64_t x_stride,
                        const uint8_t* weight, const T* bias, int64_t rows, int64_t features,
                        int64_t in_features) {
+  __shared__ float partial[kWarpsPerBlock][kMaxRows][kFeatures];
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const int64_t first_feature =
-      (static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + warp) * kFeatures;
+  const int64_t first_feature = static_cast<int64_t>(blockIdx.x) * kFeatures;
   const int64_t first_row = static_cast<int64_t>(blockIdx.y) * kMaxRows;
   const int tile_rows = static_cast<int>(min(static_cast<int64_t>(kMaxRows), rows - first_row));
-  if (first_feature >= features) return;  // whole warps only: the shuffles below stay full
   const int tile_features =
       static_cast<int>(min(static_cast<int64_t>(kFeatures), features - first_feature));
   const int64_t blocks = in_features / F::kWeights, row_bytes = blocks * F::kBytes;
   const int64_t chunks = blocks * F::kChunks;
 
   float acc[kMaxRows][kFeatures] = {};
-  for (int64_t chunk = lane; chunk < chunks; chunk += kWarp) {
+  for (int64_t chunk = threadIdx.x; chunk < chunks; chunk += kThreads) {
     const int64_t block = chunk / F::kChunks;
     const int c = static_cast<int>(chunk % F::kChunks);
     float w[kFeatures][4 * F::kRuns];
@@ -240,18 +244,25 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp, 1)
       }
     }
   }
+  // Each warp's sums, then the warps' sums: thread (r, f) adds them in warp order.
 #pragma unroll
   for (int r = 0; r < kMaxRows; ++r) {
     if (r >= tile_rows) break;
 #pragma unroll
     for (int f = 0; f < kFeatures; ++f) {
       const float sum = warp_sum(acc[r][f]);
-      const int64_t n = first_feature + f;
-      if (lane == 0 && f < tile_features) {
-        const float value = sum + (bias == nullptr ? 0.f : to_float(bias[n]));
-        out[(first_row + r) * out_stride + n] = from_float<T>(value);
-      }
+      if (lane == 0) partial[warp][r][f] = sum;
     }
+  }
+  __syncthreads();
+  const int r = threadIdx.x / kFeatures, f = threadIdx.x % kFeatures;
+  if (r < tile_rows && f < tile_features) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarpsPerBlock; ++w) sum += partial[w][r][f];
+    const int64_t n = first_feature + f;
+    const float value = sum + (bias == nullptr ? 0.f : to_float(bias[n]));
+    out[(first_row + r) * out_stride + n] = from_float<T>(value);
   }
 }
 
@@ -278,11 +289,11 @@ cudaError_t launch_linear(int dtype, void* out, int64_t out_stride, const void* 
                           int64_t x_stride, const uint8_t* weight, const void* bias,
                           int64_t rows, int64_t features, int64_t in_features, bool vector,
                           cudaStream_t stream) {
-  const dim3 grid(blocks_for(features, kWarpsPerBlock * kFeatures), blocks_for(rows, kMaxRows));
+  const dim3 grid(blocks_for(features, kFeatures), blocks_for(rows, kMaxRows));
   TURBO_CUDA_DISPATCH(
       dtype,
       const auto kernel = vector ? gguf_linear_kernel<T, F, true> : gguf_linear_kernel<T, F, false>;
-      TURBO_LAUNCH(kernel, grid, kWarpsPerBlock * kWarp, 0, stream)(
+      TURBO_LAUNCH(kernel, grid, kThreads, 0, stream)(
           static_cast<T*>(out), out_stride, static_cast<const T*>(x), x_stride, weight,
           static_cast<const T*>(bias), rows, features, in_features));
 }
@@ -290,10 +301,11 @@ cudaError_t launch_linear(int dtype, void* out, int64_t out_stride, const void* 
 template <typename F>
 cudaError_t launch_dequantize(int dtype, void* out, const uint8_t* weight, int64_t features,
                               int64_t in_features, cudaStream_t stream) {
-  constexpr int kThreads = 256;
+  constexpr int kDequantizeThreads = 256;
   const int64_t chunks = features * (in_features / F::kWeights) * F::kChunks;
   TURBO_CUDA_DISPATCH(dtype, TURBO_LAUNCH((gguf_dequantize_kernel<T, F>),
-                                          blocks_for(chunks, kThreads), kThreads, 0, stream)(
+                                          blocks_for(chunks, kDequantizeThreads), kDequantizeThreads, 0,
+                                          stream)(
                                  static_cast<T*>(out), weight, chunks));
 }
 
