@@ -108,15 +108,16 @@ def test_turbo_takes_int8_weights_on_cpu_and_cuda(builtins, hardware):
     assert turbo.option_errors(both, hardware) == {}
 
 
-def test_gguf_runs_on_turbo_cpu_only_and_torch_refuses_it(builtins):
-    """quantization=gguf: turbo's block kernels are CPU ones (float32 / bfloat16) and need
-    a GGUF file; torch has none and says so."""
+def test_gguf_runs_on_turbo_and_torch_refuses_it(builtins):
+    """quantization=gguf: turbo's CPU block kernels take float32 / bfloat16, its CUDA
+    kernel every dtype, and both need a GGUF file; torch has none and says so."""
     turbo, torch_backend = builtins["turbo"], builtins["torch"]
     gguf = {"quantization": "gguf", "device": "auto", "model": "/models/m.Q4_1.gguf"}
     assert turbo.option_errors(gguf, CPU) == {}
-    assert "CPU only" in turbo.option_errors(gguf, HOPPER)["quantization"]
     half = {**gguf, "dtype": "float16"}
     assert "not float16" in turbo.option_errors(half, CPU)["quantization"]
+    for dtype in ("auto", "bfloat16", "float16"):
+        assert turbo.option_errors({**gguf, "dtype": dtype}, HOPPER) == {}
     directory = {**gguf, "model": "/models/some-hf-checkpoint"}
     assert "is not one" in turbo.option_errors(directory, CPU)["quantization"]
     assert "no kernels for GGUF blocks" in torch_backend.option_errors(gguf, CPU)["quantization"]

@@ -14,14 +14,16 @@ from llmctl.model.config import ModelConfig
 BLOCK = 64
 
 
-def turbo_runner(path: Path, quantization: str, tokens: int, dtype: str = "float32"):
+def turbo_runner(
+    path: Path, quantization: str, tokens: int, dtype: str = "float32", device: str = "cpu"
+):
     from llmctl_turbo.runner import TurboModelRunner
 
     return TurboModelRunner(
         path,
         ModelConfig.from_dir(path),
         dtype=dtype,
-        device="cpu",
+        device=device,
         block_size=BLOCK,
         num_blocks=-(-tokens // BLOCK),
         quantization=quantization,

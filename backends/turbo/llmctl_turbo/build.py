@@ -46,6 +46,7 @@ CUDA_SOURCES = (
     "cuda/simt_attention.cu",
     "cuda/elementwise.cu",
     "cuda/int8_linear.cu",
+    "cuda/gguf_linear.cu",
 )
 # -fno-trapping-math lets loops with a clamp or a max vectorise; results are unchanged.
 # -ffp-contract=fast lets a multiply and an add become one FMA (the ISO modes forbid it).

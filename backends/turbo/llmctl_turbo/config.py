@@ -52,13 +52,8 @@ def int8_weights_problem(device: str, dtype: str) -> str | None:
 
 def gguf_blocks_problem(device: str, dtype: str) -> str | None:
     """Why turbo cannot run a GGUF file's blocks on ``device`` in ``dtype`` (``None``: it
-    can). Its block kernels are CPU ones, with float32 or bfloat16 activations."""
-    if device == "cuda":
-        return (
-            "turbo's GGUF block kernels run on the CPU only; on CUDA use quantization none "
-            "(the blocks dequantized at load) or int8"
-        )
-    if dtype == "float16":
+    can). Its CUDA kernel takes every model dtype; its CPU ones float32 or bfloat16."""
+    if device != "cuda" and dtype == "float16":
         return (
             "turbo's GGUF block kernels take float32 or bfloat16 activations, not float16; "
             "use --dtype float32 or bfloat16"
@@ -124,9 +119,12 @@ RULES = (
     OptionRule(
         "quantization",
         "`int8` on CUDA (any dtype) and on CPU (turbo's CPU kernels, float32 or bfloat16 "
-        "activations); `gguf` on CPU for a GGUF file: Q8_0, Q4_0 and Q4_1 matrices run as "
-        "their blocks (int8 activations per 32-block, AVX-512 VNNI where the CPU has it), "
-        "other types dequantized to `dtype`; not on CUDA, not float16",
+        "activations); `gguf` for a GGUF file: on CPU Q8_0, Q4_0 and Q4_1 matrices run as "
+        "their blocks (int8 activations per 32-block, AVX-512 VNNI where the CPU has it; "
+        "float32 or bfloat16, not float16); on CUDA (any dtype) those and Q4_K, Q5_K, Q6_K "
+        "run as the file's blocks in a decode GEMV (prompts: dequantized per layer for "
+        "cuBLAS) and the embedding table is dequantized to `dtype`; other types are "
+        "dequantized to `dtype`",
         quantization_problem,
     ),
     OptionRule(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -29,16 +30,18 @@ BLOCK_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
 Weight = torch.Tensor | GGUFBlocks
 
 
-def load_gguf_weights(model_path: str | Path, dtype: torch.dtype) -> dict[str, Weight]:
-    """The file's tensors: those of ``BLOCK_TYPES`` as ``GGUFBlocks``, the rest dequantized
-    to ``dtype`` on the CPU."""
+def load_gguf_weights(
+    model_path: str | Path, dtype: torch.dtype, keep_types: Collection[str] = tuple(BLOCK_TYPES)
+) -> dict[str, Weight]:
+    """The file's tensors: those of ``keep_types`` (the CPU kernels' ``BLOCK_TYPES`` unless
+    told) as ``GGUFBlocks``, the rest dequantized to ``dtype`` on the CPU."""
     path = gguf_file(model_path)
     if path is None:
         raise ModelError(
             f"quantization=gguf runs the blocks of a GGUF file, and {model_path} is not one; "
             "use quantization none or int8 for a Hugging Face checkpoint"
         )
-    return dict(open_gguf(path).iter_weights(dtype, "cpu", keep_types=tuple(BLOCK_TYPES)))
+    return dict(open_gguf(path).iter_weights(dtype, "cpu", keep_types=keep_types))
 
 
 class BlockPacker:

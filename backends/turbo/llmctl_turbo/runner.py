@@ -40,6 +40,7 @@ from llmctl_turbo.config import (
     mlp_bias_problem,
     quantized_kv_problem,
 )
+from llmctl_turbo.gguf_cuda import CudaBlockPlacer, load_cuda_gguf_weights
 from llmctl_turbo.gguf_weights import BlockPacker, load_gguf_weights
 from llmctl_turbo.rope import model_cos_sin_cache
 
@@ -60,10 +61,12 @@ def prepare_weights(
     ``quantization="int8"`` quantizes the layers' matrices as the torch backend does
     (``llmctl.engine.quant``) and logs what that saved; packed for the CPU kernels, left
     as int8 ``[out, in]`` matrices with float32 scales ``[out]`` for the CUDA ones. The
-    embeddings and the LM head keep the model dtype. ``quantization="gguf"`` (CPU only):
-    ``weights`` holds a GGUF file's block matrices as ``GGUFBlocks``, packed as blocks
-    (``llmctl_turbo.gguf_weights``), the LM head included; the embedding table stays the
-    file's rows, dequantized per looked-up token.
+    embeddings and the LM head keep the model dtype. ``quantization="gguf"``: ``weights``
+    holds a GGUF file's block matrices as ``GGUFBlocks``, packed as blocks for the CPU
+    kernels (``llmctl_turbo.gguf_weights``), the LM head included, the embedding table
+    the file's rows, dequantized per looked-up token; on CUDA (the device of the other
+    weights) kept as the file's rows and the embedding table dequantized
+    (``llmctl_turbo.gguf_cuda``).
     """
     if config.architecture not in LLAMA_FAMILY:
         raise ModelError(
@@ -83,7 +86,14 @@ def prepare_weights(
         return load_ops().pack_linear_weight(tensor, groups) if pack else tensor
 
     final_norm = take("model.norm.weight")
-    blocks = BlockPacker(final_norm.dtype) if quantization == "gguf" else None
+    blocks = None
+    if quantization == "gguf":
+        on_cuda = final_norm.device.type == "cuda"
+        blocks = (
+            CudaBlockPlacer(final_norm.dtype, final_norm.device)
+            if on_cuda
+            else BlockPacker(final_norm.dtype)
+        )
     embed_weight = take("model.embed_tokens.weight")
     lm_head = embed_weight if config.tie_word_embeddings else take("lm_head.weight")
     embed = blocks.embedding_table(embed_weight) if blocks else embed_weight
@@ -165,8 +175,9 @@ class TurboModelRunner(PagedRunner):
     ``cpu_threads`` sizes the native kernels' thread pool (and torch's) on the CPU.
     ``quantization="int8"`` runs the layers' matrices as int8 in turbo's kernels (CPU:
     packed, float32 or bfloat16 activations; CUDA: any model dtype);
-    ``quantization="gguf"`` runs a GGUF file's Q8_0 / Q4_0 / Q4_1 matrices as their
-    blocks in turbo's CPU block kernels (``llmctl_turbo.gguf_weights``).
+    ``quantization="gguf"`` runs a GGUF file's quantized matrices as their blocks: Q8_0 /
+    Q4_0 / Q4_1 in turbo's CPU block kernels (``llmctl_turbo.gguf_weights``), those and
+    Q4_K / Q5_K / Q6_K in its CUDA kernel (``llmctl_turbo.gguf_cuda``).
     ``kv_cache_dtype="int8"`` keeps the KV cache as int8 with a float32 scale per token
     and KV head (the torch backend's bytes), read by those kernels too.
     """
@@ -199,7 +210,9 @@ class TurboModelRunner(PagedRunner):
                 raise ModelError(problem)
         if self.device.type == "cpu":
             ops.set_cpu_threads(self.cpu_threads)
-        if quantization == "gguf":
+        if quantization == "gguf" and self.device.type == "cuda":
+            weights = load_cuda_gguf_weights(model_dir, self.dtype, self.device)
+        elif quantization == "gguf":
             weights = load_gguf_weights(model_dir, self.dtype)
         else:
             weights = load_weights(model_dir, self.dtype, self.device)

@@ -35,6 +35,7 @@ def test_cuda_sources_are_found_and_built():
         "simt_attention.cu",
         "elementwise.cu",
         "int8_linear.cu",
+        "gguf_linear.cu",
     }
     assert {f"cuda/{name}" for name in names} <= set(CUDA_SOURCES)  # build.py compiles each
 

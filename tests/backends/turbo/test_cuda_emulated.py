@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 
 from llmctl.engine.quant import dequantize_kv, quantize_kv
 from tests.backends.turbo.kernel_checks import (
@@ -252,6 +253,75 @@ def test_int8_linear_against_dequantized_matmul(emulated, dtype):
                 if b is not None:
                     expected += b.float()
                 torch.testing.assert_close(out, expected.to(dtype), **TOLERANCE[dtype])
+
+
+# ------------------------------------------------------------------ GGUF blocks
+# quantization=gguf on CUDA: the decode GEMV over a GGUF file's blocks as stored, and the
+# dequantization prompts take, against gguf.quants' dequantization (float64 product).
+
+# (rows, features, in_features): 1-8 rows (one partial tile of 8), 9 and 20 (several);
+# odd feature counts (partial tiles of 2); K from less than a warp's chunks to more than
+# the thread block's 128 (a partial second pass: Q8_0 / Q4 take 8 weights a chunk, so
+# 1056 is 132 chunks), never a multiple of the block's step.
+GGUF_LEGACY_SHAPES = [
+    (1, 7, 96), (2, 13, 32), (3, 33, 160), (5, 9, 1056), (8, 16, 64), (9, 3, 352), (20, 5, 2080)
+]  # fmt: skip
+# K-quants: blocks of 256, 32 chunks each (Q6_K: 16), so 2304 is 288 (144) chunks.
+GGUF_K_SHAPES = [(1, 7, 256), (4, 13, 768), (8, 5, 2304), (20, 3, 512)]
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gguf_linear_against_dequantized_matmul(emulated, name, dtype):
+    """Every block type and activation dtype against float64 x @ dequantize(w)^T on fresh
+    random blocks; x contiguous (4-element loads) and a strided view 3 columns in (the
+    element-wise path), with and without a bias."""
+    from tests.helpers.gguf_blocks import magnitude_tolerance, random_gguf_rows, reference_linear
+
+    ggml_type = GGMLQuantizationType[name].value
+    shapes = GGUF_K_SHAPES if name.endswith("_K") else GGUF_LEGACY_SHAPES
+    generator = torch.Generator().manual_seed(ggml_type)
+    for i, (rows, features, in_features) in enumerate(shapes):
+        weight = random_gguf_rows(name, features, in_features, seed=100 * ggml_type + i)
+        bias = torch.randn(features, generator=generator).to(dtype)
+        padded = torch.randn(rows, in_features + 8, generator=generator).to(dtype)
+        for x in (padded[:, :in_features].contiguous(), padded[:, 3 : 3 + in_features]):
+            for b in (None, bias) if i % 2 else (None,):
+                out = poisoned(rows, features, dtype=dtype)
+                vectorized = emulated.gguf_linear(out, x, weight, ggml_type, b)
+                assert vectorized == (x.data_ptr() % (4 * x.element_size()) == 0)
+                expected = reference_linear(x, weight, name, b)
+                torch.testing.assert_close(
+                    out.double(),
+                    expected.to(dtype).double(),
+                    **magnitude_tolerance(TOLERANCE[dtype], expected),
+                )
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_dequantize_is_gguf_quants(emulated, name):
+    """The prompt path's dequantization holds gguf.quants' fp32 values (rounded once to
+    bf16 in bf16)."""
+    from tests.helpers.gguf_blocks import dequantized, random_gguf_rows
+
+    ggml_type = GGMLQuantizationType[name].value
+    in_features = 512 if name.endswith("_K") else 96
+    weight = random_gguf_rows(name, 5, in_features, seed=ggml_type)
+    want = dequantized(weight, name)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = poisoned(5, in_features, dtype=dtype)
+        emulated.gguf_dequantize(out, weight, ggml_type)
+        torch.testing.assert_close(out, want.to(dtype), rtol=1e-6, atol=1e-7)
+
+
+def test_gguf_linear_refuses_what_it_cannot_read(emulated):
+    """An unknown type, and K not a whole number of blocks, are errors, not wrong sums."""
+    weight = torch.zeros(4, 34, dtype=torch.uint8)
+    x, out = torch.randn(1, 32), torch.empty(1, 4)
+    with pytest.raises(RuntimeError, match="cudaError"):
+        emulated.gguf_linear(out, x, weight, GGMLQuantizationType.Q5_0.value)
+    with pytest.raises(RuntimeError, match="cudaError"):
+        emulated.gguf_linear(out, torch.randn(1, 48), weight, GGMLQuantizationType.Q8_0.value)
 
 
 # ------------------------------------------------------------------ int8 KV cache

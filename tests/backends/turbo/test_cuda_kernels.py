@@ -122,6 +122,37 @@ def test_row_ops_vectorised_and_scalar(cuda_ops, dtype, dim):
     torch.testing.assert_close(out, expected.to(dtype), **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gguf_linear_against_dequantized_matmul(cuda_ops, name, dtype):
+    """turbo's linear op over GGUF rows on CUDA: the decode GEMV (1-20 rows, x contiguous
+    and strided) and, from 33 rows, the dequantize + cuBLAS path, against float64
+    x @ dequantize(w)^T on fresh random blocks."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from tests.helpers.gguf_blocks import magnitude_tolerance, random_gguf_rows, reference_linear
+
+    kind = GGMLQuantizationType[name]
+    block_bytes = GGML_QUANT_SIZES[kind][1]
+    shapes = [(1, 7, 768), (8, 4099, 1024), (20, 33, 256), (40, 300, 512)]
+    generator = torch.Generator().manual_seed(kind.value)
+    for i, (rows, features, in_features) in enumerate(shapes):
+        weight = random_gguf_rows(name, features, in_features, seed=kind.value * 10 + i)
+        bias = torch.randn(features, generator=generator).to(dtype)
+        padded = torch.randn(rows, in_features + 8, generator=generator).to(dtype)
+        for x in (padded[:, :in_features].contiguous(), padded[:, 3 : 3 + in_features]):
+            for b in (bias, torch.empty(0, dtype=dtype)):
+                out = poisoned(rows, features, dtype=dtype)
+                blocks = weight.view(features, -1, block_bytes)
+                on_device(cuda_ops.linear)(out, x, blocks, b, None)
+                expected = reference_linear(x, weight, name, b if b.numel() else None)
+                torch.testing.assert_close(
+                    out.double(),
+                    expected.to(dtype).double(),
+                    **magnitude_tolerance(TOLERANCE[dtype], expected),
+                )
+
+
 @pytest.mark.parametrize("block_size", [32, 96])
 def test_native_step_on_gpu_matches_transformers(cuda_ops, stories_dir, block_size):
     check_against_transformers(stories_dir, block_size, device="cuda")

@@ -58,6 +58,18 @@ void check_linear_weight(const at::Tensor& w, WeightName name, const at::Tensor&
                          const at::Tensor& scale) {
   const bool int8 = w.scalar_type() == at::kChar;
   const bool scaled = scale.defined() && scale.numel() != 0;
+  if (w.scalar_type() == at::kByte && w.is_cuda()) {  // GGUF rows as stored (kernels.h)
+    const GgufBlockType* type = w.dim() == 3 ? cuda_gguf_type_of_block(w.size(2)) : nullptr;
+    TORCH_CHECK(type != nullptr && w.is_contiguous() && w.device() == like.device() &&
+                    w.size(0) == features && w.size(1) * type->weights == in_features,
+                name, " is uint8 on CUDA, so it must be a GGUF matrix's rows as stored: a "
+                "contiguous [", features, ", blocks, block bytes] tensor of Q8_0 (34), Q4_0 "
+                "(18), Q4_1 (20), Q4_K (144), Q5_K (176) or Q6_K (210) blocks for ",
+                in_features, " inputs on ", like.device(), ", got ", w.sizes(), " on ",
+                w.device());
+    TORCH_CHECK(!scaled, name, " is GGUF blocks: their scales are inside (pass none)");
+    return;
+  }
   if (w.scalar_type() == at::kByte) {  // GGUF blocks (pack_gguf_weight)
     const int64_t panels = groups * ((features / groups + kPanelWidth - 1) / kPanelWidth);
     const int64_t scale_bytes = kGgufScaleBytes;

@@ -6,6 +6,7 @@
 
 #include <ostream>
 
+#include "gguf_types.h"
 #include "kernels.h"
 
 namespace turbo {
@@ -32,14 +33,19 @@ std::ostream& operator<<(std::ostream& out, const WeightName& weight);
 // `like`'s (checked) dtype and device: the checkpoint's [out, in] matrix with contiguous rows, or
 // that matrix packed by pack_linear_weight (kernels.h) for the CPU kernels; or int8 with
 // `scale` its float32 scales: packed on the CPU, a contiguous [out, in] matrix on CUDA.
-// `scale` is empty (or undefined) for float weights. Or GGUF blocks (uint8, CPU only)
-// packed by pack_gguf_weight, with no `scale`.
+// `scale` is empty (or undefined) for float weights. Or GGUF blocks (uint8) with no
+// `scale`: packed by pack_gguf_weight on the CPU, the file's rows on CUDA (kernels.h).
 void check_linear_weight(const at::Tensor& w, WeightName name, const at::Tensor& like,
                          int64_t in_features, int64_t features, int64_t groups,
                          const at::Tensor& scale);
 
-// A linear weight's input features: size(1), or blocks x 32 for GGUF blocks (uint8).
+// A linear weight's input features: size(1), or blocks x 32 for GGUF blocks (uint8),
+// blocks x the type's block weights for GGUF rows on CUDA (a type unknown there: 0).
 inline int64_t linear_in_features(const at::Tensor& w) {
+  if (w.scalar_type() == at::kByte && w.is_cuda()) {
+    const GgufBlockType* type = w.dim() == 3 ? cuda_gguf_type_of_block(w.size(2)) : nullptr;
+    return type == nullptr ? 0 : w.size(1) * type->weights;
+  }
   return w.scalar_type() == at::kByte ? w.size(1) * kGgufBlock : w.size(1);
 }
 

@@ -12,6 +12,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "cuda/turbo_cuda.h"
+#include "gguf_types.h"
 #include "kernels.h"
 
 namespace turbo::cuda {
@@ -218,6 +219,34 @@ void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                                       scale.data_ptr<float>(), has_bias ? bias.data_ptr() : nullptr,
                                       x.size(0), out.size(1), x.size(1), stream_of(x)),
                "int8_linear");
+}
+
+// The same split for GGUF rows (quantization=gguf): decode-sized batches, and every batch
+// a CUDA graph captures, stream the blocks through turbo_cuda_gguf_linear; larger eager
+// batches dequantize the matrix into a temporary in the activation dtype for cuBLAS.
+void gguf_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                 const at::Tensor& bias) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const bool has_bias = bias.defined() && bias.numel() != 0;
+  const int64_t ggml_type = cuda_gguf_type_of_block(weight.size(2))->ggml_type;  // checks.h
+  const auto* blocks = weight.data_ptr<uint8_t>();
+  if (x.size(0) > kInt8KernelMaxRows && !c10::cuda::isStreamCapturingMayInitCtx(stream_of(x))) {
+    at::Tensor dequantized = at::empty({out.size(1), x.size(1)}, x.options());
+    check_launch(turbo_cuda_gguf_dequantize(dtype_code(x), ggml_type, dequantized.data_ptr(),
+                                            blocks, out.size(1), x.size(1), stream_of(x)),
+                 "gguf_dequantize");
+    if (has_bias) {
+      at::addmm_out(out, bias, x, dequantized.t());
+    } else {
+      at::mm_out(out, x, dequantized.t());
+    }
+    return;
+  }
+  check_launch(turbo_cuda_gguf_linear(dtype_code(x), ggml_type, out.data_ptr(), out.stride(0),
+                                      x.data_ptr(), x.stride(0), blocks,
+                                      has_bias ? bias.data_ptr() : nullptr, x.size(0),
+                                      out.size(1), x.size(1), stream_of(x)),
+               "gguf_linear");
 }
 
 }  // namespace turbo::cuda

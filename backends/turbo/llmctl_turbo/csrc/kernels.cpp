@@ -58,6 +58,12 @@ void embedding_gguf(at::Tensor& out, const at::Tensor& raw, const at::Tensor& id
 
 void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
             const at::Tensor& bias, const at::Tensor& scale) {
+#ifdef LLMCTL_TURBO_CUDA
+  if (weight.is_cuda() && weight.scalar_type() == at::kByte) {  // GGUF blocks (kernels.h)
+    cuda::gguf_linear(out, x, weight, bias);
+    return;
+  }
+#endif
   if (weight.dim() == 3) {
     cpu::linear(out, x, weight, bias, scale);
 #ifdef LLMCTL_TURBO_CUDA
@@ -73,7 +79,7 @@ void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
 
 void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& gate_up,
                      const at::Tensor& scale, at::Tensor& gate_up_buffer) {
-  if (gate_up.dim() == 3) {
+  if (gate_up.dim() == 3 && gate_up.is_cpu()) {  // packed (on CUDA: GGUF rows, below)
     cpu::linear_silu_mul(out, x, gate_up, scale);
     return;
   }

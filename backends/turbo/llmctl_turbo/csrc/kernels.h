@@ -36,7 +36,10 @@ namespace turbo {
 // empty tensor for float weights.
 //
 // On CUDA an int8 weight stays the [N, K] matrix (contiguous), `scale` float32 [N]
-// beside it: cuda/int8_linear.cu streams it for decode-sized batches.
+// beside it: cuda/int8_linear.cu streams it for decode-sized batches. A GGUF weight
+// (quantization=gguf) on CUDA is the file's rows as stored, viewed as uint8 [N, K / block
+// weights, block bytes] (contiguous; the block size names the type: gguf_types.h), read
+// by cuda/gguf_linear.cu; no `scale`.
 //
 // `groups` packs equal row groups separately (each padded to whole panels): 2 for the
 // MLP's [gate; up], so that each gate panel has a matching up panel.
@@ -158,6 +161,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                      double scale, const at::Tensor& k_scale, const at::Tensor& v_scale);
 void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                  const at::Tensor& bias, const at::Tensor& scale);
+void gguf_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                 const at::Tensor& bias);
 }  // namespace cuda
 #endif
 

@@ -51,7 +51,8 @@ def _sources() -> list[Path]:
 
 def _library_path() -> Path:
     digest = hashlib.sha256()
-    for path in sorted(CUDA_DIR.iterdir()) + sorted(HERE.glob("*.[ch]*")):
+    # The .cu files include gguf_types.h from CSRC too.
+    for path in sorted(CUDA_DIR.iterdir()) + [CSRC / "gguf_types.h"] + sorted(HERE.glob("*.[ch]*")):
         digest.update(path.name.encode() + path.read_bytes())
     return cache_dir() / "turbo-emulator" / digest.hexdigest()[:16] / "libturbo_emulated.so"
 
@@ -143,6 +144,11 @@ class EmulatedKernels:
         self.lib.turbo_cuda_int8_linear.argtypes = [
             i32, vp, i64, vp, i64, vp, vp, vp, i64, i64, i64, vp
         ]  # fmt: skip
+        self.lib.turbo_cuda_gguf_linear_vectorized.argtypes = [i32, vp, i64]
+        self.lib.turbo_cuda_gguf_linear.argtypes = [
+            i32, i64, vp, i64, vp, i64, vp, vp, i64, i64, i64, vp
+        ]  # fmt: skip
+        self.lib.turbo_cuda_gguf_dequantize.argtypes = [i32, i64, vp, vp, i64, i64, vp]
 
     def _check(self, status: int, name: str) -> None:
         if status != 0:
@@ -260,6 +266,30 @@ class EmulatedKernels:
             "int8_linear",
         )  # fmt: skip
         return vectorized
+
+    def gguf_linear(self, out, x, weight, ggml_type: int, bias=None) -> bool:
+        """``weight``: a GGUF matrix's rows (uint8 ``[out, row bytes]``) of ``ggml_type``.
+        Returns whether the kernel read x 4 elements at a time."""
+        dtype = DTYPE_CODES[x.dtype]
+        vectorized = bool(self.lib.turbo_cuda_gguf_linear_vectorized(dtype, _ptr(x), x.stride(0)))
+        self._check(
+            self.lib.turbo_cuda_gguf_linear(
+                dtype, ggml_type, _ptr(out), out.stride(0), _ptr(x), x.stride(0), _ptr(weight),
+                _ptr(bias), x.shape[0], weight.shape[0], x.shape[1], None,
+            ),
+            "gguf_linear",
+        )  # fmt: skip
+        return vectorized
+
+    def gguf_dequantize(self, out, weight, ggml_type: int) -> None:
+        """``out``: the contiguous ``[out, in]`` matrix the rows ``weight`` dequantize to."""
+        self._check(
+            self.lib.turbo_cuda_gguf_dequantize(
+                DTYPE_CODES[out.dtype], ggml_type, _ptr(out), _ptr(weight), out.shape[0],
+                out.shape[1], None,
+            ),
+            "gguf_dequantize",
+        )  # fmt: skip
 
 
 def load() -> EmulatedKernels:

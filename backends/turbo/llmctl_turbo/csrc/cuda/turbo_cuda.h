@@ -142,6 +142,30 @@ cudaError_t turbo_cuda_int8_linear(int dtype, void* out, int64_t out_stride, con
                                    const void* bias, int64_t rows, int64_t features,
                                    int64_t in_features, cudaStream_t stream);
 
+/* ---- Linear layer with GGUF block weights (quantization=gguf), for decode-sized batches.
+ *
+ * out [rows, features] = x [rows, in_features] @ dequantize(weight)^T (+ bias): weight is a
+ * GGUF file's matrix as stored, row n its blocks back to back (uint8 [features,
+ * in_features / block weights * block bytes], 2-byte aligned), of GGML type `ggml_type`:
+ * Q8_0 (8), Q4_0 (2), Q4_1 (3), Q4_K (12), Q5_K (13) or Q6_K (14), block geometry in
+ * ../gguf_types.h; in_features a multiple of the type's block weights. Blocks are
+ * dequantized in registers with gguf.quants' fp32 arithmetic, the product accumulated in
+ * fp32. The weight is streamed once per tile of 8 rows; x rows are read 4 elements at a
+ * time where turbo_cuda_gguf_linear_vectorized says so. Another type, or a weight that
+ * does not fit, is cudaErrorInvalidValue. Allocates nothing. */
+int turbo_cuda_gguf_linear_vectorized(int dtype, const void* x, int64_t x_stride);
+
+cudaError_t turbo_cuda_gguf_linear(int dtype, int64_t ggml_type, void* out, int64_t out_stride,
+                                   const void* x, int64_t x_stride, const uint8_t* weight,
+                                   const void* bias, int64_t rows, int64_t features,
+                                   int64_t in_features, cudaStream_t stream);
+
+/* The same weight dequantized into out, a contiguous [features, in_features] matrix in
+ * `dtype` (one rounding of each fp32 weight): prompt-sized batches run it through cuBLAS. */
+cudaError_t turbo_cuda_gguf_dequantize(int dtype, int64_t ggml_type, void* out,
+                                       const uint8_t* weight, int64_t features,
+                                       int64_t in_features, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif
