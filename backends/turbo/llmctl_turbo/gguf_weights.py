@@ -1,13 +1,18 @@
 """``quantization=gguf`` on turbo: the GGUF file's quantized matrices run as their blocks.
 
-Matrices stored as Q8_0, Q4_0 or Q4_1 are read as the file's bytes
-(``GGUFModel.iter_weights(keep_types=...)``) and repacked once by ``pack_gguf_weight``
-(``csrc/cpu/block_kernels.h``) for turbo's CPU block kernels: 4-bit types stay 4-bit in
-memory. A fused matrix (q/k/v, gate/up) runs as blocks when its parts share one type;
-otherwise, and for every type with no kernel (K-quants, F16...), it is dequantized to the
-model dtype as ``quantization=none`` does, and the log line says how many. The embedding
-table stays the file's rows (a tied Q8_0 embedding: its bytes twice, as rows for the
-lookup and as panels for the LM head), dequantized per token by the lookup.
+Matrices stored as Q8_0, Q4_0, Q4_1 or the K-quants Q4_K, Q5_K, Q6_K are read as the
+file's bytes (``GGUFModel.iter_weights(keep_types=...)``) and repacked once, exactly, by
+``pack_gguf_weight`` (``csrc/cpu/block_layout.h``, ``csrc/cpu/block_kernels.h``) for
+turbo's CPU block kernels. Resident bits per weight against the file's: Q4_0 / Q4_1 / Q4_K
+the file's (Q4_K 4.625 against 4.5: its sub-block scales as bytes), Q8_0 9 against 8.5,
+Q5_K 8.625 against 5.5 and Q6_K 8.5625 against 6.5625 (their quants a byte each). A fused
+matrix (q/k/v, gate/up) runs as blocks when its parts share one type; otherwise, and for
+every type with no kernel (Q5_0, Q2_K, F16...), it is dequantized to the model dtype as
+``quantization=none`` does, and the log line says how many. The embedding table stays the
+file's rows for Q8_0 / Q4_0 / Q4_1 (a tied Q8_0 embedding: its bytes twice, as rows for the
+lookup and as panels for the LM head), dequantized per token by the lookup; a K-quant table
+is dequantized to the model dtype for the lookup (and still packed as blocks for a tied LM
+head).
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from llmctl.model.gguf import GGUFBlocks, gguf_file, open_gguf
 from llmctl_turbo.build import load_ops
 
 # GGML's type ids of the formats turbo has CPU block kernels for (csrc/kernels.h).
-BLOCK_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+BLOCK_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+# Those whose rows the embedding lookup reads directly (csrc kernels.h's embedding_gguf).
+LOOKUP_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 Weight = torch.Tensor | GGUFBlocks
 
@@ -55,7 +62,13 @@ class BlockPacker:
 
     def embedding_table(self, weight: Weight) -> torch.Tensor:
         """The embedding lookup's table: the file's rows (uint8 [vocab, row bytes], read
-        by ``llama_step``'s GGUF lookup) for a block type, else the float matrix."""
+        by ``llama_step``'s GGUF lookup) for a ``LOOKUP_TYPES`` type, else the float
+        matrix."""
+        if isinstance(weight, GGUFBlocks) and weight.tensor_type not in LOOKUP_TYPES:
+            self.kinds[f"{weight.tensor_type} dequantized (embedding lookup)"] += 1
+            table = self.float_matrix(weight)
+            self.bytes += table.numel() * table.element_size()
+            return table
         if isinstance(weight, GGUFBlocks):
             self.kinds[f"{weight.tensor_type} rows (embedding lookup)"] += 1
             self.bytes += weight.data.numel()
