@@ -99,9 +99,7 @@ CASES = [(name, shape) for name in TYPES for shape in SHAPES] + [
 ]
 
 
-@pytest.mark.parametrize(
-    ("name", "shape"), CASES, ids=[f"{n}-{k}x{m}" for n, (k, m) in CASES]
-)
+@pytest.mark.parametrize(("name", "shape"), CASES, ids=[f"{n}-{k}x{m}" for n, (k, m) in CASES])
 def test_block_linear_matches_dequantized_matmul(turbo_ops, block_isa, name, shape):
     in_features, out_features = shape
     raw, weights = random_blocks(name, out_features, in_features, seed=sum(shape))
