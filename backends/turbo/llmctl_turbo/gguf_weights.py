@@ -1,13 +1,14 @@
 """``quantization=gguf`` on turbo: the GGUF file's quantized matrices run as their blocks.
 
-Matrices stored as Q8_0, Q4_0, Q4_1 or the K-quants Q4_K, Q5_K, Q6_K are read as the
-file's bytes (``GGUFModel.iter_weights(keep_types=...)``) and repacked once, exactly, by
+Matrices stored as Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or the K-quants Q4_K, Q5_K, Q6_K are read
+as the file's bytes (``GGUFModel.iter_weights(keep_types=...)``) and repacked once, exactly, by
 ``pack_gguf_weight`` (``csrc/cpu/block_layout.h``, ``csrc/cpu/block_kernels.h``) for
 turbo's CPU block kernels. Resident bits per weight against the file's: Q4_0 / Q4_1 / Q4_K
-the file's (Q4_K 4.625 against 4.5: its sub-block scales as bytes), Q8_0 9 against 8.5,
-Q5_K 8.625 against 5.5 and Q6_K 8.5625 against 6.5625 (their quants a byte each). A fused
+the file's (Q4_K 4.625 against 4.5: its sub-block scales as bytes), Q8_0 9 against 8.5;
+Q5_0 / Q5_1 9 against 5.5 / 6, Q5_K 8.625 against 5.5 and Q6_K 8.5625 against 6.5625
+(their quants a byte each, which the 8-bit kernels multiply without unpacking). A fused
 matrix (q/k/v, gate/up) runs as blocks when its parts share one type; otherwise, and for
-every type with no kernel (Q5_0, Q2_K, F16...), it is dequantized to the model dtype as
+every type with no kernel (Q2_K, Q3_K, IQ types, F16...), it is dequantized to the model dtype as
 ``quantization=none`` does, and the log line says how many. The embedding table stays the
 file's rows for Q8_0 / Q4_0 / Q4_1 (a tied Q8_0 embedding: its bytes twice, as rows for the
 lookup and as panels for the LM head), dequantized per token by the lookup; a K-quant table
@@ -29,7 +30,10 @@ from llmctl.model.gguf import GGUFBlocks, gguf_file, open_gguf
 from llmctl_turbo.build import load_ops
 
 # GGML's type ids of the formats turbo has CPU block kernels for (csrc/kernels.h).
-BLOCK_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+BLOCK_TYPES = {
+    **{"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8},
+    **{"Q4_K": 12, "Q5_K": 13, "Q6_K": 14},
+}
 # Those whose rows the embedding lookup reads directly (csrc kernels.h's embedding_gguf).
 LOOKUP_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 

@@ -1,13 +1,13 @@
-"""turbo's GGUF block kernels (quantization=gguf: Q8_0, Q4_0, Q4_1 and the K-quants Q4_K,
-Q5_K, Q6_K kept as blocks) against a dequantize-then-matmul reference in float64, on fresh
-random blocks.
+"""turbo's GGUF block kernels (quantization=gguf: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the
+K-quants Q4_K, Q5_K, Q6_K kept as blocks) against a dequantize-then-matmul reference in
+float64, on fresh random blocks.
 
-The Q8_0 / Q4_0 / Q4_1 blocks come from ``gguf.quants.quantize`` (llama.cpp's own rounding)
-of random matrices; gguf-py cannot quantize K-quants, so theirs are random valid block
-bytes (random quants, 6-bit / int8 sub-block scales and mins, random fp16 super-block
-scales: ``tests.gguf.gguf_files.random_k_blocks``). The reference weights come from
-``gguf.quants.dequantize``: never from turbo's packing. The kernels quantize activations per 32-block to int8, as llama.cpp
-does, so each case is checked twice:
+The Q8_0 / Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks come from ``gguf.quants.quantize`` (llama.cpp's
+own rounding) of random matrices; gguf-py cannot quantize K-quants, so theirs are random
+valid block bytes (random quants, 6-bit / int8 sub-block scales and mins, random fp16
+super-block scales: ``tests.gguf.gguf_files.random_k_blocks``). The reference weights come
+from ``gguf.quants.dequantize``: never from turbo's packing. The kernels quantize
+activations per 32-block to int8, as llama.cpp does, so each case is checked twice:
 - against the same activation rounding done here in numpy (the kernel's arithmetic
   exactly, up to float32 sums): a tight tolerance that catches any layout slip;
 - against unrounded activations: the error the 8-bit activations cost, bounded.
@@ -28,7 +28,7 @@ from gguf.quants import dequantize, quantize
 
 from tests.gguf.gguf_files import random_k_blocks
 
-TYPES = ("Q8_0", "Q4_0", "Q4_1")
+TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
 ROWS = [*range(1, 21), 64]
 # (in_features, out_features): K = 32 x odd, N not a multiple of 16; SmolLM2's qkv.

@@ -173,16 +173,21 @@ void decode_gguf_block(const uint8_t* block, int64_t ggml_type, uint16_t& d, uin
     return;
   }
   // Q4_0: fp16 d, 16 bytes; Q4_1: fp16 d, fp16 m, 16 bytes. Byte i holds weight i in its
-  // low nibble and weight i + 16 in its high nibble.
-  const uint8_t* nibbles = block + (ggml_type == kGgmlQ4_1 ? 4 : 2);
-  if (ggml_type == kGgmlQ4_1) {
+  // low nibble and weight i + 16 in its high nibble. Q5_0 / Q5_1: the same with uint32 qh
+  // (bit i: weight i's 5th bit) after d (and m).
+  const bool with_min = ggml_type == kGgmlQ4_1 || ggml_type == kGgmlQ5_1;
+  const bool five = ggml_type == kGgmlQ5_0 || ggml_type == kGgmlQ5_1;
+  const uint8_t* nibbles = block + (with_min ? 4 : 2) + (five ? 4 : 0);
+  if (with_min) {
     std::memcpy(&c, block + 2, sizeof(c));
   } else {
-    c = times(-8.f);
+    c = times(five ? -16.f : -8.f);
   }
+  uint32_t high = 0;
+  if (five) std::memcpy(&high, block + (with_min ? 4 : 2), sizeof(high));
   for (int i = 0; i < kGgufBlock / 2; ++i) {
-    q[i] = nibbles[i] & 0x0F;
-    q[i + kGgufBlock / 2] = nibbles[i] >> 4;
+    q[i] = (nibbles[i] & 0x0F) | (((high >> i) & 1) << 4);
+    q[i + kGgufBlock / 2] = (nibbles[i] >> 4) | (((high >> (i + 16)) & 1) << 4);
   }
 }
 
@@ -263,6 +268,10 @@ int64_t gguf_block_bytes(int64_t ggml_type) {
       return 18;
     case kGgmlQ4_1:
       return 20;
+    case kGgmlQ5_0:
+      return 22;
+    case kGgmlQ5_1:
+      return 24;
     case kGgmlQ4_K:
       return 144;
     case kGgmlQ5_K:

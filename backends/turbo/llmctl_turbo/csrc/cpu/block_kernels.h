@@ -2,11 +2,12 @@
 // set like row_kernels.h (included after it, in the same namespaces; kVnni is true only in
 // the avx512vnni one).
 //
-// Weights: Q8_0, Q4_0 and Q4_1 blocks, repacked at load by pack_gguf_weight
+// Weights: Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 blocks, repacked at load by pack_gguf_weight
 // (cpu_kernels.cpp) into panels of kPanelWidth = 16 output features. Every format becomes
 // one form, per block of 32 inputs and per feature: w = d * q + c, with q an UNSIGNED
 // integer (so that one VNNI instruction, unsigned x signed bytes, multiplies it):
-//   Q8_0: q = q8 + 128, c = -128 d;   Q4_0: q = nibble, c = -8 d;   Q4_1: q = nibble, c = m.
+//   Q8_0: q = q8 + 128, c = -128 d;   Q4_0: q = nibble, c = -8 d;   Q4_1: q = nibble, c = m;
+//   Q5_0: q = 5 bits, c = -16 d;      Q5_1: q = 5 bits, c = m (in the 8-bit grid).
 // Packed layout: uint8 [panels][K / 32 blocks][block bytes]; one block of one panel is
 //   fp16 d[16], fp16 c[16]                         64 bytes
 //   8-bit: uint8 q[8 groups][16 features][4]       512 bytes (group g: inputs 4g .. 4g+3)

@@ -15,7 +15,7 @@ namespace turbo {
 // 4-bit (two weights a byte) or 8-bit (one a byte).
 enum BlockLayout : int {
   kLayoutQ4 = 0,   // Q4_0, Q4_1: per 32-block fp16 d, c; 4-bit q
-  kLayoutQ8 = 1,   // Q8_0: per 32-block fp16 d, c; 8-bit q up to 255
+  kLayoutQ8 = 1,   // Q8_0, Q5_0, Q5_1: per 32-block fp16 d, c; 8-bit q (Q8_0's up to 255)
   kLayoutQ4K = 2,  // Q4_K: super-blocks of 256 (below); 4-bit q
   kLayoutQ5K = 3,  // Q5_K: super-blocks; 5-bit q, one a byte
   kLayoutQ6K = 4,  // Q6_K: super-blocks; 6-bit q, one a byte, two 16-input halves a block
@@ -72,6 +72,8 @@ constexpr int layout_of_ggml_type(int64_t ggml_type) {
     case kGgmlQ4_1:
       return kLayoutQ4;
     case kGgmlQ8_0:
+    case kGgmlQ5_0:
+    case kGgmlQ5_1:
       return kLayoutQ8;
     case kGgmlQ4_K:
       return kLayoutQ4K;
