@@ -242,9 +242,13 @@ inline void block_tile_x86(const QuantizedRows& x, int64_t m0, const uint8_t* pa
                            float (&sums)[MR][kPanelWidth]) {
   constexpr bool kWide = Layout == kLayoutQ8;
   constexpr bool kHalves = Layout == kLayoutQ6K;
+  // Q6_K's two 16-input halves each finish their integer sums before the next starts, so
+  // that a half takes no more registers than a whole block of the other layouts.
+  constexpr int kParts = kHalves ? 2 : 1;
+  constexpr int kPartGroups = 8 / kParts;  // groups of 4 inputs per part
   // Several integer accumulators per row when there are few rows (decode): each dot4
-  // waits for the previous one into the same register. Q6_K's two halves are two.
-  constexpr int kChains = kHalves ? 2 : (MR >= 4 ? 1 : (MR >= 2 ? 2 : 4));
+  // waits for the previous one into the same register.
+  constexpr int kChains = MR >= 4 ? 1 : (MR >= 2 ? 2 : 4);
   typename V::F acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = V::zerof();
   const int byte0 = lane0 * 4;  // this half's features in each 64-byte group
@@ -252,41 +256,42 @@ inline void block_tile_x86(const QuantizedRows& x, int64_t m0, const uint8_t* pa
     typename V::F d0, d1 = V::zerof(), c = V::zerof();
     block_scales_x86<V, Layout>(panel, b, lane0, d0, d1, c);
     const uint8_t* q = block_quants<Layout>(panel, b) + byte0;
-    typename V::I isum[kChains][MR];
-    for (int h = 0; h < kChains; ++h) {
-      for (int r = 0; r < MR; ++r) isum[h][r] = V::zero();
-    }
-    auto multiply = [&](int g, typename V::I w) __attribute__((always_inline)) {
-      const int chain = kHalves ? g / 4 : g % kChains;  // g / 4: inputs 0-15, 16-31
-      for (int r = 0; r < MR; ++r) {
-        int32_t four;
-        __builtin_memcpy(&four, x.q + (m0 + r) * x.K + b * kQuantBlock + 4 * g, 4);
-        isum[chain][r] = V::template dot4<kWide>(isum[chain][r], w, V::broadcast(four));
+    for (int part = 0; part < kParts; ++part) {
+      typename V::I isum[kChains][MR];
+      for (int h = 0; h < kChains; ++h) {
+        for (int r = 0; r < MR; ++r) isum[h][r] = V::zero();
       }
-    };
-    if constexpr (layout_quant_bits(Layout) == 8) {
-      for (int g = 0; g < 8; ++g) multiply(g, V::load(q + g * kGridBytes));
-    } else {
-      for (int j = 0; j < 4; ++j) {
-        const typename V::I raw = V::load(q + j * kGridBytes);
-        multiply(j, V::nibbles(raw));
-        multiply(j + 4, V::high_nibbles(raw));
-      }
-    }
-    for (int r = 0; r < MR; ++r) {
-      const int64_t at = (m0 + r) * x.blocks + b;
-      const typename V::F dx = V::broadcastf(x.dx[at]);
-      if constexpr (kHalves) {
-        for (int h = 0; h < 2; ++h) {  // sum (q - 32) xq = sum q xq - 32 sum xq
-          const typename V::I centred =
-              V::sub(isum[h][r], V::broadcast(32 * x.half_sums[2 * at + h]));
-          acc[r] = V::fma(V::tofloat(centred), V::mul(h ? d1 : d0, dx), acc[r]);
+      auto multiply = [&](int g, typename V::I w) __attribute__((always_inline)) {
+        for (int r = 0; r < MR; ++r) {
+          int32_t four;
+          __builtin_memcpy(&four, x.q + (m0 + r) * x.K + b * kQuantBlock + 4 * g, 4);
+          isum[g % kChains][r] =
+              V::template dot4<kWide>(isum[g % kChains][r], w, V::broadcast(four));
+        }
+      };
+      if constexpr (layout_quant_bits(Layout) == 8) {
+        for (int g = part * kPartGroups; g < (part + 1) * kPartGroups; ++g) {
+          multiply(g, V::load(q + g * kGridBytes));
         }
       } else {
+        for (int j = 0; j < 4; ++j) {
+          const typename V::I raw = V::load(q + j * kGridBytes);
+          multiply(j, V::nibbles(raw));
+          multiply(j + 4, V::high_nibbles(raw));
+        }
+      }
+      for (int r = 0; r < MR; ++r) {
+        const int64_t at = (m0 + r) * x.blocks + b;
         typename V::I total = isum[0][r];
         for (int h = 1; h < kChains; ++h) total = V::add(total, isum[h][r]);
-        acc[r] = V::fma(V::tofloat(total), V::mul(d0, dx), acc[r]);
-        acc[r] = V::fma(c, V::broadcastf(x.sx[at]), acc[r]);
+        const typename V::F dx = V::broadcastf(x.dx[at]);
+        if constexpr (kHalves) {  // sum (q - 32) xq = sum q xq - 32 sum xq
+          total = V::sub(total, V::broadcast(32 * x.half_sums[2 * at + part]));
+          acc[r] = V::fma(V::tofloat(total), V::mul(part ? d1 : d0, dx), acc[r]);
+        } else {
+          acc[r] = V::fma(V::tofloat(total), V::mul(d0, dx), acc[r]);
+          acc[r] = V::fma(c, V::broadcastf(x.sx[at]), acc[r]);
+        }
       }
     }
   }
