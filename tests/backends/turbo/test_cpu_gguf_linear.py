@@ -176,3 +176,33 @@ def test_k_quant_resident_bytes(turbo_ops, name, file_bits, resident_bits):
     packed = turbo_ops.pack_gguf_weight(torch.from_numpy(raw), ggml_type(name))
     assert raw.size * 8 / (64 * 512) == file_bits
     assert packed.numel() * 8 / (64 * 512) == resident_bits
+
+
+def test_fused_parts_of_types_that_pack_alike(turbo_ops):
+    """A q/k/v of Q5_0, Q5_0 and Q8_0 (llama.cpp's Q4_K_M does that) runs as blocks, joined
+    panel by panel; parts that would leave a panel half full fall back to a float matrix."""
+    from llmctl_turbo.gguf_weights import BlockPacker
+
+    from llmctl.model.gguf import GGUFBlocks
+
+    def parts(rows):
+        made = [random_blocks(t, n, 96, seed=n) for t, n in zip(("Q5_0", "Q5_0", "Q8_0"), rows)]
+        blocks = [
+            GGUFBlocks(torch.from_numpy(raw), t, (n, 96))
+            for (raw, _), t, n in zip(made, ("Q5_0", "Q5_0", "Q8_0"), rows)
+        ]
+        return blocks, np.concatenate([w for _, w in made])
+
+    x = np.random.default_rng(3).standard_normal((5, 96)).astype(np.float32)
+    for rows, kind in (((64, 32, 32), "Q5_0+Q5_0+Q8_0"), ((40, 32, 32), "dequantized to float32")):
+        blocks, weights = parts(rows)
+        packer = BlockPacker(torch.float32)
+        packed = packer.pack(blocks)
+        assert dict(packer.kinds) == {kind: 1}
+        out = torch.full((5, sum(rows)), float("nan"))
+        turbo_ops.linear(out, torch.from_numpy(x), packed, None, None)
+        if kind.startswith("Q5_0"):
+            check(out, x, weights)
+        else:  # float weights: no activation rounding
+            ref = x.astype(np.float64) @ weights.T
+            assert np.abs(out.double().numpy() - ref).max() <= 1e-5 * np.abs(ref).max()
