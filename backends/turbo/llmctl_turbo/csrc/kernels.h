@@ -46,15 +46,20 @@ namespace turbo {
 constexpr int64_t kPanelWidth = 16;
 at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t groups);
 
-// quantization=gguf: a packed weight may be GGUF blocks (Q8_0, Q4_0, Q4_1; ggml's type
-// ids below), repacked by pack_gguf_weight from the file's rows (`raw`: uint8 [N, row
-// bytes], K a multiple of 32) into uint8 [panels, K / 32, block bytes] (layout in
+// quantization=gguf: a packed weight may be GGUF blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and
+// the K-quants Q4_K, Q5_K, Q6_K; ggml's type ids below), repacked by pack_gguf_weight from the
+// file's rows (`raw`: uint8 [N, row bytes], K a multiple of 32, of 256 for K-quants) into
+// uint8 [panels, K / 32, bytes per 32 inputs] (layouts in cpu/block_layout.h and
 // cpu/block_kernels.h), `groups` as for pack_linear_weight; no `scale`. CPU only.
-constexpr int64_t kGgmlQ4_0 = 2, kGgmlQ4_1 = 3, kGgmlQ8_0 = 8;
-constexpr int kGgufBlock = 32;  // weights per GGUF block
+constexpr int64_t kGgmlQ4_0 = 2, kGgmlQ4_1 = 3, kGgmlQ5_0 = 6, kGgmlQ5_1 = 7, kGgmlQ8_0 = 8;
+constexpr int64_t kGgmlQ4_K = 12, kGgmlQ5_K = 13, kGgmlQ6_K = 14;
+constexpr int kGgufBlock = 32;  // weights per GGUF block (a K-quant's sub-block)
 // A packed block's scales: fp16 d[16] and c[16], one each per feature of the panel.
 constexpr int64_t kGgufScaleBytes = 2 * kPanelWidth * 2;
-int64_t gguf_block_bytes(int64_t ggml_type);  // 0 for a type turbo has no kernel for
+// The bytes of one block of the file (32 weights; a K-quant's super-block: 256), 0 for a
+// type turbo has no kernel for; gguf_block_weights: the weights it holds.
+int64_t gguf_block_bytes(int64_t ggml_type);
+int64_t gguf_block_weights(int64_t ggml_type);
 at::Tensor pack_gguf_weight(const at::Tensor& raw, int64_t ggml_type, int64_t groups);
 // The type of GGUF rows of `row_bytes` for `features` values (-1: none turbo reads).
 int64_t gguf_row_type(int64_t row_bytes, int64_t features);

@@ -101,7 +101,9 @@ at::Tensor pack_linear_weight_op(const at::Tensor& weight, int64_t groups) {
 at::Tensor pack_gguf_weight_op(const at::Tensor& raw, int64_t ggml_type, int64_t groups) {
   const int64_t block = gguf_block_bytes(ggml_type);
   TORCH_CHECK(block != 0, "pack_gguf_weight packs GGML types ", kGgmlQ8_0, " (Q8_0), ",
-              kGgmlQ4_0, " (Q4_0) and ", kGgmlQ4_1, " (Q4_1), got type ", ggml_type);
+              kGgmlQ4_0, " (Q4_0), ", kGgmlQ4_1, " (Q4_1), ", kGgmlQ5_0, " (Q5_0), ", kGgmlQ5_1,
+              " (Q5_1), ", kGgmlQ4_K, " (Q4_K), ", kGgmlQ5_K,
+              " (Q5_K) and ", kGgmlQ6_K, " (Q6_K), got type ", ggml_type);
   TORCH_CHECK(raw.dim() == 2 && raw.is_cpu() && raw.scalar_type() == at::kByte &&
                   raw.is_contiguous() && raw.size(1) % block == 0,
               "pack_gguf_weight packs a GGUF tensor's rows: a contiguous uint8 [out, row "

@@ -2,11 +2,12 @@
 // set like row_kernels.h (included after it, in the same namespaces; kVnni is true only in
 // the avx512vnni one).
 //
-// Weights: Q8_0, Q4_0 and Q4_1 blocks, repacked at load by pack_gguf_weight
+// Weights: Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 blocks, repacked at load by pack_gguf_weight
 // (cpu_kernels.cpp) into panels of kPanelWidth = 16 output features. Every format becomes
 // one form, per block of 32 inputs and per feature: w = d * q + c, with q an UNSIGNED
 // integer (so that one VNNI instruction, unsigned x signed bytes, multiplies it):
-//   Q8_0: q = q8 + 128, c = -128 d;   Q4_0: q = nibble, c = -8 d;   Q4_1: q = nibble, c = m.
+//   Q8_0: q = q8 + 128, c = -128 d;   Q4_0: q = nibble, c = -8 d;   Q4_1: q = nibble, c = m;
+//   Q5_0: q = 5 bits, c = -16 d;      Q5_1: q = 5 bits, c = m (in the 8-bit grid).
 // Packed layout: uint8 [panels][K / 32 blocks][block bytes]; one block of one panel is
 //   fp16 d[16], fp16 c[16]                         64 bytes
 //   8-bit: uint8 q[8 groups][16 features][4]       512 bytes (group g: inputs 4g .. 4g+3)
@@ -18,6 +19,17 @@
 // in the file (exact: -8d and -128d only shift the exponent), so a packed Q4_1 matrix
 // takes the file's 5 bits per weight, Q8_0 9 (the file: 8.5).
 //
+// K-quants (Q4_K, Q5_K, Q6_K) keep their super-blocks of 256 (cpu/block_layout.h): per
+// super-block and feature fp16 D (and M = -Dmin), per 32-block one byte s0 and one s1, and
+// the quants in the same grids, so a block's d and c are made in registers from them:
+//   Q4_K, Q5_K: d = D * s0, c = M * s1 (5-bit q in the 8-bit grid);
+//   Q6_K: two 16-input halves, d = D * s_half, and the zero point 32 subtracted from the
+//   integer sums (sum (q - 32) xq = sum q xq - 32 sum xq, per half), so no c.
+// D * s is exact in fp32 (11 x 8 significant bits), so the kernel runs the file's weights
+// exactly. Resident size: Q4_K 4.625 bits per weight (the file's 4.5), Q5_K and Q6_K 8.625
+// and 8.5625 (the files' 5.5 and 6.5625: their quants take a byte each, as the 8-bit grid
+// multiplies them without unpacking).
+//
 // Activations are quantized per block of 32 to int8, as llama.cpp does:
 //   dx = max|x| / 127, xq = round(x * (1 / dx)), sx = dx * sum(xq), and then
 //   x . w over a block = d * dx * sum(q * xq) + c * sx,
@@ -28,16 +40,15 @@
 
 constexpr int64_t kQuantBlock = 32;                                     // inputs per block
 constexpr int64_t kBlockScaleBytes = kGgufScaleBytes;  // fp16 d[16], c[16]
+constexpr int64_t kGridBytes = 64;  // one group of 4 inputs x 16 features in a grid
 
-constexpr int64_t quant_block_bytes(int bits) {
-  return kBlockScaleBytes + kQuantBlock * kPanelWidth * bits / 8;
-}
-
-// x's rows quantized per 32-block: q [M][K] int8, dx and sx [M][K / 32].
+// x's rows quantized per 32-block: q [M][K] int8, dx and sx [M][K / 32], and the integer
+// sums of xq per 16 inputs [M][K / 16] (Q6_K's zero point).
 struct QuantizedRows {
   const int8_t* q;
   const float* dx;
   const float* sx;
+  const int32_t* half_sums;
   int64_t K, blocks;
 };
 
@@ -45,12 +56,15 @@ inline QuantizedRows quantize_activations(const float* x, int64_t x_stride, int6
                                           int64_t K) {
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> scales;
+  thread_local std::vector<int32_t> halves;
   const int64_t blocks = K / kQuantBlock;
   q.resize(M * K);
   scales.resize(2 * M * blocks);
+  halves.resize(2 * M * blocks);
   int8_t* qs = q.data();
   float* dx = scales.data();
   float* sx = dx + M * blocks;
+  int32_t* half_sums = halves.data();
   parallel_for(0, M, grain_for(4 * K), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t b = 0; b < blocks; ++b) {
@@ -60,36 +74,62 @@ inline QuantizedRows quantize_activations(const float* x, int64_t x_stride, int6
         const float d = amax / 127.f;
         const float inverse = d > 0.f ? 1.f / d : 0.f;
         int8_t* qb = qs + r * K + b * kQuantBlock;
-        int32_t sum = 0;
+        int32_t sum[2] = {0, 0};
         for (int i = 0; i < kQuantBlock; ++i) {
           qb[i] = static_cast<int8_t>(std::nearbyint(xb[i] * inverse));
-          sum += qb[i];
+          sum[i / 16] += qb[i];
         }
         dx[r * blocks + b] = d;
-        sx[r * blocks + b] = d * static_cast<float>(sum);
+        sx[r * blocks + b] = d * static_cast<float>(sum[0] + sum[1]);
+        half_sums[(r * blocks + b) * 2] = sum[0];
+        half_sums[(r * blocks + b) * 2 + 1] = sum[1];
       }
     }
   });
-  return {qs, dx, sx, K, blocks};
+  return {qs, dx, sx, half_sums, K, blocks};
 }
 
 // The 4 weight bytes of feature f, inputs 4g .. 4g+3, of one packed block's quants.
 template <int Bits>
-inline uint8_t block_quant(const uint8_t* q, int g, int f, int kk) {
+inline uint8_t grid_quant(const uint8_t* q, int g, int f, int kk) {
   if constexpr (Bits == 8) {
-    return q[g * 64 + f * 4 + kk];
+    return q[g * kGridBytes + f * 4 + kk];
   } else {
-    const uint8_t byte = q[(g & 3) * 64 + f * 4 + kk];
+    const uint8_t byte = q[(g & 3) * kGridBytes + f * 4 + kk];
     return g < 4 ? byte & 0x0F : byte >> 4;
   }
+}
+
+// Where block b (of 32 inputs) of a panel keeps its quants.
+template <int Layout>
+inline const uint8_t* block_quants(const uint8_t* panel, int64_t b) {
+  if constexpr (is_super_layout(Layout)) {
+    return panel + (b / kSuperSubBlocks) * super_block_bytes(Layout) +
+           super_header_bytes(Layout) + kSuperSubBlocks * kSubScaleBytes +
+           (b % kSuperSubBlocks) * layout_quant_bytes(Layout);
+  } else {
+    return panel + b * packed_block_bytes(Layout) + kBlockScaleBytes;
+  }
+}
+
+// A K-quant block's super-block, and its s0 bytes (s1: kPanelWidth further).
+template <int Layout>
+inline const uint8_t* super_of(const uint8_t* panel, int64_t b) {
+  return panel + (b / kSuperSubBlocks) * super_block_bytes(Layout);
+}
+template <int Layout>
+inline const uint8_t* sub_scales_of(const uint8_t* panel, int64_t b) {
+  return super_of<Layout>(panel, b) + super_header_bytes(Layout) +
+         (b % kSuperSubBlocks) * kSubScaleBytes;
 }
 
 #ifdef TURBO_CPU_X86
 // The x86 vector operations of the block tile, on V::kLanes features at a time (16 in a
 // zmm, 8 in a ymm: AVX2 runs a panel as two halves). dot4(acc, w, x) adds, per int32
 // lane, the 4 products of w's unsigned bytes with x's 4 signed bytes: one vpdpbusd with
-// VNNI; else vpmaddubsw + vpmaddwd, whose 16-bit pair sums saturate above 32767, so 8-bit
-// weights go as two nibble halves (the high one weighted 16 by vpmaddwd itself).
+// VNNI; else vpmaddubsw + vpmaddwd, whose 16-bit pair sums saturate above 32767, so Wide
+// weights (Q8_0's, up to 255) go as two nibble halves (the high one weighted 16 by vpmaddwd
+// itself); 4- to 6-bit ones (at most 2 x 63 x 127) go whole.
 template <int Lanes>
 struct BlockOps;
 
@@ -104,11 +144,12 @@ struct BlockOps<16> {
   static I nibbles(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
   static I high_nibbles(I v) { return nibbles(_mm512_srli_epi16(v, 4)); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
-  template <int Bits>
+  static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+  template <bool Wide>
   static I dot4(I acc, I w, I x) {
     if constexpr (kVnni) {
       return _mm512_dpbusd_epi32(acc, w, x);
-    } else if constexpr (Bits == 4) {
+    } else if constexpr (!Wide) {
       return add(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
     } else {
       const I low = _mm512_madd_epi16(_mm512_maddubs_epi16(nibbles(w), x), _mm512_set1_epi16(1));
@@ -119,6 +160,11 @@ struct BlockOps<16> {
   }
   static F load_halves(const uint8_t* p) {  // 16 fp16 values
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  template <bool Signed>
+  static F load_bytes(const uint8_t* p) {  // 16 bytes as floats
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm512_cvtepi32_ps(Signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes));
   }
   static F zerof() { return _mm512_setzero_ps(); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
@@ -139,9 +185,10 @@ struct BlockOps<8> {
   static I nibbles(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
   static I high_nibbles(I v) { return nibbles(_mm256_srli_epi16(v, 4)); }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
-  template <int Bits>
+  static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+  template <bool Wide>
   static I dot4(I acc, I w, I x) {
-    if constexpr (Bits == 4) {
+    if constexpr (!Wide) {
       return add(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
     } else {
       const I low = _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles(w), x), _mm256_set1_epi16(1));
@@ -153,6 +200,11 @@ struct BlockOps<8> {
   static F load_halves(const uint8_t* p) {  // 8 fp16 values
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
+  template <bool Signed>
+  static F load_bytes(const uint8_t* p) {  // 8 bytes as floats
+    const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_cvtepi32_ps(Signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes));
+  }
   static F zerof() { return _mm256_setzero_ps(); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
@@ -161,11 +213,39 @@ struct BlockOps<8> {
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
 
+// Features [lane0, lane0 + V::kLanes) of block b's scales: d0 (and Q6_K's second half's
+// d1) and c, per block_layout.h.
+template <typename V, int Layout>
+inline void block_scales_x86(const uint8_t* panel, int64_t b, int lane0, typename V::F& d0,
+                             typename V::F& d1, typename V::F& c) {
+  if constexpr (Layout == kLayoutQ6K) {
+    const typename V::F D = V::load_halves(super_of<Layout>(panel, b) + lane0 * 2);
+    const uint8_t* s = sub_scales_of<Layout>(panel, b) + lane0;
+    d0 = V::mul(D, V::template load_bytes<true>(s));
+    d1 = V::mul(D, V::template load_bytes<true>(s + kPanelWidth));
+  } else if constexpr (is_super_layout(Layout)) {
+    const uint8_t* super = super_of<Layout>(panel, b);
+    const uint8_t* s = sub_scales_of<Layout>(panel, b) + lane0;
+    d0 = V::mul(V::load_halves(super + lane0 * 2), V::template load_bytes<false>(s));
+    c = V::mul(V::load_halves(super + (kPanelWidth + lane0) * 2),
+               V::template load_bytes<false>(s + kPanelWidth));
+  } else {
+    const uint8_t* block = panel + b * packed_block_bytes(Layout);
+    d0 = V::load_halves(block + lane0 * 2);
+    c = V::load_halves(block + (kPanelWidth + lane0) * 2);
+  }
+}
+
 // Features [lane0, lane0 + V::kLanes) of one panel against MR rows: sums[r][lane0 + ..].
-template <typename V, int MR, int Bits>
+template <typename V, int MR, int Layout>
 inline void block_tile_x86(const QuantizedRows& x, int64_t m0, const uint8_t* panel, int lane0,
                            float (&sums)[MR][kPanelWidth]) {
-  constexpr int64_t kBytes = quant_block_bytes(Bits);
+  constexpr bool kWide = Layout == kLayoutQ8;
+  constexpr bool kHalves = Layout == kLayoutQ6K;
+  // Q6_K's two 16-input halves each finish their integer sums before the next starts, so
+  // that a half takes no more registers than a whole block of the other layouts.
+  constexpr int kParts = kHalves ? 2 : 1;
+  constexpr int kPartGroups = 8 / kParts;  // groups of 4 inputs per part
   // Several integer accumulators per row when there are few rows (decode): each dot4
   // waits for the previous one into the same register.
   constexpr int kChains = MR >= 4 ? 1 : (MR >= 2 ? 2 : 4);
@@ -173,91 +253,134 @@ inline void block_tile_x86(const QuantizedRows& x, int64_t m0, const uint8_t* pa
   for (int r = 0; r < MR; ++r) acc[r] = V::zerof();
   const int byte0 = lane0 * 4;  // this half's features in each 64-byte group
   for (int64_t b = 0; b < x.blocks; ++b) {
-    const uint8_t* block = panel + b * kBytes;
-    const typename V::F d = V::load_halves(block + lane0 * 2);
-    const typename V::F c = V::load_halves(block + (kPanelWidth + lane0) * 2);
-    const uint8_t* q = block + kBlockScaleBytes + byte0;
-    typename V::I isum[kChains][MR];
-    for (int h = 0; h < kChains; ++h) {
-      for (int r = 0; r < MR; ++r) isum[h][r] = V::zero();
-    }
-    auto multiply = [&](int g, typename V::I w) __attribute__((always_inline)) {
+    typename V::F d0, d1 = V::zerof(), c = V::zerof();
+    block_scales_x86<V, Layout>(panel, b, lane0, d0, d1, c);
+    const uint8_t* q = block_quants<Layout>(panel, b) + byte0;
+    for (int part = 0; part < kParts; ++part) {
+      typename V::I isum[kChains][MR];
+      for (int h = 0; h < kChains; ++h) {
+        for (int r = 0; r < MR; ++r) isum[h][r] = V::zero();
+      }
+      auto multiply = [&](int g, typename V::I w) __attribute__((always_inline)) {
+        for (int r = 0; r < MR; ++r) {
+          int32_t four;
+          __builtin_memcpy(&four, x.q + (m0 + r) * x.K + b * kQuantBlock + 4 * g, 4);
+          isum[g % kChains][r] =
+              V::template dot4<kWide>(isum[g % kChains][r], w, V::broadcast(four));
+        }
+      };
+      if constexpr (layout_quant_bits(Layout) == 8) {
+        for (int g = part * kPartGroups; g < (part + 1) * kPartGroups; ++g) {
+          multiply(g, V::load(q + g * kGridBytes));
+        }
+      } else {
+        for (int j = 0; j < 4; ++j) {
+          const typename V::I raw = V::load(q + j * kGridBytes);
+          multiply(j, V::nibbles(raw));
+          multiply(j + 4, V::high_nibbles(raw));
+        }
+      }
       for (int r = 0; r < MR; ++r) {
-        int32_t four;
-        __builtin_memcpy(&four, x.q + (m0 + r) * x.K + b * kQuantBlock + 4 * g, 4);
-        isum[g % kChains][r] = V::template dot4<Bits>(isum[g % kChains][r], w, V::broadcast(four));
+        const int64_t at = (m0 + r) * x.blocks + b;
+        typename V::I total = isum[0][r];
+        for (int h = 1; h < kChains; ++h) total = V::add(total, isum[h][r]);
+        const typename V::F dx = V::broadcastf(x.dx[at]);
+        if constexpr (kHalves) {  // sum (q - 32) xq = sum q xq - 32 sum xq
+          total = V::sub(total, V::broadcast(32 * x.half_sums[2 * at + part]));
+          acc[r] = V::fma(V::tofloat(total), V::mul(part ? d1 : d0, dx), acc[r]);
+        } else {
+          acc[r] = V::fma(V::tofloat(total), V::mul(d0, dx), acc[r]);
+          acc[r] = V::fma(c, V::broadcastf(x.sx[at]), acc[r]);
+        }
       }
-    };
-    if constexpr (Bits == 8) {
-      for (int g = 0; g < 8; ++g) multiply(g, V::load(q + g * 64));
-    } else {
-      for (int j = 0; j < 4; ++j) {
-        const typename V::I raw = V::load(q + j * 64);
-        multiply(j, V::nibbles(raw));
-        multiply(j + 4, V::high_nibbles(raw));
-      }
-    }
-    for (int r = 0; r < MR; ++r) {
-      typename V::I total = isum[0][r];
-      for (int h = 1; h < kChains; ++h) total = V::add(total, isum[h][r]);
-      const int64_t at = (m0 + r) * x.blocks + b;
-      acc[r] = V::fma(V::tofloat(total), V::mul(d, V::broadcastf(x.dx[at])), acc[r]);
-      acc[r] = V::fma(c, V::broadcastf(x.sx[at]), acc[r]);
     }
   }
   for (int r = 0; r < MR; ++r) V::store(sums[r] + lane0, acc[r]);
 }
 
 // A panel's 16 features, V::kLanes at a time.
-template <int Lanes, int MR, int Bits>
+template <int Lanes, int MR, int Layout>
 inline void block_tile_lanes(const QuantizedRows& x, int64_t m0, const uint8_t* panel,
                              float (&sums)[MR][kPanelWidth]) {
   for (int lane0 = 0; lane0 < kPanelWidth; lane0 += Lanes) {
-    block_tile_x86<BlockOps<Lanes>, MR, Bits>(x, m0, panel, lane0, sums);
+    block_tile_x86<BlockOps<Lanes>, MR, Layout>(x, m0, panel, lane0, sums);
   }
 }
 #endif
 
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  __builtin_memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// Block b's scales for all 16 features, as block_scales_x86 (d1 and c zero where unused).
+template <int Layout>
+inline void block_scales_portable(const uint8_t* panel, int64_t b, float (&d0)[kPanelWidth],
+                                  float (&d1)[kPanelWidth], float (&c)[kPanelWidth]) {
+  for (int f = 0; f < kPanelWidth; ++f) {
+    d1[f] = c[f] = 0.f;
+    if constexpr (is_super_layout(Layout)) {
+      const uint8_t* super = super_of<Layout>(panel, b);
+      const uint8_t* s = sub_scales_of<Layout>(panel, b);
+      const float D = half_at(super + 2 * f);
+      if constexpr (Layout == kLayoutQ6K) {
+        d0[f] = D * static_cast<float>(static_cast<int8_t>(s[f]));
+        d1[f] = D * static_cast<float>(static_cast<int8_t>(s[kPanelWidth + f]));
+      } else {
+        d0[f] = D * static_cast<float>(s[f]);
+        c[f] = half_at(super + 2 * (kPanelWidth + f)) * static_cast<float>(s[kPanelWidth + f]);
+      }
+    } else {
+      const uint8_t* block = panel + b * packed_block_bytes(Layout);
+      d0[f] = half_at(block + 2 * f);
+      c[f] = half_at(block + 2 * (kPanelWidth + f));
+    }
+  }
+}
+
 // sums[r][f] = x[m0 + r] . w[f] for the 16 features of one panel, MR rows.
-template <int MR, int Bits>
+template <int MR, int Layout>
 inline void block_tile(const QuantizedRows& x, int64_t m0, const uint8_t* panel,
                        float (&sums)[MR][kPanelWidth]) {
 #ifdef TURBO_CPU_X86
   if constexpr (kVectorWidth >= 8) {  // AVX2 and AVX-512 (with or without VNNI)
-    block_tile_lanes<kVectorWidth, MR, Bits>(x, m0, panel, sums);
+    block_tile_lanes<kVectorWidth, MR, Layout>(x, m0, panel, sums);
     return;
   }
 #endif
   // Portable form of the same sums, for any CPU (the baseline build).
-  constexpr int64_t kBytes = quant_block_bytes(Bits);
+  constexpr int kBits = layout_quant_bits(Layout);
   for (int r = 0; r < MR; ++r) {
     for (int f = 0; f < kPanelWidth; ++f) sums[r][f] = 0.f;
   }
   for (int64_t b = 0; b < x.blocks; ++b) {
-    const uint8_t* block = panel + b * kBytes;
-    float d[kPanelWidth], c[kPanelWidth];
-    for (int f = 0; f < kPanelWidth; ++f) {
-      uint16_t bits[2];
-      __builtin_memcpy(&bits[0], block + 2 * f, 2);
-      __builtin_memcpy(&bits[1], block + 2 * (kPanelWidth + f), 2);
-      d[f] = static_cast<float>(c10::Half(bits[0], c10::Half::from_bits()));
-      c[f] = static_cast<float>(c10::Half(bits[1], c10::Half::from_bits()));
-    }
-    const uint8_t* q = block + kBlockScaleBytes;
+    float d0[kPanelWidth], d1[kPanelWidth], c[kPanelWidth];
+    block_scales_portable<Layout>(panel, b, d0, d1, c);
+    const uint8_t* q = block_quants<Layout>(panel, b);
     for (int r = 0; r < MR; ++r) {
       const int8_t* xq = x.q + (m0 + r) * x.K + b * kQuantBlock;
-      int32_t isum[kPanelWidth] = {};
+      int32_t isum[2][kPanelWidth] = {};  // inputs 0-15, 16-31
       for (int g = 0; g < 8; ++g) {
         for (int kk = 0; kk < 4; ++kk) {
           const int32_t xv = xq[4 * g + kk];
-          for (int f = 0; f < kPanelWidth; ++f) isum[f] += block_quant<Bits>(q, g, f, kk) * xv;
+          for (int f = 0; f < kPanelWidth; ++f) {
+            isum[g / 4][f] += grid_quant<kBits>(q, g, f, kk) * xv;
+          }
         }
       }
       const int64_t at = (m0 + r) * x.blocks + b;
       const float dx = x.dx[at], sx = x.sx[at];
       for (int f = 0; f < kPanelWidth; ++f) {
-        sums[r][f] += static_cast<float>(isum[f]) * (d[f] * dx);
-        sums[r][f] += c[f] * sx;
+        if constexpr (Layout == kLayoutQ6K) {
+          for (int h = 0; h < 2; ++h) {
+            const int32_t centred = isum[h][f] - 32 * x.half_sums[2 * at + h];
+            sums[r][f] += static_cast<float>(centred) * ((h ? d1[f] : d0[f]) * dx);
+          }
+        } else {
+          sums[r][f] += static_cast<float>(isum[0][f] + isum[1][f]) * (d0[f] * dx);
+          sums[r][f] += c[f] * sx;
+        }
       }
     }
   }
@@ -268,17 +391,17 @@ constexpr int kBlockTileRows = kVectorWidth == 16 ? 8 : 4;
 
 // Every row of x against one panel, kBlockTileRows at a time (then fewer):
 // store(m, sums) per row.
-template <int MR, int Bits, typename Store>
+template <int MR, int Layout, typename Store>
 inline void block_rows(const QuantizedRows& x, int64_t m_begin, int64_t m_end,
                        const uint8_t* panel, const Store& store) {
   int64_t m = m_begin;
   for (; m + MR <= m_end; m += MR) {
     float sums[MR][kPanelWidth];
-    block_tile<MR, Bits>(x, m, panel, sums);
+    block_tile<MR, Layout>(x, m, panel, sums);
     for (int r = 0; r < MR; ++r) store(m + r, sums[r]);
   }
   if constexpr (MR > 1) {
-    if (m < m_end) block_rows<MR - 1, Bits>(x, m, m_end, panel, store);
+    if (m < m_end) block_rows<MR - 1, Layout>(x, m, m_end, panel, store);
   }
 }
 
@@ -290,7 +413,7 @@ inline int64_t block_panels_grain(int64_t panel_bytes, int64_t M) {
 
 // fn(panel, m, sums) for each panel in [0, num_panels) and row m of x, in parallel over
 // panels; the rows in blocks whose quantized activations stay in L2.
-template <int Bits, typename Fn>
+template <int Layout, typename Fn>
 inline void for_block_panels(const QuantizedRows& x, int64_t M, const uint8_t* packed,
                              int64_t num_panels, int64_t panel_stride, const Fn& fn) {
   const int64_t row_block = std::max<int64_t>(64, (256 * 1024) / std::max<int64_t>(1, x.K));
@@ -299,7 +422,7 @@ inline void for_block_panels(const QuantizedRows& x, int64_t M, const uint8_t* p
     for (int64_t m0 = 0; m0 < M; m0 += row_block) {
       const int64_t m1 = std::min(M, m0 + row_block);
       for (int64_t p = begin; p < end; ++p) {
-        block_rows<kBlockTileRows, Bits>(x, m0, m1, packed + p * panel_stride,
+        block_rows<kBlockTileRows, Layout>(x, m0, m1, packed + p * panel_stride,
                                          [&](int64_t m, const float(&sums)[kPanelWidth]) {
                                            fn(p, m, sums);
                                          });
@@ -309,14 +432,14 @@ inline void for_block_panels(const QuantizedRows& x, int64_t M, const uint8_t* p
 }
 
 // out[m, n] = x[m] . w[n] (+ bias[n]) for n < N; K a multiple of 32.
-template <int Bits, typename Out>
+template <int Layout, typename Out>
 void block_linear_rows(Out* out, int64_t out_stride, const float* x, int64_t x_stride,
                        int64_t M, int64_t K, const uint8_t* packed, int64_t N,
                        const Out* bias) {
   const QuantizedRows xq = quantize_activations(x, x_stride, M, K);
-  const int64_t panel_stride = (K / kQuantBlock) * quant_block_bytes(Bits);
+  const int64_t panel_stride = (K / kQuantBlock) * packed_block_bytes(Layout);
   const int64_t num_panels = (N + kPanelWidth - 1) / kPanelWidth;
-  for_block_panels<Bits>(xq, M, packed, num_panels, panel_stride,
+  for_block_panels<Layout>(xq, M, packed, num_panels, panel_stride,
                          [&](int64_t p, int64_t m, const float(&sums)[kPanelWidth]) {
     const int64_t n0 = p * kPanelWidth;
     const int64_t count = std::min<int64_t>(kPanelWidth, N - n0);
@@ -329,12 +452,12 @@ void block_linear_rows(Out* out, int64_t out_stride, const float* x, int64_t x_s
 
 // out[m, j] = silu(x[m] . gate[j]) * (x[m] . up[j]) for j < I, gate_up packed in two
 // groups (gate's panels, then up's), as linear_silu_mul_rows.
-template <int Bits, typename Out>
+template <int Layout, typename Out>
 void block_linear_silu_mul_rows(Out* out, int64_t out_stride, const float* x,
                                 int64_t x_stride, int64_t M, int64_t K, const uint8_t* packed,
                                 int64_t I) {
   const QuantizedRows xq = quantize_activations(x, x_stride, M, K);
-  const int64_t panel_stride = (K / kQuantBlock) * quant_block_bytes(Bits);
+  const int64_t panel_stride = (K / kQuantBlock) * packed_block_bytes(Layout);
   const int64_t group_panels = (I + kPanelWidth - 1) / kPanelWidth;
   const int64_t row_block = std::max<int64_t>(64, (256 * 1024) / std::max<int64_t>(1, K));
   parallel_for(0, group_panels, block_panels_grain(2 * panel_stride, M),
@@ -345,12 +468,12 @@ void block_linear_silu_mul_rows(Out* out, int64_t out_stride, const float* x,
       for (int64_t p = begin; p < end; ++p) {
         const int64_t j0 = p * kPanelWidth;
         const int64_t count = std::min<int64_t>(kPanelWidth, I - j0);
-        block_rows<kBlockTileRows, Bits>(
+        block_rows<kBlockTileRows, Layout>(
             xq, m0, m1, packed + p * panel_stride,
             [&](int64_t m, const float(&sums)[kPanelWidth]) {
               std::copy(sums, sums + kPanelWidth, gate.data() + (m - m0) * kPanelWidth);
             });
-        block_rows<kBlockTileRows, Bits>(
+        block_rows<kBlockTileRows, Layout>(
             xq, m0, m1, packed + (group_panels + p) * panel_stride,
             [&](int64_t m, const float(&up_sums)[kPanelWidth]) {
               const float* gate_sums = gate.data() + (m - m0) * kPanelWidth;

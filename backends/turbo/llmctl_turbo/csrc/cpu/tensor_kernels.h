@@ -25,9 +25,23 @@ inline const float* float_rows(const at::Tensor& x, int64_t& stride) {
   return converted;
 }
 
-// A GGUF block weight (uint8, block_kernels.h): its quants' width from its block size.
-inline int block_bits(const at::Tensor& packed) {
-  return packed.size(2) == quant_block_bytes(8) ? 8 : 4;
+// fn(layout) for a GGUF block weight (uint8, block_kernels.h), its layout (block_layout.h)
+// a compile-time constant named by the packed weight's bytes per 32 inputs.
+template <typename Fn>
+inline void on_block_layout(const at::Tensor& packed, const Fn& fn) {
+  switch (layout_of_packed_bytes(packed.size(2))) {
+    case kLayoutQ4:
+      return fn(std::integral_constant<int, kLayoutQ4>{});
+    case kLayoutQ8:
+      return fn(std::integral_constant<int, kLayoutQ8>{});
+    case kLayoutQ4K:
+      return fn(std::integral_constant<int, kLayoutQ4K>{});
+    case kLayoutQ5K:
+      return fn(std::integral_constant<int, kLayoutQ5K>{});
+    case kLayoutQ6K:
+      return fn(std::integral_constant<int, kLayoutQ6K>{});
+  }
+  TORCH_CHECK(false, "not a packed GGUF block weight: ", packed.size(2), " bytes per block");
 }
 
 // The packed weight is the activations' type, int8 with float32 scales (else empty), or
@@ -39,16 +53,11 @@ void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
   TURBO_DISPATCH_LINEAR_TYPES(out.scalar_type(), "linear", [&] {
     const scalar_t* b = bias.numel() ? bias.data_ptr<scalar_t>() : nullptr;
     if (packed.scalar_type() == at::kByte) {
-      const auto run = [&](auto bits) {
-        block_linear_rows<decltype(bits)::value, scalar_t>(
+      on_block_layout(packed, [&](auto layout) {
+        block_linear_rows<decltype(layout)::value, scalar_t>(
             out.data_ptr<scalar_t>(), out.stride(0), xf, x_stride, x.size(0), x.size(1),
             packed.data_ptr<uint8_t>(), out.size(1), b);
-      };
-      if (block_bits(packed) == 8) {
-        run(std::integral_constant<int, 8>{});
-      } else {
-        run(std::integral_constant<int, 4>{});
-      }
+      });
     } else if (packed.scalar_type() == at::kChar) {
       linear_rows<int8_t, scalar_t>(out.data_ptr<scalar_t>(), out.stride(0), xf, x_stride,
                                     x.size(0), x.size(1), packed.data_ptr<int8_t>(),
@@ -67,16 +76,11 @@ void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& pac
   const float* xf = float_rows(x, x_stride);
   TURBO_DISPATCH_LINEAR_TYPES(out.scalar_type(), "linear_silu_mul", [&] {
     if (packed.scalar_type() == at::kByte) {
-      const auto run = [&](auto bits) {
-        block_linear_silu_mul_rows<decltype(bits)::value, scalar_t>(
+      on_block_layout(packed, [&](auto layout) {
+        block_linear_silu_mul_rows<decltype(layout)::value, scalar_t>(
             out.data_ptr<scalar_t>(), out.stride(0), xf, x_stride, x.size(0), x.size(1),
             packed.data_ptr<uint8_t>(), out.size(1));
-      };
-      if (block_bits(packed) == 8) {
-        run(std::integral_constant<int, 8>{});
-      } else {
-        run(std::integral_constant<int, 4>{});
-      }
+      });
     } else if (packed.scalar_type() == at::kChar) {
       linear_silu_mul_rows<int8_t, scalar_t>(out.data_ptr<scalar_t>(), out.stride(0), xf,
                                              x_stride, x.size(0), x.size(1),
