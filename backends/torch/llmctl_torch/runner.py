@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from llmctl.engine.lora import LoraWeights, read_lora_weights
 from llmctl.engine.quant import SCALE_DTYPE, is_quantized_kv
 from llmctl.engine.runner import PagedRunner
 from llmctl.engine.step import StepBatch, StepInputs
@@ -25,7 +26,7 @@ from llmctl.model.lora import AdapterSpec
 from llmctl.model.weights import load_weights
 from llmctl_torch.attention import LayerCache, attention_ops
 from llmctl_torch.linear import quantize_linears
-from llmctl_torch.lora import LoraWeights, ModelLoras, read_lora_weights
+from llmctl_torch.lora import ModelLoras
 from llmctl_torch.model import AttentionMetadata, LlamaForCausalLM, build_model
 
 

@@ -63,6 +63,7 @@ constexpr bool kVnni = false;
 #include "cpu/row_kernels.h"
 #include "cpu/block_kernels.h"
 #include "cpu/tensor_kernels.h"
+#include "cpu/lora_kernels.h"
 }  // namespace avx512
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -84,6 +85,7 @@ constexpr bool kVnni = true;
 #include "cpu/row_kernels.h"
 #include "cpu/block_kernels.h"
 #include "cpu/tensor_kernels.h"
+#include "cpu/lora_kernels.h"
 }  // namespace avx512vnni
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -104,6 +106,7 @@ constexpr bool kVnni = false;
 #include "cpu/row_kernels.h"
 #include "cpu/block_kernels.h"
 #include "cpu/tensor_kernels.h"
+#include "cpu/lora_kernels.h"
 }  // namespace avx2
 #if defined(__clang__)
 #pragma clang attribute pop
@@ -119,6 +122,7 @@ constexpr bool kVnni = false;
 #include "cpu/row_kernels.h"
 #include "cpu/block_kernels.h"
 #include "cpu/tensor_kernels.h"
+#include "cpu/lora_kernels.h"
 }  // namespace portable
 
 #ifdef TURBO_CPU_X86
@@ -271,6 +275,12 @@ void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
 void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                      const at::Tensor& scale) {
   TURBO_ON_ACTIVE_ISA(linear_silu_mul, out, x, packed, scale);
+}
+
+void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
+              at::IntArrayRef out_offsets, at::IntArrayRef sizes, const at::Tensor& rows,
+              const at::Tensor& tiles) {
+  TURBO_ON_ACTIVE_ISA(lora_add, out, x, a, bt, out_offsets, sizes, rows, tiles);
 }
 
 void embedding(at::Tensor& out, const at::Tensor& embed, const at::Tensor& ids) {
