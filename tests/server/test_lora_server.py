@@ -108,6 +108,9 @@ def test_a_concurrent_mix_of_adapters_matches_peft(model, backend):
 
 
 def test_adapters_load_and_unload_while_streams_run(model):
+    """torch only: its streams of TOKENS tokens still run when the calls below are made;
+    turbo finishes them before the unload can be seen waiting (the mechanism is the
+    shared engine's, and turbo's run-time loading is in test_lora.py)."""
     model_dir, paths, want = model
     headers = {"Authorization": f"Bearer {KEY}"}
     with running_server(serve_args(model_dir, {"attn8": paths["attn8"]})) as url:
