@@ -8,6 +8,7 @@ exactly the same number of tokens; the two are interleaved (base, LoRA, base, Lo
 and the best of each is kept, so a busy neighbour hurts both alike.
 
     python scripts/bench_lora.py                 # torch backend, CPU
+    python scripts/bench_lora.py --backend turbo # turbo's native CPU LoRA kernel
     python scripts/bench_lora.py --repeats 3 --output-len 64
 """
 
@@ -68,7 +69,7 @@ def run(llm: LLM, prompts: list[list[int]], loras: list[str | None], output_len:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a model directory (default: a 24M random Llama)")
-    parser.add_argument("--backend", default="torch")
+    parser.add_argument("--backend", default="torch", help="torch or turbo (CPU)")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)

@@ -6,25 +6,21 @@
 // segments; llmctl.engine.lora.slot_tiles): a tile reads its slot's A and B once for all
 // its tokens, so a decode step of many requests over a few adapters reads each adapter
 // once per tile, not once per token. Per tile, "shrink" h = A @ x (a dot product of K per
-// rank row and token) then "expand" delta += h[r] * Bt[r] (B stored transposed, [R, N], so
-// the expand is a vector multiply-add along the output features, no reductions), and the
-// delta is added to out with one rounding to the output type. Tiles run in parallel.
+// rank row and token) then "expand" h @ Bt (B stored transposed, [R, N], so the expand
+// sums over the rank in registers, a vector of output features at a time, with no
+// reductions), the sum added to out with one rounding to the output type. Tiles run in
+// parallel.
 //
 // Why a separate pass and not fused into the linear panels: the rank is small (flops of a
 // few percent of the base product's), the shrink must finish before any output of the
 // expand, and the panels' kernels are shared by every weight format (float, int8, GGUF
 // blocks); one pass after each linear serves all of them unchanged.
 
-// y[0..n) += alpha * x[0..n)
-inline void add_scaled(float* y, const float* x, float alpha, int64_t n) {
-  int64_t i = 0;
-  const FloatVec a = FloatVec{} + alpha;
-  for (; i + kVectorWidth <= n; i += kVectorWidth) {
-    const FloatVec sum = load_vec(y + i) + a * load_vec(x + i);
-    __builtin_memcpy(y + i, &sum, sizeof(sum));
-  }
-  for (; i < n; ++i) y[i] += alpha * x[i];
-}
+// Tokens of a tile computed together: each load of A or Bt serves all of them, and their
+// accumulators are independent chains of multiply-adds (one chain would wait on each
+// add's latency). 8: the tiles' size (llmctl_turbo.lora.TILE_ROWS); 8 accumulators fit
+// AVX2's 16 registers beside the loads.
+constexpr int kLoraRows = 8;
 
 // a: [slots, parts * R, K]; bt: [slots, R, N], part p's features at columns
 // b_offsets[p] .. + sizes[p] of bt, written to out's columns out_offsets[p] .. + sizes[p].
@@ -35,40 +31,68 @@ void lora_add_rows(scalar_t* out, int64_t out_stride, const float* x, int64_t x_
                    const int64_t* sizes, const int32_t* rows, const int32_t* tiles,
                    int64_t num_tiles) {
   const int64_t hr = num_parts * R;
-  const int64_t tile_work = (hr * K + R * N) * std::max<int64_t>(1, tiles[2 * num_tiles] - tiles[num_tiles]);
+  const int64_t first_tile_rows = tiles[2 * num_tiles] - tiles[num_tiles];
+  const int64_t tile_work = (hr * K + R * N) * std::max<int64_t>(1, first_tile_rows);
   parallel_for(0, num_tiles, grain_for(tile_work), [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> h, delta;
+    thread_local std::vector<float> h;
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t slot = tiles[tile];
-      const int32_t* tile_rows = rows + tiles[num_tiles + tile];
-      const int64_t n = tiles[2 * num_tiles + tile] - tiles[num_tiles + tile];
-      h.resize(n * hr);
-      delta.assign(n * N, 0.f);
-      // Shrink: each row of A[slot] read once for the tile's tokens.
+      const int64_t first = tiles[num_tiles + tile], last = tiles[2 * num_tiles + tile];
       const float* as = a + slot * hr * K;
-      for (int64_t j = 0; j < hr; ++j) {
-        for (int64_t i = 0; i < n; ++i) {
-          h[i * hr + j] = dot(as + j * K, x + tile_rows[i] * x_stride, K);
-        }
-      }
-      // Expand: each row of Bt[slot] read once, every part from its own rank rows of h.
       const float* bs = bt + slot * R * N;
-      for (int64_t p = 0; p < num_parts; ++p) {
-        for (int64_t r = 0; r < R; ++r) {
-          const float* b_row = bs + r * N + b_offsets[p];
-          for (int64_t i = 0; i < n; ++i) {
-            add_scaled(delta.data() + i * N + b_offsets[p], b_row, h[i * hr + p * R + r],
-                       sizes[p]);
+      for (int64_t i0 = first; i0 < last; i0 += kLoraRows) {
+        const int m = static_cast<int>(std::min<int64_t>(kLoraRows, last - i0));
+        // Rows past the tile's end repeat its last token: computed, never stored.
+        const float* xs[kLoraRows];
+        scalar_t* os[kLoraRows];
+        for (int q = 0; q < kLoraRows; ++q) {
+          const int64_t row = rows[i0 + std::min(q, m - 1)];
+          xs[q] = x + row * x_stride;
+          os[q] = out + row * out_stride;
+        }
+        h.resize(kLoraRows * hr);
+        // Shrink: h[q, j] = A[slot, j] . x[q].
+        for (int64_t j = 0; j < hr; ++j) {
+          const float* a_row = as + j * K;
+          FloatVec acc[kLoraRows] = {};
+          int64_t k = 0;
+          for (; k + kVectorWidth <= K; k += kVectorWidth) {
+            const FloatVec av = load_vec(a_row + k);
+            for (int q = 0; q < kLoraRows; ++q) acc[q] += av * load_vec(xs[q] + k);
+          }
+          for (int q = 0; q < kLoraRows; ++q) {
+            float sum = reduce_add(acc[q]);
+            for (int64_t kk = k; kk < K; ++kk) sum += a_row[kk] * xs[q][kk];
+            h[q * hr + j] = sum;
           }
         }
-      }
-      for (int64_t i = 0; i < n; ++i) {
-        scalar_t* o = out + tile_rows[i] * out_stride;
-        const float* d = delta.data() + i * N;
+        // Expand: out[q, part p] += h[q, p R ..] @ Bt[slot][:, part p], a vector of
+        // output features at a time, summed over the rank in registers.
         for (int64_t p = 0; p < num_parts; ++p) {
-          for (int64_t c = 0; c < sizes[p]; ++c) {
-            scalar_t& value = o[out_offsets[p] + c];
-            value = round_to<scalar_t>(static_cast<float>(value) + d[b_offsets[p] + c]);
+          const float* hp = h.data() + p * R;
+          const float* b_part = bs + b_offsets[p];
+          const int64_t size = sizes[p];
+          int64_t c = 0;
+          for (; c + kVectorWidth <= size; c += kVectorWidth) {
+            FloatVec acc[kLoraRows] = {};
+            for (int64_t r = 0; r < R; ++r) {
+              const FloatVec bv = load_vec(b_part + r * N + c);
+              for (int q = 0; q < kLoraRows; ++q) acc[q] += hp[q * hr + r] * bv;
+            }
+            for (int q = 0; q < m; ++q) {
+              scalar_t* o = os[q] + out_offsets[p] + c;
+              for (int e = 0; e < kVectorWidth; ++e) {
+                o[e] = round_to<scalar_t>(static_cast<float>(o[e]) + acc[q][e]);
+              }
+            }
+          }
+          for (; c < size; ++c) {
+            for (int q = 0; q < m; ++q) {
+              float sum = 0.f;
+              for (int64_t r = 0; r < R; ++r) sum += hp[q * hr + r] * b_part[r * N + c];
+              scalar_t& value = os[q][out_offsets[p] + c];
+              value = round_to<scalar_t>(static_cast<float>(value) + sum);
+            }
           }
         }
       }
