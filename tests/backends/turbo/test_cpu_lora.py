@@ -26,6 +26,7 @@ def reference(out, x, a, bt, out_offsets, sizes, token_slots):
     return want
 
 
+@pytest.mark.parametrize("tile_rows", [TILE_ROWS, 16])  # the kernel takes any tile length
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     "sizes, out_offsets, width",
@@ -35,9 +36,9 @@ def reference(out, x, a, bt, out_offsets, sizes, token_slots):
         ([70], [0], 70),
     ],
 )
-def test_lora_add_matches_plain_torch(turbo_ops, isa, dtype, sizes, out_offsets, width):
+def test_lora_add_matches_plain_torch(turbo_ops, isa, dtype, sizes, out_offsets, width, tile_rows):
     gen = torch.Generator().manual_seed(0)
-    slots, rank, in_features = 3, 5, 67
+    slots, rank, in_features = 3, 5, 67  # an odd rank, K not a whole number of vectors
     query_lens = np.array([1, 13, 1, 1, 20, 1])  # decode rows and prefill chunks
     lora_slots = np.array([2, 0, -1, 2, 1, -1])
     num_tokens = int(query_lens.sum())
@@ -47,8 +48,8 @@ def test_lora_add_matches_plain_torch(turbo_ops, isa, dtype, sizes, out_offsets,
     out = torch.randn(num_tokens, width, generator=gen).to(dtype)
     token_slots = np.repeat(lora_slots, query_lens)
     want = reference(out, x, a, bt, out_offsets, sizes, token_slots)
-    order, tiles = slot_tiles(lora_slots, query_lens, TILE_ROWS)
-    assert (tiles[2] - tiles[1]).max() <= TILE_ROWS
+    order, tiles = slot_tiles(lora_slots, query_lens, tile_rows)
+    assert (tiles[2] - tiles[1]).max() == tile_rows
     before = out.clone()
     turbo_ops.lora_add(
         out,

@@ -21,6 +21,9 @@
 // add's latency). 8: the tiles' size (llmctl_turbo.lora.TILE_ROWS); 8 accumulators fit
 // AVX2's 16 registers beside the loads.
 constexpr int kLoraRows = 8;
+// Rows of A (shrink) and vectors of output features (expand) per step of the tile: 2 where
+// the register file holds 2 x 8 accumulators (AVX-512's 32 registers), else 1.
+constexpr int kLoraUnroll = kTilePanels;
 
 // a: [slots, parts * R, K]; bt: [slots, R, N], part p's features at columns
 // b_offsets[p] .. + sizes[p] of bt, written to out's columns out_offsets[p] .. + sizes[p].
@@ -51,40 +54,71 @@ void lora_add_rows(scalar_t* out, int64_t out_stride, const float* x, int64_t x_
           os[q] = out + row * out_stride;
         }
         h.resize(kLoraRows * hr);
-        // Shrink: h[q, j] = A[slot, j] . x[q].
-        for (int64_t j = 0; j < hr; ++j) {
-          const float* a_row = as + j * K;
-          FloatVec acc[kLoraRows] = {};
+        // Shrink: h[q, j] = A[slot, j] . x[q], U rows of A at a time.
+        auto shrink = [&](auto unroll, int64_t j) {
+          constexpr int U = decltype(unroll)::value;
+          FloatVec acc[U][kLoraRows] = {};
           int64_t k = 0;
           for (; k + kVectorWidth <= K; k += kVectorWidth) {
-            const FloatVec av = load_vec(a_row + k);
-            for (int q = 0; q < kLoraRows; ++q) acc[q] += av * load_vec(xs[q] + k);
+            FloatVec xv[kLoraRows];
+            for (int q = 0; q < kLoraRows; ++q) xv[q] = load_vec(xs[q] + k);
+            for (int u = 0; u < U; ++u) {
+              const FloatVec av = load_vec(as + (j + u) * K + k);
+              for (int q = 0; q < kLoraRows; ++q) acc[u][q] += av * xv[q];
+            }
           }
-          for (int q = 0; q < kLoraRows; ++q) {
-            float sum = reduce_add(acc[q]);
-            for (int64_t kk = k; kk < K; ++kk) sum += a_row[kk] * xs[q][kk];
-            h[q * hr + j] = sum;
+          for (int u = 0; u < U; ++u) {
+            const float* a_row = as + (j + u) * K;
+            for (int q = 0; q < kLoraRows; ++q) {
+              float sum = reduce_add(acc[u][q]);
+              for (int64_t kk = k; kk < K; ++kk) sum += a_row[kk] * xs[q][kk];
+              h[q * hr + j + u] = sum;
+            }
           }
+        };
+        int64_t j = 0;
+        for (; j + kLoraUnroll <= hr; j += kLoraUnroll) {
+          shrink(std::integral_constant<int, kLoraUnroll>{}, j);
         }
-        // Expand: out[q, part p] += h[q, p R ..] @ Bt[slot][:, part p], a vector of
-        // output features at a time, summed over the rank in registers.
+        for (; j < hr; ++j) shrink(std::integral_constant<int, 1>{}, j);
+        // Expand: out[q, part p] += h[q, p R ..] @ Bt[slot][:, part p], U vectors of output
+        // features at a time, summed over the rank in registers.
         for (int64_t p = 0; p < num_parts; ++p) {
           const float* hp = h.data() + p * R;
           const float* b_part = bs + b_offsets[p];
           const int64_t size = sizes[p];
-          int64_t c = 0;
-          for (; c + kVectorWidth <= size; c += kVectorWidth) {
-            FloatVec acc[kLoraRows] = {};
+          auto expand = [&](auto unroll, int64_t c) {
+            constexpr int U = decltype(unroll)::value;
+            FloatVec acc[U][kLoraRows] = {};
             for (int64_t r = 0; r < R; ++r) {
-              const FloatVec bv = load_vec(b_part + r * N + c);
-              for (int q = 0; q < kLoraRows; ++q) acc[q] += hp[q * hr + r] * bv;
+              for (int u = 0; u < U; ++u) {
+                const FloatVec bv = load_vec(b_part + r * N + c + u * kVectorWidth);
+                for (int q = 0; q < kLoraRows; ++q) acc[u][q] += hp[q * hr + r] * bv;
+              }
             }
             for (int q = 0; q < m; ++q) {
               scalar_t* o = os[q] + out_offsets[p] + c;
-              for (int e = 0; e < kVectorWidth; ++e) {
-                o[e] = round_to<scalar_t>(static_cast<float>(o[e]) + acc[q][e]);
+              for (int u = 0; u < U; ++u) {
+                scalar_t* ou = o + u * kVectorWidth;
+                if constexpr (std::is_same_v<scalar_t, float>) {
+                  const FloatVec sum = load_vec(ou) + acc[u][q];
+                  __builtin_memcpy(ou, &sum, sizeof(sum));
+                } else {  // bf16 / fp16: widened, added, rounded one at a time
+                  float sum[kVectorWidth];
+                  __builtin_memcpy(sum, &acc[u][q], sizeof(sum));
+                  for (int e = 0; e < kVectorWidth; ++e) {
+                    ou[e] = round_to<scalar_t>(static_cast<float>(ou[e]) + sum[e]);
+                  }
+                }
               }
             }
+          };
+          int64_t c = 0;
+          for (; c + kLoraUnroll * kVectorWidth <= size; c += kLoraUnroll * kVectorWidth) {
+            expand(std::integral_constant<int, kLoraUnroll>{}, c);
+          }
+          for (; c + kVectorWidth <= size; c += kVectorWidth) {
+            expand(std::integral_constant<int, 1>{}, c);
           }
           for (; c < size; ++c) {
             for (int q = 0; q < m; ++q) {
