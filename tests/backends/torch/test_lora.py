@@ -187,3 +187,16 @@ def test_transformers_and_turbo_on_cuda_refuse_adapters_naming_torch(served):
     with LLM(str(model_dir), backend="transformers") as llm:
         with pytest.raises(InvalidRequest, match="serves no LoRA adapters"):
             llm.generate([[1, 2, 3]], lora="a")
+
+
+def test_turbo_adapters_with_an_mlp_of_partial_panels(tmp_path):
+    """intermediate_size 100 is not a whole number of turbo's 16-feature panels: up's
+    columns then start after gate's padded panels in the step's gate/up buffer."""
+    from tests.helpers.tiny_models import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "model", "qwen2", intermediate_size=100)
+    peft_model = make_adapter(tmp_path / "mlp", model_dir, rank=8, target_modules=MLP)
+    want = hf_greedy(peft_model, PROMPTS, MAX_TOKENS)
+    assert want != hf_greedy(load_hf_model(model_dir), PROMPTS, MAX_TOKENS)
+    with LLM(str(model_dir), backend="turbo", lora={"mlp": str(tmp_path / "mlp")}) as llm:
+        assert greedy(llm, ["mlp"]) == [want]
