@@ -8,6 +8,7 @@ exactly the same number of tokens; the two are interleaved (base, LoRA, base, Lo
 and the best of each is kept, so a busy neighbour hurts both alike.
 
     python scripts/bench_lora.py                 # torch backend, CPU
+    python scripts/bench_lora.py --backend turbo # turbo's native CPU LoRA kernel
     python scripts/bench_lora.py --repeats 3 --output-len 64
 """
 
@@ -68,7 +69,8 @@ def run(llm: LLM, prompts: list[list[int]], loras: list[str | None], output_len:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a model directory (default: a 24M random Llama)")
-    parser.add_argument("--backend", default="torch")
+    parser.add_argument("--backend", default="torch", help="torch or turbo (CPU)")
+    parser.add_argument("--quantization", default="none", help="the base weights: none or int8")
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
@@ -100,6 +102,7 @@ def main() -> None:
             lora=loras,
             max_loras=ADAPTERS,
             max_lora_rank=args.rank,
+            quantization=args.quantization,
             enable_prefix_caching=False,  # every run computes its prompts
         ) as llm:
             run(llm, prompts[:4], names[:4], 4)  # warm up both paths
@@ -108,7 +111,10 @@ def main() -> None:
                 base.append(run(llm, prompts, [None] * args.requests, args.output_len))
                 adapted.append(run(llm, prompts, names, args.output_len))
 
-    table = Table(title=f"{args.requests} requests, {args.input_len} in / {args.output_len} out")
+    table = Table(
+        title=f"{args.backend}, {args.requests} requests, {args.input_len} in / "
+        f"{args.output_len} out, quantization {args.quantization}"
+    )
     for column in ("run", "tokens/s (best)", "runs", "ratio"):
         table.add_column(column)
     table.add_row("base model", f"{max(base):.1f}", ", ".join(f"{t:.1f}" for t in base), "1.00")

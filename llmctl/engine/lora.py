@@ -19,6 +19,11 @@ Unloading retires the name at once (new requests get "unknown model"); the reque
 already using the adapter finish with it, then its slot and memory are freed and the
 callbacks passed to ``retire`` run (the server answers the unload then).
 
+Every backend that applies adapters shares the pieces at the end: the fused module and
+part each HF module maps to (``FUSED_PARTS``), how an adapter is read into host memory
+(``read_lora_weights``) and how a step's tokens are grouped by slot into tiles
+(``slot_tiles``, the segments of punica's SGMV).
+
 Everything here runs on the engine thread, except ``names`` (a copy, read anywhere).
 """
 
@@ -29,10 +34,14 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from llmctl.errors import InvalidRequest
+import numpy as np
+
+from llmctl.errors import InvalidRequest, ModelError
 from llmctl.model.lora import AdapterSpec, LoraNameError, read_adapter
 
 if TYPE_CHECKING:
+    import torch
+
     from llmctl.engine.sequence import Sequence
 
 NO_SLOT = -1  # a row without an adapter: the base model alone
@@ -180,3 +189,66 @@ class LoraSlots:
         adapter.weights = None
         for callback in retired[1]:
             callback()
+
+
+# --- shared by the backends' kernels -----------------------------------------------------
+
+# HF module (within a decoder layer) -> (the fused module the backends run, its part):
+# q/k/v are one matrix, gate/up another, so one layer holds several adapted parts.
+FUSED_PARTS = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "self_attn.o_proj": ("self_attn.o_proj", 0),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.down_proj": ("mlp.down_proj", 0),
+}
+
+# An adapter in host memory: HF module name -> (A [r, in], B * scale [out, r]).
+LoraWeights = dict[str, tuple["torch.Tensor", "torch.Tensor"]]
+
+
+def read_lora_weights(spec: AdapterSpec, dtype: torch.dtype, pin: bool) -> LoraWeights:
+    """The adapter's A and scaled B per module, in ``dtype`` (scaled in fp32 first);
+    ``pin``: in pinned memory, so a copy into a CUDA slot is asynchronous."""
+    from safetensors import safe_open
+
+    weights: LoraWeights = {}
+    try:
+        with safe_open(str(spec.weights_file), framework="pt") as file:
+            for module, (a_name, b_name) in spec.modules.items():
+                a = file.get_tensor(a_name).to(dtype)
+                b = (file.get_tensor(b_name).float() * spec.scale).to(dtype)
+                if pin:
+                    a, b = a.pin_memory(), b.pin_memory()
+                weights[module] = (a, b)
+    except (OSError, RuntimeError, ValueError) as exc:  # safetensors' own errors
+        raise ModelError(
+            f"LoRA adapter {spec.path}: cannot read {spec.weights_file}: {exc}"
+        ) from None
+    return weights
+
+
+def slot_tiles(
+    lora_slots: np.ndarray, query_lens: np.ndarray, tile_rows: int
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The step's tokens with an adapter, sorted by slot (``order``: token indices), and
+    ``tiles [3, n]``: each tile's slot and its range ``[start, end)`` of ``order``, at
+    most ``tile_rows`` tokens of one slot, so a kernel reads a slot's A and B once per
+    tile. ``lora_slots`` is per sequence (-1: none). ``None`` when no token has one."""
+    token_slots = np.repeat(np.asarray(lora_slots, dtype=np.int64), query_lens)
+    adapted = np.flatnonzero(token_slots != NO_SLOT)
+    if len(adapted) == 0:
+        return None
+    order = adapted[np.argsort(token_slots[adapted], kind="stable")]
+    slots = token_slots[order]
+    starts = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]])
+    ends = np.r_[starts[1:], len(order)]
+    counts = -(-(ends - starts) // tile_rows)
+    first = np.repeat(starts, counts)
+    within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    tile_start = first + within * tile_rows
+    tiles = np.stack([np.repeat(slots[starts], counts), tile_start, np.repeat(ends, counts)])
+    tiles[2] = np.minimum(tiles[2], tile_start + tile_rows)
+    return order, tiles

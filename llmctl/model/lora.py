@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from llmctl.errors import ModelError
 from llmctl.model.check import expected_tensors
@@ -187,3 +189,28 @@ def check_lora_name(name: str, taken: set[str], model_name: str) -> None:
         raise LoraNameError(
             f"LoRA adapter name {name!r} is already loaded: unload it first, or choose another name"
         )
+
+
+def adapters_problem(adapters: Mapping[str, str], options: Mapping[str, Any]) -> str | None:
+    """The ``lora`` option's check, shared by the backends that serve adapters: each
+    adapter checked against the model before anything loads (the same check the runner
+    makes when it reads one): files, shapes, rank, name."""
+    if not adapters:
+        return None
+    from llmctl.model.info import resolve_model
+
+    try:
+        info = resolve_model(options.get("model") or "demo")
+        config = ModelConfig.from_dict(info.config)
+    except ModelError:
+        return None  # the model's own error is reported where it is loaded
+    served = options.get("model_name") or info.name
+    taken: set[str] = set()
+    try:
+        for name, path in adapters.items():
+            check_lora_name(name, taken, served)
+            taken.add(name)
+            read_adapter(path, config, options.get("max_lora_rank", 16))
+    except ModelError as exc:
+        return str(exc)
+    return None

@@ -65,15 +65,19 @@ def test_architecture_only_torch_supports_falls_back_to_torch(builtins):
     assert choice.backend.name == "torch"
 
 
-def test_adapters_fall_back_to_torch(builtins, tmp_path):
+def test_adapters_on_cuda_fall_back_to_torch(builtins, tmp_path):
+    """turbo serves LoRA adapters on the CPU only: on CUDA the choice falls back to torch."""
     from tests.helpers.lora_adapters import write_small_adapter
 
-    flags = {"model": "demo", "lora": {"a": str(write_small_adapter(tmp_path / "a", llama().path))}}
+    adapters = {"a": str(write_small_adapter(tmp_path / "a", llama().path))}
     turbo = builtins["turbo"]
-    hw = CPU_NO_COMPILER
-    reasons = turbo.check(llama(), {"lora": {"a": "/x"}, "cache_block_seq_len": 64}, hw)
+    cuda = replace(CPU_NO_COMPILER, cuda_available=True, compute_capability=(9, 0))
+    options = {"model": str(llama().path), "lora": adapters, "cache_block_seq_len": 64}
+    reasons = turbo.check(llama(), {**options, "device": "cuda"}, cuda)
     assert any("LoRA" in r and "--backend torch" in r for r in reasons)
-    choice = choose(llama(), flags, hardware=hw, backends=builtins, env={})
+    assert not any("LoRA" in r for r in turbo.check(llama(), options, CPU_WITH_COMPILER))
+    flags = {"model": "demo", "device": "cuda", "lora": adapters}
+    choice = choose(llama(), flags, hardware=cuda, backends=builtins, env={})
     assert choice.backend.name == "torch"
     assert any("LoRA" in n for n in choice.notes)
 

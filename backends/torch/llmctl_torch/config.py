@@ -25,6 +25,7 @@ from llmctl.errors import ModelError
 from llmctl.hardware import Hardware
 from llmctl.model.config import ModelConfig
 from llmctl.model.info import resolve_model
+from llmctl.model.lora import adapters_problem
 
 # The largest head the Triton kernels tile (their head_dim tile is a power of two).
 TRITON_MAX_HEAD_DIM = 256
@@ -123,30 +124,6 @@ def _model_tp_problem(tp: int, options: Mapping[str, Any]) -> str | None:
     )
 
 
-def _lora_problem(adapters: Mapping[str, str], options: Mapping[str, Any]) -> str | None:
-    """Each adapter checked against the model before anything loads (the same check the
-    runner makes when it reads one): files, shapes, rank, name."""
-    if not adapters:
-        return None
-    from llmctl.model.lora import check_lora_name, read_adapter
-
-    try:
-        info = resolve_model(options.get("model") or "demo")
-        config = ModelConfig.from_dict(info.config)
-    except ModelError:
-        return None  # the model's own error is reported where it is loaded
-    served = options.get("model_name") or info.name
-    taken: set[str] = set()
-    try:
-        for name, path in adapters.items():
-            check_lora_name(name, taken, served)
-            taken.add(name)
-            read_adapter(path, config, options.get("max_lora_rank", 16))
-    except ModelError as exc:
-        return str(exc)
-    return None
-
-
 def _nodes_problem(nnodes: int, options: Mapping[str, Any]) -> str | None:
     tp = options.get("tensor_parallel_size", 1)
     if tp % nnodes:
@@ -207,7 +184,7 @@ RULES = (
         "lora",
         "PEFT LoRA adapters (q/k/v/o/gate/up/down) of the model's shapes, rank <= "
         "max_lora_rank (sharded like the weights with tensor_parallel_size > 1)",
-        lambda value, options, hardware: _lora_problem(value, options),
+        lambda value, options, hardware: adapters_problem(value, options),
     ),
     OptionRule(
         "nnodes",

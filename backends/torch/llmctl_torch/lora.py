@@ -24,56 +24,23 @@ output gets ``B[slot] @ (A[slot] @ x)`` added for each token, with the slot of i
 ``StepBatch.lora_slots`` and shared by every layer. A weight method (fp or int8) is
 untouched: the adapters add to whatever the base product is.
 
-Adapters are read with safetensors into host memory (pinned on CUDA, so a swap into a
-slot is an asynchronous copy ordered after the steps already launched).
+Adapters are read with safetensors into host memory (``llmctl.engine.lora``'s
+``read_lora_weights``; pinned on CUDA, so a swap into a slot is an asynchronous copy
+ordered after the steps already launched).
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from torch import nn
 
-from llmctl.engine.lora import NO_SLOT
-from llmctl.errors import ModelError
-from llmctl.model.lora import AdapterSpec
+from llmctl.engine.lora import FUSED_PARTS, NO_SLOT, LoraWeights, slot_tiles
 from llmctl_torch.linear import Linear
 
-# HF module (within a decoder layer) -> (this model's fused module, part index)
-PARTS = {
-    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
-    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
-    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
-    "self_attn.o_proj": ("self_attn.o_proj", 0),
-    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
-    "mlp.up_proj": ("mlp.gate_up_proj", 1),
-    "mlp.down_proj": ("mlp.down_proj", 0),
-}
 # A CPU step mixing adapters groups its rows by slot from this many tokens per slot on
 # (prefill: flops count); a smaller one goes through every slot at once (decode).
 GROUPED_TOKENS_PER_SLOT = 64
-
-# An adapter in host memory: HF module name -> (A [r, in], B * scale [out, r]).
-LoraWeights = dict[str, tuple[torch.Tensor, torch.Tensor]]
-
-
-def read_lora_weights(spec: AdapterSpec, dtype: torch.dtype, pin: bool) -> LoraWeights:
-    """The adapter's A and scaled B per module, in ``dtype`` (scaled in fp32 first)."""
-    weights: LoraWeights = {}
-    try:
-        with safe_open(str(spec.weights_file), framework="pt") as file:
-            for module, (a_name, b_name) in spec.modules.items():
-                a = file.get_tensor(a_name).to(dtype)
-                b = (file.get_tensor(b_name).float() * spec.scale).to(dtype)
-                if pin:
-                    a, b = a.pin_memory(), b.pin_memory()
-                weights[module] = (a, b)
-    except (OSError, RuntimeError, ValueError) as exc:  # safetensors' own errors
-        raise ModelError(
-            f"LoRA adapter {spec.path}: cannot read {spec.weights_file}: {exc}"
-        ) from None
-    return weights
 
 
 class LoraContext:
@@ -122,11 +89,7 @@ class LoraContext:
             return
         from llmctl_torch.triton_lora import TILE_ROWS
 
-        counts = -(-(ends - starts) // TILE_ROWS)
-        first = np.repeat(starts, counts)
-        within = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
-        tile_start = first + within * TILE_ROWS
-        tiles = np.stack([np.repeat(slots[starts], counts), tile_start, np.repeat(ends, counts)])
+        order, tiles = slot_tiles(lora_slots, query_lens, TILE_ROWS)
         packed = torch.from_numpy(np.concatenate([order, tiles.reshape(-1)]).astype(np.int32))
         if self.device.type == "cuda":
             packed = packed.pin_memory()
@@ -239,7 +202,7 @@ class ModelLoras:
                     rank,
                     dtype,
                 )
-            for module, (fused, part) in PARTS.items():
+            for module, (fused, part) in FUSED_PARTS.items():
                 self.targets[f"model.layers.{index}.{module}"] = (layers[fused], part)
 
     def load_slot(self, slot: int, weights: LoraWeights) -> None:

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmctl.engine.lora import LoraWeights, read_lora_weights
 from llmctl.engine.quant import SCALE_DTYPE, is_quantized_kv
 from llmctl.engine.rope import rope_inv_freq
 from llmctl.engine.runner import PagedRunner, StepBatch, StepInputs
@@ -38,7 +39,7 @@ from llmctl.model.lora import AdapterSpec
 from llmctl.model.weights import load_weights
 from llmctl_torch.attention import AttentionOps, LayerCache, attention_ops
 from llmctl_torch.linear import Linear, quantize_linears
-from llmctl_torch.lora import LoraWeights, ModelLoras, read_lora_weights
+from llmctl_torch.lora import ModelLoras
 
 # Merged parameter of each layer → the HF parameters concatenated (output dim) to form it.
 MERGED_PROJECTIONS = {

@@ -19,6 +19,7 @@ from llmctl.backend import (
     one_device_rules,
 )
 from llmctl.model.config import ModelConfig
+from llmctl.model.lora import adapters_problem
 
 LLAMA_FAMILY = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
 # The largest head turbo's CUDA attention kernels take (TURBO_CUDA_MAX_HEAD_DIM).
@@ -81,6 +82,19 @@ def quantization_problem(value: str, options: Mapping[str, Any], hardware: Hardw
     return None
 
 
+def lora_problem(
+    adapters: Mapping[str, str], options: Mapping[str, Any], hardware: Hardware
+) -> str | None:
+    """Why turbo cannot serve ``adapters`` (``None``: it can). Its CPU step applies them
+    (csrc/cpu/lora_kernels.h); its CUDA kernels have no LoRA pass yet."""
+    if adapters and hardware.device_for(options.get("device", "auto")) == "cuda":
+        return (
+            "turbo applies LoRA adapters in its CPU kernels only, not on CUDA yet: use "
+            "--backend torch (its Triton LoRA kernels) or --device cpu"
+        )
+    return adapters_problem(adapters, options)
+
+
 def quantized_kv_problem(kv_cache_dtype: str) -> str | None:
     """Why turbo cannot keep a ``kv_cache_dtype`` cache (``None``: it can). An int8 cache is read by its CPU kernels and its CUDA SIMT attention kernel; fp8 by
     none of its kernels."""
@@ -102,13 +116,9 @@ RULES = (
     ),
     OptionRule(
         "lora",
-        "not supported yet (use --backend torch)",
-        lambda value, options, hardware: (
-            "turbo does not serve LoRA adapters yet: use --backend torch (or auto, which "
-            "then picks torch)"
-            if value
-            else None
-        ),
+        "on CPU (turbo's native LoRA kernel): PEFT LoRA adapters (q/k/v/o/gate/up/down) of "
+        "the model's shapes, rank <= max_lora_rank; not on CUDA (use --backend torch)",
+        lambda value, options, hardware: lora_problem(value, options, hardware),
     ),
     OptionRule(
         "cpu_threads",

@@ -70,6 +70,8 @@ class TurboBackend(Backend):
                 max_model_len=max_model_len,
                 max_num_seqs=config.max_num_seqs,
                 cuda_graphs=config.cuda_graphs,
+                max_loras=config.lora.max_loras,
+                max_lora_rank=config.lora.max_rank,
             )
 
         return build_engine(model, self.translate(options), hardware, load_runner)

@@ -9,7 +9,9 @@ native call, ``llama_step``, which runs every layer and returns the logits.
 On a GPU, decode steps replay CUDA graphs of that call, captured per batch-size bucket
 when the cache is allocated (``llmctl.engine.runner.DecodeGraphs``): a step then costs one
 host-to-device copy and one graph launch instead of a few hundred kernel launches.
-Prefill and mixed steps run eagerly.
+Prefill and mixed steps run eagerly, and so does any step with a LoRA adapter in it
+(CPU only: ``llmctl_turbo.lora``, batched beside the base weights, never merged; the
+slots are allocated when the first adapter is put in one).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import torch
 from rich.progress import track
 
+from llmctl.engine.lora import LoraWeights, read_lora_weights
 from llmctl.engine.quant import (
     SCALE_DTYPE,
     QuantizationReport,
@@ -27,10 +30,11 @@ from llmctl.engine.quant import (
     quantize_weight_int8,
     tensor_bytes,
 )
-from llmctl.engine.runner import PagedRunner, StepInputs
+from llmctl.engine.runner import PagedRunner, StepBatch, StepInputs
 from llmctl.errors import ModelError
 from llmctl.model.config import ModelConfig
 from llmctl.model.gguf import GGUFBlocks
+from llmctl.model.lora import AdapterSpec
 from llmctl.model.weights import load_weights
 from llmctl_turbo.build import load_ops
 from llmctl_turbo.config import (
@@ -42,6 +46,7 @@ from llmctl_turbo.config import (
 )
 from llmctl_turbo.gguf_cuda import CudaBlockPlacer, load_cuda_gguf_weights
 from llmctl_turbo.gguf_weights import BlockPacker, load_gguf_weights
+from llmctl_turbo.lora import TurboLoras
 from llmctl_turbo.rope import model_cos_sin_cache
 
 CPU_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -180,6 +185,8 @@ class TurboModelRunner(PagedRunner):
     Q4_K / Q5_K / Q6_K in its CUDA kernel (``llmctl_turbo.gguf_cuda``).
     ``kv_cache_dtype="int8"`` keeps the KV cache as int8 with a float32 scale per token
     and KV head (the torch backend's bytes), read by those kernels too.
+    On the CPU, ``max_loras`` LoRA slots of rank ``max_lora_rank`` serve adapters
+    (``LoraRunner``).
     """
 
     def __init__(
@@ -189,6 +196,8 @@ class TurboModelRunner(PagedRunner):
         *,
         num_blocks: int | None = None,
         quantization: str = "none",
+        max_loras: int = 4,
+        max_lora_rank: int = 16,
         **paged: Any,
     ) -> None:
         super().__init__(config, **paged)  # PagedRunner's options: dtype, device, block size...
@@ -223,8 +232,31 @@ class TurboModelRunner(PagedRunner):
         self.cos_sin_cache = model_cos_sin_cache(config, self.max_model_len).to(self.device)
         self.kv_cache = torch.empty(0, device=self.device)
         self.kv_cache_scale: torch.Tensor | None = None  # an int8 cache's scales
+        # LoRA adapters: turbo's CPU kernels apply them, its CUDA ones do not (yet).
+        self.serves_lora = self.device.type == "cpu"
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.loras: TurboLoras | None = None  # made when the first adapter is loaded
+        self._lora_step: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, tiles
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
+
+    def read_lora(self, spec: AdapterSpec) -> LoraWeights:
+        return read_lora_weights(spec, torch.float32, pin=False)
+
+    def load_lora_slot(self, slot: int, weights: LoraWeights) -> None:
+        if self.loras is None:
+            self.loras = TurboLoras(self.config, self.max_loras, self.max_lora_rank)
+        self.loras.load_slot(slot, weights)
+
+    def execute(self, batch: StepBatch) -> torch.Tensor:
+        if batch.lora_slots is None or self.loras is None:
+            return super().execute(batch)
+        self._lora_step = self.loras.step_tiles(batch.lora_slots, batch.query_lens)
+        try:
+            return super().execute(batch)
+        finally:
+            self._lora_step = None
 
     def weight_bytes(self) -> int:
         unique = {t.data_ptr(): t for t in self.weights if t.numel()}  # tied embeddings once
@@ -243,7 +275,9 @@ class TurboModelRunner(PagedRunner):
     def forward(self, inputs: StepInputs, is_decode: bool) -> torch.Tensor:
         """``llama_step`` over staged inputs: every eager step, and the decode step the
         CUDA graphs capture (padding rows: slot -1 writes nothing, context length 0
-        attends to nothing). One native call serves decode and prefill alike."""
+        attends to nothing). One native call serves decode and prefill alike; a step
+        with adapters passes their slots and its tiles."""
+        lora_rows, lora_tiles = self._lora_step or (None, None)
         return self._llama_step(
             inputs.input_ids,
             inputs.positions,
@@ -256,6 +290,9 @@ class TurboModelRunner(PagedRunner):
             self.cos_sin_cache,
             self.config.num_heads,
             self.config.rms_norm_eps,
+            self.loras.tensors if lora_rows is not None else [],
             self.kv_cache_scale,
             inputs.logits_indices,  # None: each sequence's last token
+            lora_rows,
+            lora_tiles,
         )

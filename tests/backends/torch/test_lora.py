@@ -1,5 +1,5 @@
-"""LoRA adapters on the torch backend, through the Python API: batched beside the base
-weights, chosen per prompt, against transformers + peft on the same adapters."""
+"""LoRA adapters on the torch and turbo backends, through the Python API: batched beside
+the base weights, chosen per prompt, against transformers + peft on the same adapters."""
 
 from __future__ import annotations
 
@@ -8,9 +8,15 @@ import json
 import pytest
 
 from llmctl import LLM, SamplingParams
+from llmctl.engine.quant import dequantize_weight_int8, quantize_weight_int8
 from llmctl.errors import BackendError, InvalidRequest, ModelError
+from llmctl.hardware import Hardware
 from tests.helpers.lora_adapters import ATTENTION, MLP, make_adapter
 from tests.helpers.tiny_models import hf_greedy, load_hf_model
+
+# Both backends that serve adapters: torch (matmuls on the CPU) and turbo (its native
+# CPU LoRA kernel inside its one-call step).
+BACKENDS = ["torch", "turbo"]
 
 MAX_TOKENS = 12
 # A shared prefix longer than a block (16 tokens): the prefix cache holds it after the
@@ -53,14 +59,15 @@ def greedy(llm: LLM, names: list[str | None]) -> list[list[int]]:
     return [tokens[i * len(PROMPTS) : (i + 1) * len(PROMPTS)] for i in range(len(names))]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("max_loras", [4, 1])
-def test_a_mixed_batch_of_adapters_matches_peft(served, max_loras):
+def test_a_mixed_batch_of_adapters_matches_peft(served, max_loras, backend):
     """Four adapters and the base model in one batch; with max_loras 1 the adapters take
     turns in the one slot (swapped in least-recently-used), and stay correct."""
     model_dir, paths, want = served
     names = [None, *ADAPTERS, None]
     with LLM(
-        str(model_dir), backend="torch", lora=paths, max_loras=max_loras, cache_block_seq_len=16,
+        str(model_dir), backend=backend, lora=paths, max_loras=max_loras, cache_block_seq_len=16,
         max_lora_rank=16,
     ) as llm:  # fmt: skip
         got = greedy(llm, names)
@@ -74,20 +81,22 @@ def test_a_mixed_batch_of_adapters_matches_peft(served, max_loras):
         assert llm.engine.engine.block_size == 16  # adapters never change the block size
 
 
-def test_adapters_with_ngram_speculation_match_peft(served):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_adapters_with_ngram_speculation_match_peft(served, backend):
     """Speculative steps verify proposals with the adapter of their row."""
     model_dir, paths, want = served
     with LLM(
-        str(model_dir), backend="torch", lora=paths, cache_block_seq_len=16,
+        str(model_dir), backend=backend, lora=paths, cache_block_seq_len=16,
         speculative_method="ngram",
     ) as llm:  # fmt: skip
         names = [None, *ADAPTERS]
         assert greedy(llm, names) == [want[name] for name in names]
 
 
-def test_adapters_load_and_unload_at_run_time(served):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_adapters_load_and_unload_at_run_time(served, backend):
     model_dir, paths, want = served
-    with LLM(str(model_dir), backend="torch", cache_block_seq_len=16) as llm:
+    with LLM(str(model_dir), backend=backend, cache_block_seq_len=16) as llm:
         llm.load_lora("late", paths["all16"])
         assert greedy(llm, ["late", None]) == [want["all16"], want[None]]
         llm.unload_lora("late")
@@ -97,7 +106,8 @@ def test_adapters_load_and_unload_at_run_time(served):
         assert greedy(llm, ["late"]) == [want["mlp4"]]
 
 
-def test_bad_adapters_are_refused_with_the_reason(served, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_adapters_are_refused_with_the_reason(served, tiny_model_dir, tmp_path, backend):
     model_dir, paths, _ = served
     # A model of other shapes (q_proj [64, 64] against [128, 64]).
     other = tiny_model_dir("qwen2" if "llama3" in model_dir.name else "llama3-rope")
@@ -106,7 +116,7 @@ def test_bad_adapters_are_refused_with_the_reason(served, tiny_model_dir, tmp_pa
     broken.mkdir()
     (broken / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
     (broken / "adapter_model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
-    with LLM(str(model_dir), backend="torch", max_lora_rank=8) as llm:
+    with LLM(str(model_dir), backend=backend, max_lora_rank=8) as llm:
         cases = [
             ("a", paths["all16"], "rank 16, above max_lora_rank 8.*--max-lora-rank 16"),
             ("a", str(tmp_path / "other"), "do not fit the base model's.*another model"),
@@ -125,11 +135,68 @@ def test_bad_adapters_are_refused_with_the_reason(served, tiny_model_dir, tmp_pa
         assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))[0].token_ids) == 2
 
 
-def test_turbo_and_transformers_refuse_adapters_naming_torch(served):
+def int8_reference(model_dir, adapter_dir=None):
+    """transformers (+ peft with ``adapter_dir``) on the int8 weights the backends run:
+    each adapted projection's weight quantized as ``quantization=int8`` does (per output
+    channel) and dequantized, the adapter on top."""
+    import torch
+    from peft import PeftModel
+
+    model = load_hf_model(model_dir)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith(tuple(ATTENTION + MLP)):
+                weight = module.weight
+                weight.copy_(dequantize_weight_int8(*quantize_weight_int8(weight), weight.dtype))
+    return PeftModel.from_pretrained(model, adapter_dir).eval() if adapter_dir else model
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_adapters_on_int8_weights_match_peft_on_the_dequantized_weights(served, backend):
+    """quantization=int8: the adapters add to the int8 product, and the greedy tokens equal
+    peft's on the dequantized weights exactly (no tolerance). turbo's int8 kernels compute
+    in fp32 from the int8 weights and scales; torch's CPU products of more than 8 rows
+    (here every step: 12 sequences) dequantize the int8 weight, also in fp32. (Its
+    bfloat16-activation kernel for fewer rows is bounded in test_int8_linear.py.)"""
     model_dir, paths, _ = served
-    for backend, message in (("turbo", "--backend torch"), ("transformers", "--backend torch")):
-        with pytest.raises(BackendError, match=message):
-            LLM(str(model_dir), backend=backend, lora={"a": paths["attn8"]})
-    with LLM(str(model_dir), backend="turbo") as llm:
-        with pytest.raises(InvalidRequest, match="turbo backend serves no LoRA adapters"):
+    names = ["all16", "mlp4", None]
+    want = {
+        name: hf_greedy(int8_reference(model_dir, paths.get(name)), PROMPTS, MAX_TOKENS)
+        for name in names
+    }
+    assert want["all16"] != want[None]
+    with LLM(
+        str(model_dir), backend=backend, lora={n: paths[n] for n in names if n},
+        quantization="int8", cache_block_seq_len=16,
+    ) as llm:  # fmt: skip
+        assert greedy(llm, names) == [want[name] for name in names]
+
+
+def test_transformers_and_turbo_on_cuda_refuse_adapters_naming_torch(served):
+    """turbo serves adapters on the CPU only; transformers not at all."""
+    from llmctl_turbo.config import lora_problem
+
+    model_dir, paths, _ = served
+    with pytest.raises(BackendError, match="--backend torch"):
+        LLM(str(model_dir), backend="transformers", lora={"a": paths["attn8"]})
+    cuda = Hardware(cuda_available=True, compute_capability=(9, 0))
+    options = {"model": str(model_dir), "device": "cuda"}
+    assert "CPU kernels only" in lora_problem({"a": paths["attn8"]}, options, cuda)
+    assert lora_problem({}, options, cuda) is None
+    assert lora_problem({"a": paths["attn8"]}, {**options, "device": "cpu"}, cuda) is None
+    with LLM(str(model_dir), backend="transformers") as llm:
+        with pytest.raises(InvalidRequest, match="serves no LoRA adapters"):
             llm.generate([[1, 2, 3]], lora="a")
+
+
+def test_turbo_adapters_with_an_mlp_of_partial_panels(tmp_path):
+    """intermediate_size 100 is not a whole number of turbo's 16-feature panels: up's
+    columns then start after gate's padded panels in the step's gate/up buffer."""
+    from tests.helpers.tiny_models import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "model", "qwen2", intermediate_size=100)
+    peft_model = make_adapter(tmp_path / "mlp", model_dir, rank=8, target_modules=MLP)
+    want = hf_greedy(peft_model, PROMPTS, MAX_TOKENS)
+    assert want != hf_greedy(load_hf_model(model_dir), PROMPTS, MAX_TOKENS)
+    with LLM(str(model_dir), backend="turbo", lora={"mlp": str(tmp_path / "mlp")}) as llm:
+        assert greedy(llm, ["mlp"]) == [want]

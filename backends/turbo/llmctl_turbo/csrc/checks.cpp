@@ -218,4 +218,44 @@ void check_token_indices(const at::Tensor& indices, int64_t num_tokens) {
                     num_tokens, " tokens");
 }
 
+void check_lora_weights(const at::Tensor& a, const at::Tensor& bt, WeightName name,
+                        int64_t in_features, at::IntArrayRef sizes) {
+  int64_t features = 0;
+  for (int64_t size : sizes) features += size;
+  const auto parts = static_cast<int64_t>(sizes.size());
+  TORCH_CHECK(a.defined() && bt.defined() && a.is_cpu() && bt.is_cpu() &&
+                  a.scalar_type() == at::kFloat && bt.scalar_type() == at::kFloat &&
+                  a.is_contiguous() && bt.is_contiguous() && a.dim() == 3 && bt.dim() == 3,
+              name, ": LoRA A and B must be contiguous float32 CPU tensors [slots, parts x rank, ",
+              "in] and [slots, rank, out]");
+  const int64_t rank = bt.size(1);
+  TORCH_CHECK(a.size(0) == bt.size(0) && a.size(1) == parts * rank && a.size(2) == in_features &&
+                  bt.size(2) == features,
+              name, ": LoRA A must be [slots, ", parts, " x rank, ", in_features,
+              "] and B [slots, rank, ", features, "]; got ", a.sizes(), " and ", bt.sizes());
+}
+
+void check_lora_tiles(const at::Tensor& rows, const at::Tensor& tiles, int64_t num_tokens,
+                      int64_t num_slots) {
+  TORCH_CHECK(rows.is_cpu() && tiles.is_cpu() && rows.scalar_type() == at::kInt &&
+                  tiles.scalar_type() == at::kInt && rows.dim() == 1 && tiles.dim() == 2 &&
+                  tiles.size(0) == 3 && rows.is_contiguous() && tiles.is_contiguous(),
+              "lora_rows must be a contiguous int32 [n] and lora_tiles an int32 [3, tiles] "
+              "CPU tensor; got ", rows.sizes(), " and ", tiles.sizes());
+  const int32_t* row = rows.data_ptr<int32_t>();
+  for (int64_t i = 0; i < rows.size(0); ++i) {
+    TORCH_CHECK(row[i] >= 0 && row[i] < num_tokens, "lora_rows[", i, "] = ", row[i],
+                " is not one of the step's ", num_tokens, " tokens");
+  }
+  const int32_t* tile = tiles.data_ptr<int32_t>();
+  const int64_t n = tiles.size(1);
+  for (int64_t t = 0; t < n; ++t) {
+    const int32_t slot = tile[t], start = tile[n + t], end = tile[2 * n + t];
+    TORCH_CHECK(slot >= 0 && slot < num_slots, "lora tile ", t, ": slot ", slot,
+                " is not one of the ", num_slots, " LoRA slots");
+    TORCH_CHECK(start >= 0 && start <= end && end <= rows.size(0), "lora tile ", t, ": rows ",
+                start, "..", end, " are not inside lora_rows (", rows.size(0), ")");
+  }
+}
+
 }  // namespace turbo

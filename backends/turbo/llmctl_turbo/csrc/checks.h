@@ -79,4 +79,15 @@ void check_positions(const at::Tensor& positions, int64_t max_positions);
 // Every logits index names one of the step's num_tokens tokens (CPU tensors only).
 void check_token_indices(const at::Tensor& indices, int64_t num_tokens);
 
+// One layer's LoRA slots for lora_add (kernels.h): a float32 contiguous [slots, parts * R,
+// in_features] on the CPU, bt float32 contiguous [slots, R, sum of sizes].
+void check_lora_weights(const at::Tensor& a, const at::Tensor& bt, WeightName name,
+                        int64_t in_features, at::IntArrayRef sizes);
+
+// A step's LoRA tiles (kernels.h, lora_add): rows int32 [n] of token indices below
+// num_tokens, tiles int32 [3, tiles] of (slot below num_slots, start, end) with
+// start <= end inside rows. CPU tensors.
+void check_lora_tiles(const at::Tensor& rows, const at::Tensor& tiles, int64_t num_tokens,
+                      int64_t num_slots);
+
 }  // namespace turbo

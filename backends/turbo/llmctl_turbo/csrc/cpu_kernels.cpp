@@ -70,6 +70,7 @@ constexpr bool kVnni = false;
 #include "cpu/row_kernels.h"
 #include "cpu/block_kernels.h"
 #include "cpu/tensor_kernels.h"
+#include "cpu/lora_kernels.h"
 }  // namespace avx512
 TURBO_END_TARGET
 
@@ -82,6 +83,7 @@ constexpr bool kVnni = true;
 #include "cpu/row_kernels.h"
 #include "cpu/block_kernels.h"
 #include "cpu/tensor_kernels.h"
+#include "cpu/lora_kernels.h"
 }  // namespace avx512vnni
 TURBO_END_TARGET
 
@@ -93,6 +95,7 @@ constexpr bool kVnni = false;
 #include "cpu/row_kernels.h"
 #include "cpu/block_kernels.h"
 #include "cpu/tensor_kernels.h"
+#include "cpu/lora_kernels.h"
 }  // namespace avx2
 TURBO_END_TARGET
 #endif  // x86-64
@@ -104,6 +107,7 @@ constexpr bool kVnni = false;
 #include "cpu/row_kernels.h"
 #include "cpu/block_kernels.h"
 #include "cpu/tensor_kernels.h"
+#include "cpu/lora_kernels.h"
 }  // namespace portable
 
 #ifdef TURBO_CPU_X86
@@ -353,6 +357,12 @@ void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
 void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                      const at::Tensor& scale) {
   TURBO_ON_ACTIVE_ISA(linear_silu_mul, out, x, packed, scale);
+}
+
+void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
+              at::IntArrayRef out_offsets, at::IntArrayRef sizes, const at::Tensor& rows,
+              const at::Tensor& tiles) {
+  TURBO_ON_ACTIVE_ISA(lora_add, out, x, a, bt, out_offsets, sizes, rows, tiles);
 }
 
 void embedding(at::Tensor& out, const at::Tensor& embed, const at::Tensor& ids) {

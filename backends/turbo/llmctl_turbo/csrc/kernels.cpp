@@ -84,6 +84,13 @@ void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
   }
 }
 
+void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
+              at::IntArrayRef out_offsets, at::IntArrayRef sizes, const at::Tensor& rows,
+              const at::Tensor& tiles) {
+  TORCH_CHECK(!out.is_cuda(), "turbo applies LoRA adapters on the CPU only");
+  cpu::lora_add(out, x, a, bt, out_offsets, sizes, rows, tiles);
+}
+
 void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& gate_up,
                      const at::Tensor& scale, at::Tensor& gate_up_buffer) {
   if (gate_up.dim() == 3 && gate_up.is_cpu()) {  // packed (on CUDA: GGUF rows, below)

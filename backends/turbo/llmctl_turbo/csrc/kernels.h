@@ -118,8 +118,23 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                      double scale, const at::Tensor& k_scale, const at::Tensor& v_scale);
 
+// LoRA adapters (multi-LoRA): for each tile (slot s, start, end) of `tiles` (int32 [3, n],
+// llmctl.engine.lora.slot_tiles) and each token t of rows[start:end] (int32 token indices),
+// out[t, out_offsets[p] + c] += (Bt[s] ^T @ (A[s] @ x[t]))[part p, c] for each part p (of
+// sizes[p] features, c < sizes[p]) with rank rows p R .. p R + R - 1 of the product:
+// a float32 [slots, parts * R, K] (the parts' A stacked), bt float32 [slots, R, N] (each
+// part's B * scale transposed, the parts side by side: N = sum of sizes). x [T, K] and out
+// in the model dtype; out's other tokens and columns are left alone. CPU only
+// (cpu/lora_kernels.h).
+void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
+              at::IntArrayRef out_offsets, at::IntArrayRef sizes, const at::Tensor& rows,
+              const at::Tensor& tiles);
+
 namespace cpu {
 at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t groups);
+void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
+              at::IntArrayRef out_offsets, at::IntArrayRef sizes, const at::Tensor& rows,
+              const at::Tensor& tiles);
 int64_t gguf_block_bytes(int64_t ggml_type);
 at::Tensor pack_gguf_weight(const at::Tensor& raw, int64_t ggml_type, int64_t groups);
 void embedding_gguf(at::Tensor& out, const at::Tensor& raw, const at::Tensor& ids,

@@ -1,5 +1,6 @@
 #include "llama_step.h"
 
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/index_select.h>
 #include <c10/core/InferenceMode.h>
@@ -48,6 +49,21 @@ void check_weights(at::TensorList weights, int64_t num_layers, int64_t hidden,
   }
 }
 
+// The LoRA slots of every layer (kLoraWeights per layer; llama_step.h) fit the model.
+void check_lora(at::TensorList lora, int64_t num_layers, int64_t hidden, int64_t q_width,
+                int64_t kv_width, int64_t intermediate) {
+  TORCH_CHECK(static_cast<int64_t>(lora.size()) == kLoraWeights * num_layers, "lora_weights must ",
+              "hold ", kLoraWeights, " x ", num_layers, " layers tensors, got ", lora.size());
+  const int64_t attn_width = q_width;  // the attention output's width (heads x head_dim)
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const at::Tensor* w = lora.data() + kLoraWeights * l;
+    check_lora_weights(w[0], w[1], {"qkv LoRA", l}, hidden, {q_width, kv_width, kv_width});
+    check_lora_weights(w[2], w[3], {"o_proj LoRA", l}, attn_width, {hidden});
+    check_lora_weights(w[4], w[5], {"gate_up LoRA", l}, hidden, {intermediate, intermediate});
+    check_lora_weights(w[6], w[7], {"down LoRA", l}, intermediate, {hidden});
+  }
+}
+
 }  // namespace
 
 at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
@@ -55,8 +71,11 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
                       const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                       at::TensorList weights, at::Tensor kv_cache,
                       const at::Tensor& cos_sin_cache, int64_t num_heads, double rms_norm_eps,
+                      at::TensorList lora_weights,
                       const std::optional<at::Tensor>& kv_cache_scale,
-                      const std::optional<at::Tensor>& logits_indices) {
+                      const std::optional<at::Tensor>& logits_indices,
+                      const std::optional<at::Tensor>& lora_rows,
+                      const std::optional<at::Tensor>& lora_tiles) {
   // No autograd bookkeeping for any ATen call below.
   c10::InferenceMode inference_mode;
 
@@ -116,6 +135,18 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
   check_token_ids(input_ids, vocab);
 
   const int64_t intermediate = linear_in_features(weights[kHeadWeights + 7]);
+  // LoRA adapters: applied when the step has tiles of adapted tokens.
+  const bool lora = lora_tiles.has_value() && lora_tiles->numel() > 0;
+  if (lora) {
+    TORCH_CHECK(lora_rows.has_value(), "lora_tiles needs lora_rows");
+    check_lora(lora_weights, num_layers, hidden, q_width, kv_width, intermediate);
+    check_lora_tiles(*lora_rows, *lora_tiles, num_tokens, lora_weights[0].size(0));
+  }
+  // With adapters gate/up is not fused with silu (the adapter adds to both before it): the
+  // product goes to a buffer, up's columns after gate's whole panels when packed.
+  const bool packed_gate_up = weights[kHeadWeights + 6].dim() == 3;
+  const int64_t up_offset =
+      packed_gate_up ? (intermediate + kPanelWidth - 1) / kPanelWidth * kPanelWidth : intermediate;
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim));
   const auto options = like.options();
 
@@ -153,17 +184,36 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
     } else {
       add_rms_norm(normed, residual, projected, w[0], rms_norm_eps);
     }
+    const at::Tensor* lw = lora ? lora_weights.data() + kLoraWeights * l : nullptr;
     linear(qkv, normed, w[1], w[2], w[8]);
+    if (lora) {
+      lora_add(qkv, normed, lw[0], lw[1], {0, q_width, q_width + kv_width},
+               {q_width, kv_width, kv_width}, *lora_rows, *lora_tiles);
+    }
     rotary_embedding_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
                                   slot_mapping, k_scale, v_scale);
     paged_attention(attn, q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
                     scale, k_scale, v_scale);
     linear(projected, attn_rows, w[3], w[4], w[9]);
+    if (lora) lora_add(projected, attn_rows, lw[2], lw[3], {0}, {hidden}, *lora_rows, *lora_tiles);
 
     // MLP block.
     add_rms_norm(normed, residual, projected, w[5], rms_norm_eps);
-    linear_silu_mul(activated, normed, w[6], w[10], gate_up);
+    if (!lora) {
+      linear_silu_mul(activated, normed, w[6], w[10], gate_up);
+    } else {
+      if (!gate_up.defined()) gate_up = at::empty({num_tokens, up_offset + intermediate}, options);
+      linear(gate_up, normed, w[6], no_bias, w[10]);
+      lora_add(gate_up, normed, lw[4], lw[5], {0, up_offset}, {intermediate, intermediate},
+               *lora_rows, *lora_tiles);
+      silu_and_mul(activated, up_offset == intermediate
+                                  ? gate_up
+                                  : at::cat({gate_up.narrow(1, 0, intermediate),
+                                             gate_up.narrow(1, up_offset, intermediate)},
+                                            1));
+    }
     linear(projected, activated, w[7], no_bias, w[11]);
+    if (lora) lora_add(projected, activated, lw[6], lw[7], {0}, {hidden}, *lora_rows, *lora_tiles);
   }
   add_rms_norm(normed, residual, projected, weights[1], rms_norm_eps);
 

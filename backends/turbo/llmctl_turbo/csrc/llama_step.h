@@ -11,6 +11,8 @@ namespace turbo {
 // Number of tensors in `weights` before the first layer, and per layer.
 constexpr int64_t kHeadWeights = 3;
 constexpr int64_t kLayerWeights = 12;
+// Number of tensors per layer in `lora_weights`.
+constexpr int64_t kLoraWeights = 8;
 
 // Runs every layer over the step's T new tokens and returns fp32 logits [B, vocab] for
 // the last new token of each of the B sequences, or with logits_indices (int32 [N], token
@@ -29,12 +31,19 @@ constexpr int64_t kLayerWeights = 12;
 // model dtype, or int8 (kv_cache_dtype=int8, CPU only) with kv_cache_scale its float32
 // scales [layers, 2, num_blocks, block_size, KVH] (none for a float cache; kernels.h).
 // The batch tensors are int32 and follow kernels.h.
+// LoRA adapters (CPU only): lora_weights is empty, or per layer the slots' A and B of qkv,
+// o_proj, gate_up and down as lora_add takes them (kernels.h): qkv's parts q, k, v, gate_up's
+// gate, up. They are applied to the tokens of lora_rows / lora_tiles (one slot per tile;
+// none given or no tiles: the base model alone).
 at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
                       const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                       const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                       at::TensorList weights, at::Tensor kv_cache,
                       const at::Tensor& cos_sin_cache, int64_t num_heads, double rms_norm_eps,
+                      at::TensorList lora_weights,
                       const std::optional<at::Tensor>& kv_cache_scale,
-                      const std::optional<at::Tensor>& logits_indices);
+                      const std::optional<at::Tensor>& logits_indices,
+                      const std::optional<at::Tensor>& lora_rows,
+                      const std::optional<at::Tensor>& lora_tiles);
 
 }  // namespace turbo
