@@ -23,6 +23,7 @@ these functions.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -200,6 +201,26 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
 def is_quantized_kv(dtype: torch.dtype) -> bool:
     """Whether a cache of this element type carries scales."""
     return dtype in QUANT_MAX
+
+
+def kv_rotation(
+    head_dim: int, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor | None:
+    """The orthonormal Hadamard matrix ``H`` ([D, D], symmetric, ``H @ H = I``) that every
+    head's query, key and value rows are multiplied by, after RoPE, when the KV cache is
+    int8; ``None`` when ``head_dim`` is not a power of two (then nothing is rotated).
+
+    ``q k^T = (q H)(k H)^T``, and attention over rotated values is the output times ``H``,
+    undone by ``H`` again: exact in real arithmetic. What it buys: a row's largest value
+    sets its int8 scale, and the rotation spreads one outlier over the whole row, so the
+    other values get finer steps (as QuaRot does for whole models). turbo's step builds
+    the same matrix (``kv_rotation`` in ``csrc/llama_step.cpp``)."""
+    if head_dim < 2 or head_dim & (head_dim - 1):
+        return None
+    h = torch.ones(1, 1, device=device)
+    while h.shape[0] < head_dim:  # Sylvester's construction
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)))
+    return h.mul(1.0 / math.sqrt(head_dim)).to(dtype)
 
 
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
