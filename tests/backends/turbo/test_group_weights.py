@@ -99,13 +99,17 @@ def dequantized_checkpoint(model_dir: Path, target: Path, bits, group_size, zero
     """``model_dir`` with turbo's load-time transform applied in plain torch (the norm
     weights folded for 4 bits, every linear matrix quantized) and the blocks read back by
     gguf's ``dequantize``: the float model turbo's blocks stand for."""
-    from llmctl_turbo.runner import LINEAR_PARTS, fold_norm_weights
+    from llmctl_turbo.runner import LINEAR_PARTS, normed_matrices
 
     shutil.copytree(model_dir, target)
     weights = load_file(model_dir / "model.safetensors")
     config = ModelConfig.from_dir(model_dir)
     if bits == 4:
-        weights = fold_norm_weights(weights, config)
+        folds = normed_matrices(config)
+        for matrix, norm in folds.items():
+            weights[matrix] = weights[matrix] * weights[norm]
+        for norm in set(folds.values()):
+            weights[norm] = torch.ones_like(weights[norm])
     kind = GGMLQuantizationType[group_block_type(bits, zero_point)]
     for layer in range(config.num_layers):
         for part in LINEAR_PARTS:
@@ -182,6 +186,16 @@ def test_tiny_model_logits(tiny_dir, tmp_path, bits, group_size, zero_point):
         assert (got.argmax(-1) == float_logits.argmax(-1)).float().mean() >= 0.85
     else:
         assert rms_error <= 0.6 and cosine >= 0.65
+
+
+def test_folding_the_norms_is_exact(tmp_path):
+    """int4 in groups of 128 on a model 64 wide: no matrix fits a group, so every one
+    stays float32, but q/k/v and gate/up still take their norms' weights (now ones):
+    the logits are the float model's."""
+    model_dir = make_tiny_model(tmp_path / "llama", "llama-mqa")
+    prompt = torch.randint(3, 512, (12,), generator=torch.Generator().manual_seed(2)).tolist()
+    got = turbo_logits(model_dir, prompt, quantization="int4", quantization_group_size=128)
+    torch.testing.assert_close(got, hf_logits(model_dir, prompt)[8:], atol=1e-4, rtol=1e-4)
 
 
 # ------------------------------------------------------------------ stories260K
