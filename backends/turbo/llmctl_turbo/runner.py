@@ -177,17 +177,9 @@ def quantize_to_blocks(
     """``weights`` with each layer's linear matrices quantized group-wise into GGUF block
     rows (``quantize_weight_groups``: Q8_0, Q4_0 or Q4_1), so that turbo's block kernels
     run them as they run a GGUF file's. A matrix whose inputs are not a multiple of the
-    group (stories260K's down_proj: 172) stays a float matrix.
-
-    For 4 bits, each RMSNorm's weight ``g`` is first folded into the matrices it feeds
-    (q/k/v after ``input_layernorm``, gate/up after ``post_attention_layernorm``):
-    ``(x * g) @ W.T == x @ (W * g).T``, and the norm's weight becomes ones. Exact in
-    float, but it puts the 16 levels where the inputs are: an input channel the norm
-    scales up gets finer steps. With it int4 costs stories260K 5.3 % of perplexity, 9.2 %
-    without (docs/quantization.md)."""
+    group (stories260K's down_proj: 172) stays a float matrix."""
     kind = group_block_type(bits, zero_point)
     quantized = dict(weights)
-    folds = normed_matrices(config) if bits == 4 else {}
     names = [
         f"model.layers.{layer}.{part}.weight"
         for layer in range(config.num_layers)
@@ -195,40 +187,15 @@ def quantize_to_blocks(
     ]
     for name in track(names, description=f"quantizing weights to int{bits}", transient=True):
         weight = weights.get(name)
-        if weight is None:
-            continue
-        if name in folds:  # one matrix at a time: no second float copy of the model
-            gain = weights[folds[name]].float()
-            weight = (weight.float() * gain).to(weight.dtype)
-        if weight.shape[1] % group_size == 0:
+        if weight is not None and weight.shape[1] % group_size == 0:
             raw = quantize_weight_groups(weight, bits, group_size, zero_point)
             quantized[name] = GGUFBlocks(raw, kind, tuple(weight.shape))
-        else:
-            quantized[name] = weight  # folded all the same: its norm's weight is ones now
-    for norm in set(folds.values()):
-        quantized[norm] = torch.ones_like(weights[norm])
     return quantized
 
 
-def normed_matrices(config: ModelConfig) -> dict[str, str]:
-    """Each matrix that reads an RMSNorm's output, mapped to that norm's weight: q/k/v to
-    the layer's ``input_layernorm``, gate/up to its ``post_attention_layernorm``."""
-    return {
-        f"model.layers.{layer}.{part}.weight": f"model.layers.{layer}.{norm}.weight"
-        for layer in range(config.num_layers)
-        for norm, parts in NORMED_PARTS
-        for part in parts
-    }
-
-
-# A layer's linear matrices (fused into qkv and gate_up when packed), and those that read
-# each RMSNorm's output.
+# A layer's linear matrices (fused into qkv and gate_up when packed).
 LINEAR_PARTS = tuple(f"self_attn.{p}_proj" for p in "qkvo") + tuple(
     f"mlp.{p}_proj" for p in ("gate", "up", "down")
-)
-NORMED_PARTS = (
-    ("input_layernorm", tuple(f"self_attn.{p}_proj" for p in "qkv")),
-    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
 )
 
 

