@@ -8,11 +8,12 @@ The schemes:
   ``quantization_group_size``): one float16 scale per group of 32, 64 or 128 inputs of a
   row, written as GGUF's blocks of 32 so that the block kernels that run GGUF files run
   them too: int8 as Q8_0, symmetric int4 as Q4_0 (``w = d * (q - 8)``), int4 with a zero
-  point as Q4_1 (``w = d * q + m``, ``m`` the group's minimum). A group of 64 or 128 is
+  point as Q4_1 (``w = d * q + m``, ``m`` an offset per group). A group of 64 or 128 is
   2 or 4 consecutive blocks carrying the same scale;
 - KV cache (``kv_cache_dtype=int8|fp8``): one float32 scale per token and KV head
   (a ``head_dim`` row), stored beside the blocks. int8: ``scale = max|row| / 127``;
-  fp8 (e4m3): ``scale = max|row| / 448``, the largest finite e4m3 value.
+  fp8 (e4m3): ``scale = max|row| / 448``, the largest finite e4m3 value. An int8 cache
+  holds each row rotated first (``kv_rotation``), which both backends' models apply.
 
 A scale per row keeps one outlier from costing precision everywhere else; per token
 means a cache slot is quantized once, when its token is written, and never again.
