@@ -39,7 +39,7 @@ class Option:
     commands: frozenset[str] = ENGINE_COMMANDS
     min: float | None = None
     max: float | None = None
-    choices: tuple[str, ...] | None = None
+    choices: tuple[str | int, ...] | None = None
     metavar: str | None = None
     secret: bool = False  # masked wherever llmctl prints resolved values
     aliases: tuple[str, ...] = ()  # other spellings of the flag (vLLM's --api-key)
@@ -135,10 +135,10 @@ class Option:
         if value is None:
             return
         if self.choices is not None and value not in self.choices:
-            suggestion = did_you_mean(str(value), self.choices)
+            suggestion = did_you_mean(str(value), map(str, self.choices))
             raise OptionError(
                 f"{self.name}={value!r} (from {where}) is not one of "
-                f"{', '.join(self.choices)}.{suggestion}"
+                f"{', '.join(map(str, self.choices))}.{suggestion}"
             )
         if self.min is not None and value < self.min:
             raise OptionError(
@@ -287,10 +287,31 @@ CORE_OPTIONS: tuple[Option, ...] = (
         "none",
         "Weight quantization: `none` (the checkpoint's weights in `dtype`; a GGUF file's "
         "blocks dequantized at load), `int8` (weight-only, symmetric, one scale per output "
-        "channel, quantized from the checkpoint when the model loads; embeddings and the LM "
-        "head stay in `dtype`) or `gguf` (a GGUF file's quantized matrices run as the types "
-        "stored in it, Q4_1 as Q4_1, by kernels that read the blocks).",
-        choices=("none", "int8", "gguf"),
+        "channel, or per group with quantization_group_size; quantized from the checkpoint "
+        "when the model loads; embeddings and the LM head stay in `dtype`), `int4` "
+        "(weight-only, group-wise: quantization_group_size, quantization_zero_point) or "
+        "`gguf` (a GGUF file's quantized matrices run as the types stored in it, Q4_1 as "
+        "Q4_1, by kernels that read the blocks).",
+        choices=("none", "int8", "int4", "gguf"),
+    ),
+    Option(
+        "quantization_group_size",
+        "int",
+        None,
+        "Inputs of a weight row that share one scale: 32, 64 or 128 (whole GGUF blocks of "
+        "32). `int4` is always group-wise (default 32); `int8` is per output channel unless "
+        "this is set, then group-wise (GGUF Q8_0's math). A matrix whose inputs are not a "
+        "multiple of it stays in `dtype`.",
+        choices=(32, 64, 128),
+        metavar="N",
+    ),
+    Option(
+        "quantization_zero_point",
+        "bool",
+        None,
+        "int4 only: asymmetric groups, `w = d * q + m` with an offset `m` per group (GGUF "
+        "Q4_1's math; the default for int4), or with false symmetric ones, "
+        "`w = d * (q - 8)` (Q4_0's).",
     ),
     Option(
         "kv_cache_dtype",

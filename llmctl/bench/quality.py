@@ -57,7 +57,13 @@ PROMPTS = (
     "Tim saw a big truck on the road. It was",
     "In a small house lived a kind girl and her fluffy bunny.",
 )
-UNQUANTIZED = {"quantization": "none", "kv_cache_dtype": "auto"}
+# The baseline's options: the group options too, which mean nothing without quantization.
+UNQUANTIZED = {
+    "quantization": "none",
+    "quantization_group_size": None,
+    "quantization_zero_point": None,
+    "kv_cache_dtype": "auto",
+}
 
 
 @dataclass(frozen=True)

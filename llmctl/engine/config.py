@@ -63,7 +63,9 @@ class EngineConfig(Generic[Extra]):
     dtype: str = "auto"  # auto (the checkpoint's on GPU, float32 on CPU) or a dtype name
     device: str = "auto"  # auto, cpu or cuda
     cpu_threads: int | None = None  # None: torch's count
-    quantization: str = "none"  # weights: none or int8
+    quantization: str = "none"  # weights: none, int8, int4 or gguf
+    quantization_group_size: int | None = None  # None: int8 per channel, int4 in groups of 32
+    quantization_zero_point: bool | None = None  # int4: asymmetric (Q4_1, the default)
     kv_cache_dtype: str = "auto"  # auto (the model dtype), int8 or fp8
     cuda_graphs: bool = True  # decode replays CUDA graphs (on CUDA only)
     chat_template: str | None = None  # replaces the model's own template
@@ -101,6 +103,8 @@ class EngineConfig(Generic[Extra]):
             device=options["device"],
             cpu_threads=options["cpu_threads"],
             quantization=options["quantization"],
+            quantization_group_size=options.get("quantization_group_size"),
+            quantization_zero_point=options.get("quantization_zero_point"),
             kv_cache_dtype=options["kv_cache_dtype"],
             cuda_graphs=options["cuda_graphs"],
             chat_template=options["chat_template"],

@@ -1,12 +1,19 @@
 """Quantize and dequantize in plain torch: the one definition every backend and test uses.
 
-Two schemes, both symmetric (zero maps to zero, no offsets):
+The schemes:
 
 - weights (``quantization=int8``): int8 with one float32 scale per output channel
   (row of an ``[out, in]`` matrix), ``w ≈ q * scale[row]``, ``scale = max|row| / 127``;
+- group-wise weights (``quantization=int4``, and ``int8`` with a
+  ``quantization_group_size``): one float16 scale per group of 32, 64 or 128 inputs of a
+  row, written as GGUF's blocks of 32 so that the block kernels that run GGUF files run
+  them too: int8 as Q8_0, symmetric int4 as Q4_0 (``w = d * (q - 8)``), int4 with a zero
+  point as Q4_1 (``w = d * q + m``, ``m`` an offset per group). A group of 64 or 128 is
+  2 or 4 consecutive blocks carrying the same scale;
 - KV cache (``kv_cache_dtype=int8|fp8``): one float32 scale per token and KV head
   (a ``head_dim`` row), stored beside the blocks. int8: ``scale = max|row| / 127``;
-  fp8 (e4m3): ``scale = max|row| / 448``, the largest finite e4m3 value.
+  fp8 (e4m3): ``scale = max|row| / 448``, the largest finite e4m3 value. An int8 cache
+  holds each row rotated first (``kv_rotation``), which both backends' models apply.
 
 A scale per row keeps one outlier from costing precision everywhere else; per token
 means a cache slot is quantized once, when its token is written, and never again.
@@ -17,6 +24,7 @@ these functions.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +46,121 @@ def quantize_weight_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return _quantize_rows(weight, torch.int8)
 
 
+# Inputs per GGUF block, and the group sizes group-wise quantization takes (whole blocks).
+GGUF_BLOCK = 32
+WEIGHT_GROUP_SIZES = (32, 64, 128)
+
+
+def group_block_type(bits: int, zero_point: bool) -> str:
+    """The GGUF block type (GGML's name) that holds ``bits``-bit groups."""
+    if bits == 8 and not zero_point:
+        return "Q8_0"
+    if bits == 4:
+        return "Q4_1" if zero_point else "Q4_0"
+    raise ValueError(f"no group-wise {bits}-bit weights" + (" with a zero point" * zero_point))
+
+
+def quantize_weight_groups(
+    weight: torch.Tensor, bits: int, group_size: int, zero_point: bool = False
+) -> torch.Tensor:
+    """``weight: [out, in]`` → its GGUF rows (uint8 ``[out, in / 32 * block bytes]``) of
+    ``group_block_type(bits, zero_point)``, one scale (and minimum) per ``group_size``
+    inputs. ``gguf.quants.dequantize`` reads them back.
+
+    Q8_0's scale is ``max|w| / 127``, as llama.cpp's. A 4-bit group's scale (and
+    minimum) is searched instead (``_int4_group_scales``): 16 levels are too few for the
+    extremes to set them, so candidates that clip the extremes are tried, each refitted
+    by least squares, and the one with the least squared error is kept (llama.cpp's
+    K-quants search alike). ``q`` is then rounded against the float16 values stored.
+    """
+    group_block_type(bits, zero_point)  # refuses a combination with no block type
+    if weight.dim() != 2:
+        raise ValueError(f"a weight to quantize must be [out, in], got {tuple(weight.shape)}")
+    out, inputs = weight.shape
+    if group_size not in WEIGHT_GROUP_SIZES:
+        raise ValueError(f"group size {group_size}: use one of {WEIGHT_GROUP_SIZES}")
+    if inputs % group_size:
+        raise ValueError(f"{inputs} inputs are not a multiple of the group size {group_size}")
+    w = weight.float().reshape(out, inputs // group_size, group_size)
+    minimum = None
+    if bits == 8:
+        d = (w.abs().amax(-1) / 127).half()
+    else:
+        scales = [_int4_group_scales(rows, zero_point) for rows in w.split(_SEARCH_ROWS)]
+        d = torch.cat([scale for scale, _ in scales]).half()
+        if zero_point:
+            minimum = torch.cat([low for _, low in scales]).half()
+            w = w - minimum.float()[..., None]
+    if not torch.isfinite(d).all():
+        raise ValueError("a weight group's scale overflows float16 (|w| > 65504 x 8)")
+    d32 = d.float()[..., None]
+    scaled = torch.where(d32 != 0, w / torch.where(d32 != 0, d32, 1), 0).round_()
+    if bits == 8:
+        q = scaled.clamp_(-127, 127).to(torch.int8).view(torch.uint8)
+    elif zero_point:
+        q = scaled.clamp_(0, 15).to(torch.uint8)
+    else:
+        q = (scaled + 8).clamp_(0, 15).to(torch.uint8)
+    blocks = inputs // GGUF_BLOCK
+    per_group = group_size // GGUF_BLOCK
+
+    def block_halves(h: torch.Tensor) -> torch.Tensor:  # [out, groups] fp16 → [out, blocks, 2]
+        return (
+            h.repeat_interleave(per_group, dim=1)
+            .contiguous()
+            .view(torch.uint8)
+            .view(out, blocks, 2)
+        )
+
+    q = q.reshape(out, blocks, GGUF_BLOCK)
+    if bits == 4:  # byte i: weight i in the low nibble, weight i + 16 in the high one
+        q = q[..., :16] | (q[..., 16:] << 4)
+    parts = [block_halves(d), *([block_halves(minimum)] if minimum is not None else []), q]
+    return torch.cat(parts, dim=-1).reshape(out, -1)
+
+
+# The search's candidates: the full range shrunk by these factors (1: llama.cpp's Q4_0 /
+# Q4_1 scale); rows are searched a slice at a time to bound the memory it takes.
+_SHRINK = torch.linspace(0.3, 1.0, 71)
+_SEARCH_ROWS = 256
+
+
+def _int4_group_scales(
+    w: torch.Tensor, zero_point: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``w: [rows, groups, size]`` → each group's float32 scale ``d`` (and minimum ``m``
+    with ``zero_point``) of least squared error over the candidates: ``w ≈ d * (q - 8)``
+    with ``q`` in 0..15 (symmetric, the candidates ``s * peak / -8``), or
+    ``w ≈ d * q + m`` (the range ``[min, max]`` shrunk by ``s`` about its centre). Each
+    candidate's levels are refitted by least squares before they are compared."""
+    shrink = _SHRINK.to(w.device)[:, None, None, None]
+    if zero_point:
+        low, high = w.amin(-1), w.amax(-1)
+        span = (high - low)[None] * shrink[..., 0]
+        d = span / 15
+        m = (low + high)[None] / 2 - span / 2
+        q = ((w[None] - m[..., None]) / torch.where(d > 0, d, 1)[..., None]).round_()
+        q = q.clamp_(0, 15)
+        # Least squares of w = d q + m over the group: two normal equations.
+        n = w.shape[-1]
+        sum_q, sum_qq = q.sum(-1), (q * q).sum(-1)
+        sum_w, sum_wq = w.sum(-1)[None], (q * w[None]).sum(-1)
+        det = n * sum_qq - sum_q * sum_q
+        fit = det > 0
+        d = torch.where(fit, (n * sum_wq - sum_q * sum_w) / torch.where(fit, det, 1), d)
+        m = torch.where(fit, (sum_w - d * sum_q) / n, sum_w / n)
+        error = (d[..., None] * q + m[..., None] - w[None]).square_().sum(-1)
+        best = error.argmin(0, keepdim=True)
+        return d.gather(0, best)[0], m.gather(0, best)[0]
+    peak = w.gather(-1, w.abs().argmax(-1, keepdim=True)).squeeze(-1)
+    d = peak[None] / -8 * shrink[..., 0]
+    q = (w[None] / torch.where(d != 0, d, 1)[..., None]).round_().clamp_(-8, 7)
+    qq = (q * q).sum(-1)
+    d = torch.where(qq > 0, (q * w[None]).sum(-1) / torch.where(qq > 0, qq, 1), d)
+    error = (d[..., None] * q - w[None]).square_().sum(-1)
+    return d.gather(0, error.argmin(0, keepdim=True))[0], None
+
+
 def dequantize_weight_int8(
     qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
@@ -52,11 +175,13 @@ class QuantizationReport:
     layers: int
     bytes_before: int
     bytes_after: int
+    kind: str = "int8"  # what they became: "int8", "int4 (Q4_0 blocks, group 32)", ...
 
     def describe(self) -> str:
         saved = self.bytes_before - self.bytes_after
         return (
-            f"{self.layers} linear layers quantized to int8: {format_bytes(self.bytes_before)} "
+            f"{self.layers} linear layers quantized to {self.kind}: "
+            f"{format_bytes(self.bytes_before)} "
             f"-> {format_bytes(self.bytes_after)} (saved {format_bytes(saved)}, "
             f"{saved / max(self.bytes_before, 1):.0%} of their weights)"
         )
@@ -77,6 +202,26 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
 def is_quantized_kv(dtype: torch.dtype) -> bool:
     """Whether a cache of this element type carries scales."""
     return dtype in QUANT_MAX
+
+
+def kv_rotation(
+    head_dim: int, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor | None:
+    """The orthonormal Hadamard matrix ``H`` ([D, D], symmetric, ``H @ H = I``) that every
+    head's query, key and value rows are multiplied by, after RoPE, when the KV cache is
+    int8; ``None`` when ``head_dim`` is not a power of two (then nothing is rotated).
+
+    ``q k^T = (q H)(k H)^T``, and attention over rotated values is the output times ``H``,
+    undone by ``H`` again: exact in real arithmetic. What it buys: a row's largest value
+    sets its int8 scale, and the rotation spreads one outlier over the whole row, so the
+    other values get finer steps (as QuaRot does for whole models). turbo's step builds
+    the same matrix (``kv_rotation`` in ``csrc/llama_step.cpp``)."""
+    if head_dim < 2 or head_dim & (head_dim - 1):
+        return None
+    h = torch.ones(1, 1, device=device)
+    while h.shape[0] < head_dim:  # Sylvester's construction
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)))
+    return h.mul(1.0 / math.sqrt(head_dim)).to(dtype)
 
 
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

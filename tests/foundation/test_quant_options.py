@@ -34,7 +34,7 @@ def turbo_builds_here(builtins, monkeypatch):
 
 
 def test_the_options_are_in_the_schema_with_their_choices():
-    assert option_named("quantization").choices == ("none", "int8", "gguf")
+    assert option_named("quantization").choices == ("none", "int8", "int4", "gguf")
     assert option_named("quantization").default == "none"
     assert option_named("kv_cache_dtype").choices == ("auto", "int8", "fp8")
     assert option_named("kv_cache_dtype").default == "auto"

@@ -139,6 +139,26 @@ def _nodes_problem(nnodes: int, options: Mapping[str, Any]) -> str | None:
     return None
 
 
+# Why torch refuses int4 rather than running a slow one: its weight methods are float and
+# per-channel int8 (torch's own int8 kernel, a Triton GEMM); an int4 product dequantizing
+# each group per call would save memory only, and be slower than the float weights on both
+# devices. turbo's block kernels run int4 (CPU).
+QUANTIZATION_REFUSALS = {
+    "gguf": (
+        "the torch backend has no kernels for GGUF blocks: with quantization none it "
+        "dequantizes the file's blocks to its dtype at load; for the blocks themselves "
+        "use --backend turbo (CPU)"
+    ),
+    "int4": (
+        "the torch backend has no int4 kernel (a per-call dequantization would be slower "
+        "than its float weights); use --backend turbo (CPU) for int4, or quantization int8"
+    ),
+}
+GROUPS_REFUSAL = (
+    "the torch backend quantizes int8 per output channel only; group-wise weights (int4, "
+    "int8 with a group size) run on --backend turbo (CPU)"
+)
+
 RULES = (
     OptionRule(
         "cache_block_seq_len",
@@ -149,14 +169,18 @@ RULES = (
     OptionRule(
         "quantization",
         "`int8` on CPU (torch's int8 kernel) and CUDA (a Triton GEMM); no `gguf` (it has no "
-        "block kernels: `none` dequantizes a GGUF file to `dtype`)",
-        lambda value, options, hardware: (
-            "the torch backend has no kernels for GGUF blocks: with quantization none it "
-            "dequantizes the file's blocks to its dtype at load; for the blocks themselves "
-            "use --backend turbo (CPU)"
-            if value == "gguf"
-            else None
-        ),
+        "block kernels: `none` dequantizes a GGUF file to `dtype`); no `int4`",
+        lambda value, options, hardware: QUANTIZATION_REFUSALS.get(value),
+    ),
+    OptionRule(
+        "quantization_group_size",
+        "not supported (int8 is per output channel here)",
+        lambda value, options, hardware: GROUPS_REFUSAL,
+    ),
+    OptionRule(
+        "quantization_zero_point",
+        "not supported (no int4)",
+        lambda value, options, hardware: GROUPS_REFUSAL if value else None,
     ),
     OptionRule(
         "kv_cache_dtype",

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmctl.engine.lora import LoraWeights, read_lora_weights
-from llmctl.engine.quant import SCALE_DTYPE, is_quantized_kv
+from llmctl.engine.quant import SCALE_DTYPE, is_quantized_kv, kv_rotation
 from llmctl.engine.rope import rope_inv_freq
 from llmctl.engine.runner import PagedRunner, StepBatch, StepInputs
 from llmctl.errors import ModelError
@@ -106,6 +106,7 @@ class Attention(nn.Module):
         super().__init__()
         self.cache: LayerCache | None = None
         self.ops: AttentionOps | None = None
+        self.kv_rotation: torch.Tensor | None = None  # set by bind for an int8 cache
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -122,8 +123,14 @@ class Attention(nn.Module):
         self.qk_norm = config.qk_norm
 
     def bind(self, cache: LayerCache, ops: AttentionOps) -> None:
-        """This layer's K/V (and scales) in the runner's cache, and the ops that use them."""
+        """This layer's K/V (and scales) in the runner's cache, and the ops that use them;
+        an int8 cache's rows are rotated (``llmctl.engine.quant.kv_rotation``)."""
         self.cache, self.ops = cache, ops
+        self.kv_rotation = (
+            kv_rotation(self.head_dim, torch.float32, cache.k.device)
+            if cache.k.dtype == torch.int8
+            else None
+        )
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
@@ -140,6 +147,10 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache, kv_scales = self.cache
         ops = self.ops
+        rotation = self.kv_rotation
+        if rotation is not None:  # an int8 cache holds rotated rows (quant.kv_rotation)
+            rotation = rotation.to(q.dtype)
+            q, k, v = q @ rotation, k @ rotation, v @ rotation
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales=kv_scales)
         if meta.is_decode:
             out = ops.paged_decode_attention(
@@ -162,6 +173,8 @@ class Attention(nn.Module):
                 self.scale,
                 kv_scales=kv_scales,
             )
+        if rotation is not None:  # H H = I
+            out = out @ rotation
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

@@ -65,6 +65,8 @@ class TurboBackend(Backend):
                 device=device,
                 cpu_threads=config.cpu_threads,
                 quantization=config.quantization,
+                quantization_group_size=config.quantization_group_size,
+                quantization_zero_point=config.quantization_zero_point,
                 kv_cache_dtype=config.kv_cache_dtype,
                 block_size=config.block_size,
                 max_model_len=max_model_len,

@@ -16,6 +16,7 @@ slots are allocated when the first adapter is put in one).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,9 @@ from llmctl.engine.lora import LoraWeights, read_lora_weights
 from llmctl.engine.quant import (
     SCALE_DTYPE,
     QuantizationReport,
+    group_block_type,
     is_quantized_kv,
+    quantize_weight_groups,
     quantize_weight_int8,
     tensor_bytes,
 )
@@ -43,6 +46,8 @@ from llmctl_turbo.config import (
     int8_weights_problem,
     mlp_bias_problem,
     quantized_kv_problem,
+    weight_groups,
+    weight_groups_problem,
 )
 from llmctl_turbo.gguf_cuda import CudaBlockPlacer, load_cuda_gguf_weights
 from llmctl_turbo.gguf_weights import BlockPacker, load_gguf_weights
@@ -57,6 +62,7 @@ def prepare_weights(
     config: ModelConfig,
     pack: bool = False,
     quantization: str = "none",
+    group_scheme: tuple[int, int, bool] | None = None,
 ) -> list[torch.Tensor]:
     """The flat weight list of ``llama_step`` (layout in ``csrc/llama_step.h``).
 
@@ -72,6 +78,9 @@ def prepare_weights(
     the file's rows, dequantized per looked-up token; on CUDA (the device of the other
     weights) kept as the file's rows and the embedding table dequantized
     (``llmctl_turbo.gguf_cuda``).
+    ``group_scheme`` (``(bits, group size, zero point)``, ``config.weight_groups``; CPU
+    only): the layers' matrices are quantized group-wise into GGUF blocks
+    (``quantize_to_blocks``) and packed as the gguf ones.
     """
     if config.architecture not in LLAMA_FAMILY:
         raise ModelError(
@@ -80,7 +89,9 @@ def prepare_weights(
         )
     if problem := mlp_bias_problem(config):  # Backend.check refuses it before loading
         raise ModelError(problem)
-    quantize = quantization == "int8"
+    quantize = quantization == "int8" and group_scheme is None
+    if group_scheme:
+        weights = quantize_to_blocks(weights, config, *group_scheme)
 
     def take(name: str) -> torch.Tensor | GGUFBlocks:
         if name not in weights:
@@ -92,17 +103,15 @@ def prepare_weights(
 
     final_norm = take("model.norm.weight")
     blocks = None
-    if quantization == "gguf":
-        on_cuda = final_norm.device.type == "cuda"
-        blocks = (
-            CudaBlockPlacer(final_norm.dtype, final_norm.device)
-            if on_cuda
-            else BlockPacker(final_norm.dtype)
-        )
+    if quantization == "gguf" and final_norm.device.type == "cuda":
+        blocks = CudaBlockPlacer(final_norm.dtype, final_norm.device)
+    elif quantization == "gguf" or group_scheme:
+        blocks = BlockPacker(final_norm.dtype)
     embed_weight = take("model.embed_tokens.weight")
     lm_head = embed_weight if config.tie_word_embeddings else take("lm_head.weight")
     embed = blocks.embedding_table(embed_weight) if blocks else embed_weight
     none = final_norm.new_empty(0)  # "no bias", "no scale"
+    element_bytes = final_norm.element_size()  # of a float matrix, for the report
     quantized = bytes_before = bytes_after = 0
 
     def layer_matrix(parts: list, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +119,12 @@ def prepare_weights(
         (``none`` unless int8)."""
         nonlocal quantized, bytes_before, bytes_after
         if blocks:
-            return blocks.pack(parts, groups), none
+            packed = blocks.pack(parts, groups)
+            if group_scheme and packed.dtype == torch.uint8:
+                quantized += 1
+                bytes_before += sum(p.shape[0] * p.shape[1] for p in parts) * element_bytes
+                bytes_after += tensor_bytes(packed)
+            return packed, none
         tensor = torch.cat(parts) if len(parts) > 1 else parts[0]
         if not quantize:
             return matrix(tensor, groups), none
@@ -121,7 +135,7 @@ def prepare_weights(
         return qweight, scale
 
     layers = range(config.num_layers)
-    if quantize or blocks:
+    if quantize or (blocks and not group_scheme):
         what = "packing GGUF blocks" if blocks else "quantizing weights to int8"
         layers = track(layers, description=what, transient=True)
     head = blocks.pack([lm_head]) if blocks else matrix(lm_head)
@@ -154,9 +168,48 @@ def prepare_weights(
         ]
     if quantize:  # the torch backend's line: its layers are these fused ones too
         QuantizationReport(quantized, bytes_before, bytes_after).log()
-    if blocks:
+    if group_scheme:
+        bits, group_size, zero_point = group_scheme
+        kind = f"int{bits} ({group_block_type(bits, zero_point)} blocks, group {group_size})"
+        QuantizationReport(quantized, bytes_before, bytes_after, kind).log()
+        kept = 4 * config.num_layers - quantized
+        if kept:
+            logging.getLogger("llmctl").info(
+                "quantization: %d matrices kept in %s (inputs not a multiple of %d)",
+                kept, str(final_norm.dtype).removeprefix("torch."), group_size,
+            )  # fmt: skip
+    elif blocks:
         blocks.log()
     return prepared
+
+
+def quantize_to_blocks(
+    weights: dict[str, torch.Tensor], config: ModelConfig, bits: int, group_size: int,
+    zero_point: bool,
+) -> dict[str, torch.Tensor | GGUFBlocks]:  # fmt: skip
+    """``weights`` with each layer's linear matrices quantized group-wise into GGUF block
+    rows (``quantize_weight_groups``: Q8_0, Q4_0 or Q4_1), so that turbo's block kernels
+    run them as they run a GGUF file's. A matrix whose inputs are not a multiple of the
+    group (stories260K's down_proj: 172) stays a float matrix."""
+    kind = group_block_type(bits, zero_point)
+    quantized = dict(weights)
+    names = [
+        f"model.layers.{layer}.{part}.weight"
+        for layer in range(config.num_layers)
+        for part in LINEAR_PARTS
+    ]
+    for name in track(names, description=f"quantizing weights to int{bits}", transient=True):
+        weight = weights.get(name)
+        if weight is not None and weight.shape[1] % group_size == 0:
+            raw = quantize_weight_groups(weight, bits, group_size, zero_point)
+            quantized[name] = GGUFBlocks(raw, kind, tuple(weight.shape))
+    return quantized
+
+
+# A layer's linear matrices (fused into qkv and gate_up when packed).
+LINEAR_PARTS = tuple(f"self_attn.{p}_proj" for p in "qkvo") + tuple(
+    f"mlp.{p}_proj" for p in ("gate", "up", "down")
+)
 
 
 def pack_int8_linear(weight: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,6 +236,8 @@ class TurboModelRunner(PagedRunner):
     ``quantization="gguf"`` runs a GGUF file's quantized matrices as their blocks: Q8_0 /
     Q4_0 / Q4_1 in turbo's CPU block kernels (``llmctl_turbo.gguf_weights``), those and
     Q4_K / Q5_K / Q6_K in its CUDA kernel (``llmctl_turbo.gguf_cuda``).
+    ``int4``, and ``int8`` with a ``quantization_group_size``, quantize the checkpoint's
+    matrices into the CPU blocks at load (``quantize_to_blocks``).
     ``kv_cache_dtype="int8"`` keeps the KV cache as int8 with a float32 scale per token
     and KV head (the torch backend's bytes), read by those kernels too.
     On the CPU, ``max_loras`` LoRA slots of rank ``max_lora_rank`` serve adapters
@@ -198,6 +253,8 @@ class TurboModelRunner(PagedRunner):
         quantization: str = "none",
         max_loras: int = 4,
         max_lora_rank: int = 16,
+        quantization_group_size: int | None = None,
+        quantization_zero_point: bool | None = None,
         **paged: Any,
     ) -> None:
         super().__init__(config, **paged)  # PagedRunner's options: dtype, device, block size...
@@ -209,12 +266,18 @@ class TurboModelRunner(PagedRunner):
         self._llama_step = ops.llama_step.default
         # turbo's own CPU kernels run fp32 and bf16 (fp16 on a CPU goes through ATen).
         on_cpu_kernels = self.device.type == "cpu" and self.dtype in CPU_KERNEL_DTYPES
-        if quantization == "int8":
-            problem = int8_weights_problem(self.device.type, str(self.dtype).removeprefix("torch."))
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        group_scheme = weight_groups(quantization, quantization_group_size, quantization_zero_point)
+        if group_scheme:
+            problem = weight_groups_problem(self.device.type, dtype_name)
+            if problem:
+                raise ModelError(problem)
+        elif quantization == "int8":
+            problem = int8_weights_problem(self.device.type, dtype_name)
             if problem:
                 raise ModelError(problem)
         if quantization == "gguf":
-            problem = gguf_blocks_problem(self.device.type, str(self.dtype).removeprefix("torch."))
+            problem = gguf_blocks_problem(self.device.type, dtype_name)
             if problem:
                 raise ModelError(problem)
         if self.device.type == "cpu":
@@ -226,8 +289,9 @@ class TurboModelRunner(PagedRunner):
         else:
             weights = load_weights(model_dir, self.dtype, self.device)
         self.weights = prepare_weights(
-            weights, config, pack=on_cpu_kernels, quantization=quantization
-        )
+            weights, config, pack=on_cpu_kernels, quantization=quantization,
+            group_scheme=group_scheme,
+        )  # fmt: skip
         del weights  # the checkpoint's copies of packed matrices
         self.cos_sin_cache = model_cos_sin_cache(config, self.max_model_len).to(self.device)
         self.kv_cache = torch.empty(0, device=self.device)

@@ -138,9 +138,20 @@ def refuse_quantization(value: str, options: Mapping[str, Any], hardware: Hardwa
             "quantization none, or --backend turbo to run the blocks themselves"
         )
     if value != "none":
+        other = "--backend turbo (CPU) for int4" if value == "int4" else "--backend torch for int8"
         return (
-            "the transformers backend does not quantize weights at load: use "
-            "--backend torch for int8 weights, or quantization none"
+            f"the transformers backend does not quantize weights at load: use {other} "
+            "weights, or quantization none"
+        )
+    return None
+
+
+def refuse_weight_groups(value: Any, options: Mapping[str, Any], hardware: Hardware) -> str | None:
+    """quantization_group_size / quantization_zero_point: nothing is quantized here."""
+    if value:
+        return (
+            "the transformers backend does not quantize weights at load: group-wise "
+            "weights (int4, int8 with a group size) run on --backend turbo (CPU)"
         )
     return None
 
@@ -158,6 +169,8 @@ def refuse_kv_cache_dtype(value: str, options: Mapping[str, Any], hardware: Hard
 RULES = (
     OptionRule("cache_block_seq_len", "at least 4 (default 256)", refuse_small_page),
     OptionRule("quantization", "`none` only", refuse_quantization),
+    OptionRule("quantization_group_size", "not supported", refuse_weight_groups),
+    OptionRule("quantization_zero_point", "not supported", refuse_weight_groups),
     OptionRule("kv_cache_dtype", "`auto` only", refuse_kv_cache_dtype),
     OptionRule("max_batch_size", "at most max_prefill_token_num", refuse_batch_over_tokens),
     OptionRule("lora", "not supported", refuse_lora),

@@ -3,6 +3,8 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/index_select.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/ones.h>
 #include <c10/core/InferenceMode.h>
 
 #include <cmath>
@@ -62,6 +64,19 @@ void check_lora(at::TensorList lora, int64_t num_layers, int64_t hidden, int64_t
     check_lora_weights(w[4], w[5], {"gate_up LoRA", l}, hidden, {intermediate, intermediate});
     check_lora_weights(w[6], w[7], {"down LoRA", l}, intermediate, {hidden});
   }
+}
+
+// The orthonormal Hadamard matrix an int8 cache's rows are rotated by, [D, D] in `options`
+// (llmctl.engine.quant.kv_rotation builds the same values: Sylvester's doubling, then
+// 1 / sqrt(D)); undefined when head_dim is not a power of two (no rotation). Built with
+// device ops only, so a CUDA graph capture may run it.
+at::Tensor kv_rotation(int64_t head_dim, const at::TensorOptions& options) {
+  if (head_dim < 2 || (head_dim & (head_dim - 1)) != 0) return at::Tensor();
+  at::Tensor h = at::ones({1, 1}, options.dtype(at::kFloat));
+  while (h.size(0) < head_dim) {
+    h = at::cat({at::cat({h, h}, 1), at::cat({h, -h}, 1)}, 0);
+  }
+  return h.mul(1.0 / std::sqrt(static_cast<double>(head_dim))).to(options.dtype());
 }
 
 }  // namespace
@@ -170,6 +185,11 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
       qkv.narrow(1, q_width + kv_width, kv_width).view({num_tokens, num_kv_heads, head_dim});
   const at::Tensor attn_rows = attn.view({num_tokens, q_width});
   const at::Tensor no_bias = at::empty({0}, options);
+  // An int8 cache holds every head's K and V rows rotated by an orthonormal Hadamard
+  // matrix H (symmetric, H H = I): q k^T = (q H)(k H)^T, and attention over the rotated
+  // values gives out H, so H again undoes it. The rotation spreads a row's outlier over
+  // all of it, so the row's int8 scale (max|row| / 127) fits its values closer.
+  const at::Tensor rotation = int8_cache ? kv_rotation(head_dim, options) : at::Tensor();
 
   for (int64_t l = 0; l < num_layers; ++l) {
     const at::Tensor* w = weights.data() + kHeadWeights + kLayerWeights * l;
@@ -190,10 +210,19 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
       lora_add(qkv, normed, lw[0], lw[1], {0, q_width, q_width + kv_width},
                {q_width, kv_width, kv_width}, *lora_rows, *lora_tiles);
     }
-    rotary_embedding_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
-                                  slot_mapping, k_scale, v_scale);
+    if (rotation.defined()) {  // int8 cache: q, k, v rotated after RoPE, before quantizing
+      rotary_embedding(positions, q, k, cos_sin_cache);
+      q.copy_(at::matmul(q, rotation));
+      k.copy_(at::matmul(k, rotation));
+      v.copy_(at::matmul(v, rotation));
+      write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
+    } else {
+      rotary_embedding_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
+                                    slot_mapping, k_scale, v_scale);
+    }
     paged_attention(attn, q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
                     scale, k_scale, v_scale);
+    if (rotation.defined()) attn.copy_(at::matmul(attn, rotation));  // H H = I
     linear(projected, attn_rows, w[3], w[4], w[9]);
     if (lora) lora_add(projected, attn_rows, lw[2], lw[3], {0}, {hidden}, *lora_rows, *lora_tiles);
 
