@@ -416,15 +416,14 @@ class AsyncEngine(EngineCapabilities):
     def _loras(self) -> LoraSlots:
         if self.engine.loras is None:
             raise ModelError(
-                "this engine serves no LoRA adapters: use --backend torch with "
-                "tensor_parallel_size 1"
+                "this engine serves no LoRA adapters: use --backend torch, or turbo on the CPU"
             )
         return self.engine.loras
 
     def _read_lora(self, name: str, path: str) -> tuple[AdapterSpec, object]:
         loras = self._loras()
         check_lora_name(name, set(loras.names), self.model_name)
-        return read_lora(loras.runner, path, self.engine.runner.config)
+        return read_lora(loras.runner, path, loras.runner.base_config)
 
     def reset_peak_kv_blocks(self) -> None:
         """Start ``stats().kv_blocks_peak`` afresh from here (the bench, after warming up)."""

@@ -86,6 +86,24 @@ class EngineConfig(Generic[Extra]):
         if self.max_model_len is not None and self.max_model_len < 1:
             raise OptionError(f"session_len must be a positive integer, got {self.max_model_len}")
 
+    def runner_options(self, dtype: Any, device: Any, max_model_len: int) -> dict[str, Any]:
+        """What both local runners take from this configuration (``PagedRunner``'s options,
+        the weights' quantization, the LoRA slots), beside the dtype, device and session
+        length the engine settles once the model is known (``assemble.build_engine``)."""
+        return dict(
+            dtype=dtype,
+            device=device,
+            block_size=self.block_size,
+            kv_cache_dtype=self.kv_cache_dtype,
+            cpu_threads=self.cpu_threads,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len,
+            cuda_graphs=self.cuda_graphs,
+            quantization=self.quantization,
+            max_loras=self.lora.max_loras,
+            max_lora_rank=self.lora.max_rank,
+        )
+
     @classmethod
     def from_options(
         cls, options: Mapping[str, Any], extra: Extra | None = None

@@ -200,7 +200,7 @@ class LLMEngine:
         if self.loras is None:
             raise InvalidRequest(
                 f"the LoRA adapter {name!r} is not loaded here: this engine serves no "
-                "adapters (the torch backend does, with tensor_parallel_size 1)",
+                "adapters (the torch backend does, and turbo on the CPU)",
                 param="model",
                 code="model_not_found",
             )

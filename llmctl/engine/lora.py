@@ -54,6 +54,7 @@ class LoraRunner(Protocol):
     serves_lora: bool
     max_loras: int
     max_lora_rank: int
+    base_config: Any  # the ModelConfig an adapter must fit: the whole model's, not a shard's
 
     def read_lora(self, spec: AdapterSpec) -> Any:
         """The adapter's weights in host memory, ready to copy into a slot (may run on

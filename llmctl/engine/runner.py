@@ -535,6 +535,9 @@ class PagedRunner:
         cuda_graphs: bool = True,
     ) -> None:
         self.config = config
+        # The whole model's sizes, which LoRA adapters must fit (a tensor-parallel rank's
+        # ``config`` is its own slice of the heads and MLP).
+        self.base_config = config
         self.device = torch.device(device)
         if cpu_threads and self.device.type == "cpu":
             torch.set_num_threads(cpu_threads)

@@ -53,7 +53,7 @@ def _serving_state(request: Request) -> ServerState:
         raise APIError(
             501,
             f"the {state.backend_name} backend serves no LoRA adapters here: use "
-            "--backend torch (with tensor_parallel_size 1)",
+            "--backend torch, or turbo on the CPU",
             type="server_error",
             code="not_implemented",
         )

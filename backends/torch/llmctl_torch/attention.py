@@ -6,7 +6,7 @@ token ``p`` of sequence ``b`` is at ``block_tables[b, p // block_size]``, offset
 ``p % block_size``.
 
 Three functions make the interface (``AttentionOps``); ``triton_attention.py`` and turbo's
-``llmctl_turbo/ops.py`` implement the same three, with the same signatures:
+CPU kernels (``native_kernels``, below) implement the same three, with the same signatures:
 
 - ``write_kv(k, v, k_cache, v_cache, slot_mapping)``: store new tokens' K/V at their
   slots (``block * block_size + offset``).
@@ -29,9 +29,10 @@ cache zeroed): the decode path reads whole blocks and gives the slots past a
 sequence's end zero weight, and 0 * NaN would still be NaN.
 
 Dispatch: ``LLMCTL_TORCH_ATTENTION=triton|native|torch`` forces one; by default Triton
-on CUDA, and on the CPU turbo's native ops (``llmctl_turbo.ops``) when llmctl-turbo
-is installed, its ops build here and the cache is not fp8 (they read float and int8
-caches), else plain torch. The others' modules are imported only when chosen.
+on CUDA, and on the CPU turbo's native ops (``torch.ops.llmctl_turbo``, see
+``native_kernels``) when llmctl-turbo is installed, its ops build here and the cache is
+not fp8 (they read float and int8 caches), else plain torch. The others' modules are
+imported only when chosen.
 """
 
 from __future__ import annotations
@@ -54,9 +55,8 @@ ENV_VAR = "LLMCTL_TORCH_ATTENTION"
 MODULES = {
     "torch": __name__,
     "triton": "llmctl_torch.triton_attention",
-    "native": "llmctl_turbo.ops",
 }
-CHOICES = tuple(MODULES)
+CHOICES = (*MODULES, "native")
 logger = logging.getLogger("llmctl")
 
 
@@ -270,12 +270,45 @@ def attention_ops(device: torch.device | str, kv_dtype: torch.dtype | None = Non
             choice = "native" if native_problem(kv_dtype) is None else "torch"
     elif choice == "native" and (problem := native_problem(kv_dtype)):
         raise OptionError(f"{ENV_VAR}=native: {problem}")
+    if choice == "native":
+        return native_kernels()
     module = importlib.import_module(MODULES[choice])
     return _Kernels(
         name=choice,
         write_kv=module.write_kv,
         paged_decode_attention=module.paged_decode_attention,
         paged_prefill_attention=module.paged_prefill_attention,
+    )
+
+
+def native_kernels() -> AttentionOps:
+    """turbo's CPU attention kernels (its ``csrc/kernels.h``) in this interface. They read
+    each sequence's keys and values in place, from its own blocks, so the cost follows
+    the real context lengths. The ops write into outputs the caller passes, take index
+    tensors as int32 and a cache's scales as two arguments (none for a float cache)."""
+    from llmctl_turbo.build import load_ops
+
+    ops = load_ops()
+
+    def write_kv(k, v, k_cache, v_cache, slot_mapping, *, kv_scales=None) -> None:
+        scales = kv_scales or (None, None)
+        ops.write_kv_cache(k, v, k_cache, v_cache, slot_mapping.to(torch.int32), *scales)
+
+    def into_new_output(op: Callable[..., None]) -> Callable[..., torch.Tensor]:
+        """``op(out, q, *inputs, k_scale, v_scale)`` as ``attend(q, *inputs, kv_scales=)``."""
+
+        def attend(q: torch.Tensor, *inputs: object, kv_scales: KVScales = None) -> torch.Tensor:
+            out = torch.empty_like(q)
+            op(out, q, *inputs, *(kv_scales or (None, None)))
+            return out
+
+        return attend
+
+    return _Kernels(
+        name="native",
+        write_kv=write_kv,
+        paged_decode_attention=into_new_output(ops.paged_decode_attention),
+        paged_prefill_attention=into_new_output(ops.paged_prefill_attention),
     )
 
 

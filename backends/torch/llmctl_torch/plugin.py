@@ -60,33 +60,15 @@ class TorchBackend(Backend):
         ) -> TorchModelRunner:
             if config.extra.tensor_parallel_size == 1:
                 return TorchModelRunner(
-                    loaded.path,
-                    model_config,
-                    dtype=dtype,
-                    device=device,
-                    block_size=config.block_size,
-                    max_loras=config.lora.max_loras,
-                    max_lora_rank=config.lora.max_rank,
-                    max_num_seqs=config.max_num_seqs,
-                    max_model_len=max_model_len,
-                    cuda_graphs=config.cuda_graphs,
-                    quantization=config.quantization,
-                    kv_cache_dtype=config.kv_cache_dtype,
-                    cpu_threads=config.cpu_threads,
+                    loaded.path, model_config, **config.runner_options(dtype, device, max_model_len)
                 )
-            from llmctl_torch.tp_runner import TensorParallelRunner, topology_for
+            from llmctl_torch.tp_runner import TensorParallelRunner, WorkerTask, topology_for
 
             runner = TensorParallelRunner(
-                loaded.path,
+                WorkerTask.of(loaded.path, config, dtype),
                 model_config,
                 topology_for(config, device),
-                dtype=dtype,
-                device=device,
-                block_size=config.block_size,
-                quantization=config.quantization,
-                kv_cache_dtype=config.kv_cache_dtype,
-                max_loras=config.lora.max_loras,
-                max_lora_rank=config.lora.max_rank,
+                device,
             )
             sharded.append(runner)
             return runner

@@ -90,6 +90,7 @@ class ShardRunner(TorchModelRunner):
             max_loras=task.max_loras,
             max_lora_rank=task.max_lora_rank,
         )
+        self.base_config = config
 
     def load_lora_slot(self, slot: int, weights: LoraWeights) -> None:
         """Put this rank's part of the adapter (``lora_shard``) in ``slot``."""
@@ -107,28 +108,8 @@ class TensorParallelRunner(ShardRunner):
     called from the watching thread when the engine is idle."""
 
     def __init__(
-        self,
-        model_dir: str | Path,
-        config: ModelConfig,
-        topology: Topology,
-        *,
-        dtype: str | torch.dtype,
-        device: torch.device,
-        block_size: int,
-        quantization: str = "none",
-        kv_cache_dtype: str = "auto",
-        max_loras: int = 4,
-        max_lora_rank: int = 16,
+        self, task: WorkerTask, config: ModelConfig, topology: Topology, device: torch.device
     ) -> None:
-        task = WorkerTask(
-            str(model_dir),
-            dtype,
-            block_size,
-            quantization,
-            kv_cache_dtype,
-            max_loras,
-            max_lora_rank,
-        )
         self.ranks = HeadRanks(topology, run_worker, task)
         self._threads_before = torch.get_num_threads()
         self._rank_threads = topology.threads_per_rank() if device.type == "cpu" else None

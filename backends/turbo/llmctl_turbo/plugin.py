@@ -61,19 +61,9 @@ class TurboBackend(Backend):
             return TurboModelRunner(
                 loaded.path,
                 model_config,
-                dtype=dtype,
-                device=device,
-                cpu_threads=config.cpu_threads,
-                quantization=config.quantization,
                 quantization_group_size=config.quantization_group_size,
                 quantization_zero_point=config.quantization_zero_point,
-                kv_cache_dtype=config.kv_cache_dtype,
-                block_size=config.block_size,
-                max_model_len=max_model_len,
-                max_num_seqs=config.max_num_seqs,
-                cuda_graphs=config.cuda_graphs,
-                max_loras=config.lora.max_loras,
-                max_lora_rank=config.lora.max_rank,
+                **config.runner_options(dtype, device, max_model_len),
             )
 
         return build_engine(model, self.translate(options), hardware, load_runner)

@@ -16,7 +16,7 @@ import torch
 from llmctl_torch.config import tensor_parallel_problem
 from llmctl_torch.distributed import Topology
 from llmctl_torch.model import TorchModelRunner
-from llmctl_torch.tp_runner import TensorParallelRunner, with_host_tokens
+from llmctl_torch.tp_runner import TensorParallelRunner, WorkerTask, with_host_tokens
 
 from llmctl import LLM, SamplingParams
 from llmctl.engine.runner import SampledTokenFill, StepBatch
@@ -120,15 +120,8 @@ def test_sharded_logits_match_one_device(tmp_path, quantized, tolerance):
     config = ModelConfig.from_dir(model_dir)
     topology = Topology(2, 1, 0, "127.0.0.1", None, "cpu")
     single = TorchModelRunner(model_dir, config, block_size=16, num_blocks=32, **quantized)
-    sharded = TensorParallelRunner(
-        model_dir,
-        config,
-        topology,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-        block_size=16,
-        **quantized,
-    )
+    task = WorkerTask(str(model_dir), torch.float32, 16, **quantized)
+    sharded = TensorParallelRunner(task, config, topology, torch.device("cpu"))
     try:
         sharded.allocate_kv_cache(32)
         rng = random.Random(0)
