@@ -123,9 +123,9 @@ def refuse_lora(
     """lora: this backend serves no LoRA adapters."""
     if value:
         return (
-            "the transformers backend does not serve LoRA adapters: use --backend torch "
-            "(batched adapters, chosen per request), or merge one into the weights (PEFT's "
-            "merge_and_unload)"
+            "the transformers backend does not serve LoRA adapters: use --backend torch, or "
+            "turbo on the CPU (batched adapters, chosen per request), or merge one into the "
+            "weights (PEFT's merge_and_unload)"
         )
     return None
 
