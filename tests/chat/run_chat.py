@@ -12,14 +12,26 @@ from pathlib import Path
 
 import pexpect
 
+from llmctl.paths import cache_dir as llmctl_cache_dir
+
 PROMPT = ">>> "
 # The answer line that follows every answer: "12 tokens in 0.31 s, 38.7 tokens/s · ...".
 SUMMARY = re.compile(r"(\d+) (tokens|chunks) in [\d.]+ s, [\d.]+ \w+/s([^\r\n]*)")
 
 
+def chat_env(cache_dir: Path) -> dict[str, str]:
+    """The environment for a chat kept under ``cache_dir``: no LLMCTL_* from the test's
+    shell, and the suite's turbo build linked in, since on the CPU the torch backend runs
+    turbo's attention ops and building them again takes minutes."""
+    built = llmctl_cache_dir() / "turbo"
+    if built.is_dir() and not (cache_dir / "turbo").exists():
+        (cache_dir / "turbo").symlink_to(built, target_is_directory=True)
+    return {k: v for k, v in os.environ.items() if not k.startswith("LLMCTL_")}
+
+
 def spawn_chat(args: list[str], cache_dir: Path, timeout: float = 120) -> pexpect.spawn:
     """``python -m llmctl chat ARGS`` on a pty, with history kept under ``cache_dir``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMCTL_")}
+    env = chat_env(cache_dir)
     env.update(LLMCTL_CACHE_DIR=str(cache_dir), NO_COLOR="1", TERM="dumb", OMP_NUM_THREADS="1")
     return pexpect.spawn(
         sys.executable,
@@ -33,7 +45,7 @@ def spawn_chat(args: list[str], cache_dir: Path, timeout: float = 120) -> pexpec
 
 def chat_piped(args: list[str], stdin: str, cache_dir: Path) -> subprocess.CompletedProcess[str]:
     """``echo STDIN | python -m llmctl chat ARGS``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMCTL_")}
+    env = chat_env(cache_dir)
     env.update(LLMCTL_CACHE_DIR=str(cache_dir), NO_COLOR="1", OMP_NUM_THREADS="1")
     return subprocess.run(
         [sys.executable, "-m", "llmctl", "chat", *args],
