@@ -46,7 +46,7 @@ def serve(
     from llmctl.selection import select
     from llmctl.server.app import create_app
     from llmctl.server.run import bind_socket, run_server, url_of
-    from llmctl.server.stats import served_settings
+    from llmctl.server.state import ServerConfig
     from llmctl.server.tls import tls_settings
 
     choice = select(model, flags, profile=profile)
@@ -61,16 +61,7 @@ def serve(
     with err_console.status("Loading the model…"):
         engine = choice.create_engine()
     app = create_app(
-        engine,
-        backend_name=choice.backend.name,
-        api_keys=options["api_keys"],
-        max_concurrent_requests=options["max_concurrent_requests"],
-        max_queued_requests=options["max_queued_requests"],
-        log_prompts=options["log_prompts"],
-        client_timeout=options["client_timeout"],
-        web_ui=options["web_ui"],
-        settings=served_settings(options),
-        tool_call_parser=options["tool_call_parser"],
+        engine, backend_name=choice.backend.name, config=ServerConfig.from_options(options)
     )
     _print_banner(choice, engine, url_of(sock, "https" if tls else "http"))
     run_server(app, sock, shutdown_timeout=options["shutdown_timeout"], tls=tls)

@@ -214,8 +214,8 @@ def kv_rotation(
     ``q k^T = (q H)(k H)^T``, and attention over rotated values is the output times ``H``,
     undone by ``H`` again: exact in real arithmetic. What it buys: a row's largest value
     sets its int8 scale, and the rotation spreads one outlier over the whole row, so the
-    other values get finer steps (as QuaRot does for whole models). turbo's step builds
-    the same matrix (``kv_rotation`` in ``csrc/llama_step.cpp``)."""
+    other values get finer steps (as QuaRot does for whole models). Each runner builds
+    it once, in the model dtype; turbo passes it to its native step."""
     if head_dim < 2 or head_dim & (head_dim - 1):
         return None
     h = torch.ones(1, 1, device=device)

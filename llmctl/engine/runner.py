@@ -533,11 +533,12 @@ class PagedRunner:
         max_num_seqs: int = 128,
         max_model_len: int | None = None,
         cuda_graphs: bool = True,
+        base_config: ModelConfig | None = None,
     ) -> None:
         self.config = config
-        # The whole model's sizes, which LoRA adapters must fit (a tensor-parallel rank's
-        # ``config`` is its own slice of the heads and MLP).
-        self.base_config = config
+        # The whole model's sizes, which LoRA adapters must fit: a tensor-parallel rank's
+        # ``config`` is its own slice of the heads and MLP, and it passes the whole.
+        self.base_config = base_config or config
         self.device = torch.device(device)
         if cpu_threads and self.device.type == "cpu":
             torch.set_num_threads(cpu_threads)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -22,7 +21,7 @@ from llmctl.server.openapi import Health, Version, install_openapi
 from llmctl.server.routes_lora import router as lora_router
 from llmctl.server.routes_openai import router
 from llmctl.server.routes_tokenize import router as tokenize_router
-from llmctl.server.state import DEFAULT_CLIENT_TIMEOUT, DEFAULT_MAX_BODY_BYTES, ServerState
+from llmctl.server.state import ServerConfig, ServerState
 from llmctl.server.stats import router as stats_router
 from llmctl.server.web import install_web_ui
 from llmctl.server.web.csp import ContentSecurityPolicy
@@ -32,32 +31,17 @@ def create_app(
     engine: Engine,
     *,
     backend_name: str,
-    api_keys: Iterable[str] | None = None,
-    max_concurrent_requests: int = 64,
-    max_queued_requests: int = 256,
-    log_prompts: bool = False,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    client_timeout: float = DEFAULT_CLIENT_TIMEOUT,
-    web_ui: bool = True,
-    settings: dict[str, Any] | None = None,
-    tool_call_parser: str = "auto",
+    config: ServerConfig = ServerConfig(),
 ) -> FastAPI:
-    """Build the app. The engine is shut down when the app's lifespan ends.
-
-    ``web_ui``: serve the chat page at ``/``; ``settings``: the options ``/stats`` shows.
-    """
-    admission = Admission(max_concurrent_requests, max_queued_requests)
+    """Build the app. The engine is shut down when the app's lifespan ends."""
+    admission = Admission(config.max_concurrent_requests, config.max_queued_requests)
     state = ServerState(
         engine=engine,
         backend_name=backend_name,
-        api_keys=ApiKeys(api_keys),
+        api_keys=ApiKeys(config.api_keys),
         admission=admission,
         metrics=ServerMetrics(engine, admission),
-        log_prompts=log_prompts,
-        max_body_bytes=max_body_bytes,
-        client_timeout=client_timeout,
-        settings=dict(settings or {}),
-        tool_call_parser=tool_call_parser,
+        config=config,
     )
 
     @asynccontextmanager
@@ -95,7 +79,7 @@ def create_app(
         """Prometheus text format."""
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
-    if web_ui:
+    if config.web_ui:
         install_web_ui(app)
     install_openapi(app, state)
     return app

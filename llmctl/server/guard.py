@@ -91,7 +91,7 @@ class Guard:
 
         Both refusals close the connection: the rest of the body is not worth reading.
         """
-        limit, timeout = self.state.max_body_bytes, self.state.client_timeout
+        limit, timeout = self.state.config.max_body_bytes, self.state.config.client_timeout
         too_large = APIError(
             413,
             f"the request body is larger than the limit of {limit} bytes",

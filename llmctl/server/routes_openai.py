@@ -132,7 +132,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     template = state.chat_template()
     family = None
     if body.calls_tools:
-        family = state.tool_call_parser
+        family = state.config.tool_call_parser
         if family == "auto":
             family = family_for_template(template)
         sampling = body.tool_sampling(sampling, family)
@@ -241,7 +241,7 @@ async def _respond(
         return EventStreamResponse(
             _events(generation, formatter, n, body.continuous_usage),
             on_close=finish,
-            send_timeout=state.client_timeout,
+            send_timeout=state.config.client_timeout,
         )
     try:
         result = await unless_disconnected(request, _collect(generation, formatter, n))
@@ -311,7 +311,7 @@ async def _collect(generation: GenerationStream, formatter: Formatter, n: int) -
 
 
 def _log_start(state: ServerState, response_id: str, requests: list[GenerationRequest]) -> None:
-    if state.log_prompts:
+    if state.config.log_prompts:
         first = requests[0]
         prompt = first.prompt if first.prompt is not None else first.prompt_token_ids
         log.info("%s prompt: %r", response_id, prompt if prompt is not None else first.messages)
@@ -330,7 +330,7 @@ def _log_end(state: ServerState, response_id: str, generation: GenerationStream,
         ",".join(str(p.finish_reason) for p in progress),
         time.monotonic() - generation.arrived_at,
     )
-    if state.log_prompts:
+    if state.config.log_prompts:
         for index, p in enumerate(progress):
             log.info("%s choice %d: %r", response_id, index, p.text)
 

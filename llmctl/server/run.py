@@ -136,7 +136,7 @@ def run_server(
     state: ServerState = app.state.llmctl
     config = uvicorn.Config(
         app,
-        http=functools.partial(_HeadTimeoutProtocol, head_timeout=state.client_timeout),
+        http=functools.partial(_HeadTimeoutProtocol, head_timeout=state.config.client_timeout),
         timeout_graceful_shutdown=shutdown_timeout,
         log_level="info",
         lifespan="on",

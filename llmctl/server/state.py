@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,8 +13,53 @@ from llmctl.server.errors import APIError
 from llmctl.server.limits import Admission
 from llmctl.server.metrics import ServerMetrics
 
-DEFAULT_MAX_BODY_BYTES = 8 * 2**20
-DEFAULT_CLIENT_TIMEOUT = 30.0
+# The options that tell what a server is, as the /stats panel shows them.
+SHOWN_OPTIONS = (
+    "cache_block_seq_len",
+    "cache_max_entry_count",
+    "session_len",
+    "max_batch_size",
+    "quantization",
+    "kv_cache_dtype",
+    "dtype",
+    "device",
+    "enable_prefix_caching",
+    "tensor_parallel_size",
+)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """How the server admits and treats requests, built once from the options."""
+
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    max_concurrent_requests: int = 64
+    max_queued_requests: int = 256
+    log_prompts: bool = False
+    max_body_bytes: int = 8 * 2**20
+    client_timeout: float = 30.0  # seconds a client may take to send or read
+    web_ui: bool = True  # serve the chat page at /
+    settings: Mapping[str, Any] = field(default_factory=dict)  # the options /stats shows
+    tool_call_parser: str = "auto"  # a tool_parsers family, or auto: from the template
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> ServerConfig:
+        """The one place the unified option names map to the server's."""
+        return cls(
+            api_keys=tuple(options["api_keys"] or ()),
+            max_concurrent_requests=options["max_concurrent_requests"],
+            max_queued_requests=options["max_queued_requests"],
+            log_prompts=options["log_prompts"],
+            client_timeout=options["client_timeout"],
+            web_ui=options["web_ui"],
+            settings={name: _as_json(options.get(name)) for name in SHOWN_OPTIONS},
+            tool_call_parser=options["tool_call_parser"],
+        )
+
+
+def _as_json(value: Any) -> Any:
+    """An option's value as JSON shows it (a KV budget as its text)."""
+    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
 
 
 @dataclass
@@ -29,11 +75,7 @@ class ServerState:
     api_keys: ApiKeys
     admission: Admission
     metrics: ServerMetrics
-    log_prompts: bool = False
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    client_timeout: float = DEFAULT_CLIENT_TIMEOUT
-    settings: dict[str, Any] = field(default_factory=dict)  # the options /stats shows
-    tool_call_parser: str = "auto"  # a tool_parsers family, or auto: from the template
+    config: ServerConfig
     draining: bool = False
     engine_failed: bool = False
     started_at: int = field(default_factory=lambda: int(time.time()))

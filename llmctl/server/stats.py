@@ -21,31 +21,6 @@ from llmctl.server.state import ServerState
 
 router = APIRouter()
 
-# The options that tell what a server is, as the panel shows them.
-SHOWN_OPTIONS = (
-    "cache_block_seq_len",
-    "cache_max_entry_count",
-    "session_len",
-    "max_batch_size",
-    "quantization",
-    "kv_cache_dtype",
-    "dtype",
-    "device",
-    "enable_prefix_caching",
-    "tensor_parallel_size",
-)
-
-
-def served_settings(options: dict[str, Any]) -> dict[str, Any]:
-    """The options ``/stats`` publishes, as JSON values (a KV budget as its text)."""
-    shown = {}
-    for name in SHOWN_OPTIONS:
-        value = options.get(name)
-        shown[name] = (
-            value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
-        )
-    return shown
-
 
 class EngineFigures(BaseModel):
     running: int
@@ -92,7 +67,7 @@ async def stats(request: Request) -> dict[str, Any]:
         "backend": state.backend_name,
         "model": state.engine.model_name,
         "max_model_len": state.engine.max_model_len or None,
-        "settings": state.settings,
+        "settings": dict(state.config.settings),
         "engine": {
             "running": engine.running,
             "waiting": engine.waiting,

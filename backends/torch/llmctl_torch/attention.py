@@ -42,7 +42,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -64,54 +64,13 @@ logger = logging.getLogger("llmctl")
 KVScales = tuple[torch.Tensor, torch.Tensor] | None
 
 
-class AttentionOps(Protocol):
-    """The paged-attention kernels the model calls (see the module docstring); an int8 /
-    fp8 cache's scales always come as the keyword ``kv_scales``."""
+@dataclass(frozen=True)
+class AttentionOps:
+    """One implementation's three kernels (see the module docstring), each with the
+    signature of the plain-torch function of the same name below; an int8 / fp8 cache's
+    scales always come as the keyword ``kv_scales``."""
 
     name: str  # torch, triton or native
-
-    def write_kv(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        *,
-        kv_scales: KVScales = None,
-    ) -> None: ...
-
-    def paged_decode_attention(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        context_lens: torch.Tensor,
-        scale: float,
-        *,
-        kv_scales: KVScales = None,
-    ) -> torch.Tensor: ...
-
-    def paged_prefill_attention(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        context_lens: torch.Tensor,
-        scale: float,
-        *,
-        kv_scales: KVScales = None,
-    ) -> torch.Tensor: ...
-
-
-@dataclass(frozen=True)
-class _Kernels:
-    """One implementation's three functions (a module's), as an ``AttentionOps``."""
-
-    name: str
     write_kv: Callable[..., None]
     paged_decode_attention: Callable[..., torch.Tensor]
     paged_prefill_attention: Callable[..., torch.Tensor]
@@ -273,7 +232,7 @@ def attention_ops(device: torch.device | str, kv_dtype: torch.dtype | None = Non
     if choice == "native":
         return native_kernels()
     module = importlib.import_module(MODULES[choice])
-    return _Kernels(
+    return AttentionOps(
         name=choice,
         write_kv=module.write_kv,
         paged_decode_attention=module.paged_decode_attention,
@@ -304,7 +263,7 @@ def native_kernels() -> AttentionOps:
 
         return attend
 
-    return _Kernels(
+    return AttentionOps(
         name="native",
         write_kv=write_kv,
         paged_decode_attention=into_new_output(ops.paged_decode_attention),

@@ -122,15 +122,13 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
 
-    def bind(self, cache: LayerCache, ops: AttentionOps) -> None:
-        """This layer's K/V (and scales) in the runner's cache, and the ops that use them;
-        an int8 cache's rows are rotated (``llmctl.engine.quant.kv_rotation``)."""
-        self.cache, self.ops = cache, ops
-        self.kv_rotation = (
-            kv_rotation(self.head_dim, torch.float32, cache.k.device)
-            if cache.k.dtype == torch.int8
-            else None
-        )
+    def bind(
+        self, cache: LayerCache, ops: AttentionOps, kv_rotation: torch.Tensor | None = None
+    ) -> None:
+        """This layer's K/V (and scales) in the runner's cache, the ops that use them, and
+        for an int8 cache the matrix its rows are rotated by, in the model dtype
+        (``llmctl.engine.quant.kv_rotation``)."""
+        self.cache, self.ops, self.kv_rotation = cache, ops, kv_rotation
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata
@@ -149,7 +147,6 @@ class Attention(nn.Module):
         ops = self.ops
         rotation = self.kv_rotation
         if rotation is not None:  # an int8 cache holds rotated rows (quant.kv_rotation)
-            rotation = rotation.to(q.dtype)
             q, k, v = q @ rotation, k @ rotation, v @ rotation
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales=kv_scales)
         if meta.is_decode:
@@ -403,8 +400,14 @@ class TorchModelRunner(PagedRunner):
             )
             for layer in range(c.num_layers)
         ]
+        # One rotation matrix for every layer, built once (an int8 cache's rows are rotated).
+        rotation = (
+            kv_rotation(c.head_dim, self.dtype, self.device)
+            if self.kv_dtype == torch.int8
+            else None
+        )
         for layer, layer_cache in zip(self.model.model.layers, self.kv_caches):
-            layer.self_attn.bind(layer_cache, self.ops)
+            layer.self_attn.bind(layer_cache, self.ops, rotation)
 
     def weight_bytes(self) -> int:
         tensors = [*self.model.parameters(), *self.model.buffers()]

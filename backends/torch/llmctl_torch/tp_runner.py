@@ -75,7 +75,6 @@ class ShardRunner(TorchModelRunner):
         self, task: WorkerTask, shard: Shard, device: torch.device, config: ModelConfig
     ) -> None:
         self.shard = shard
-        self.full_config = config
         self.tensor_parallel_size = shard.size
         # The base class sizes the cache from the config: this rank's heads.
         super().__init__(
@@ -89,16 +88,16 @@ class ShardRunner(TorchModelRunner):
             kv_cache_dtype=task.kv_cache_dtype,
             max_loras=task.max_loras,
             max_lora_rank=task.max_lora_rank,
+            base_config=config,  # before _load_model, which reads it
         )
-        self.base_config = config
 
     def load_lora_slot(self, slot: int, weights: LoraWeights) -> None:
         """Put this rank's part of the adapter (``lora_shard``) in ``slot``."""
         rank, size = self.shard.rank, self.shard.size
-        super().load_lora_slot(slot, lora_shard(weights, self.full_config, rank, size))
+        super().load_lora_slot(slot, lora_shard(weights, self.base_config, rank, size))
 
     def _load_model(self, model_dir: str | Path) -> ParallelLlamaForCausalLM:
-        return load_shard(str(model_dir), self.full_config, self.shard, self.dtype, self.device)
+        return load_shard(str(model_dir), self.base_config, self.shard, self.dtype, self.device)
 
 
 class TensorParallelRunner(ShardRunner):

@@ -29,6 +29,7 @@ from llmctl.engine.quant import (
     QuantizationReport,
     group_block_type,
     is_quantized_kv,
+    kv_rotation,
     quantize_weight_groups,
     quantize_weight_int8,
     tensor_bytes,
@@ -296,6 +297,12 @@ class TurboModelRunner(PagedRunner):
         self.cos_sin_cache = model_cos_sin_cache(config, self.max_model_len).to(self.device)
         self.kv_cache = torch.empty(0, device=self.device)
         self.kv_cache_scale: torch.Tensor | None = None  # an int8 cache's scales
+        # The matrix an int8 cache's rows are rotated by, built once (quant.kv_rotation).
+        self.kv_rotation = (
+            kv_rotation(config.head_dim, self.dtype, self.device)
+            if self.kv_dtype == torch.int8
+            else None
+        )
         # LoRA adapters: turbo's CPU kernels apply them, its CUDA ones do not (yet).
         self.serves_lora = self.device.type == "cpu"
         self.max_loras = max_loras
@@ -359,4 +366,5 @@ class TurboModelRunner(PagedRunner):
             inputs.logits_indices,  # None: each sequence's last token
             lora_rows,
             lora_tiles,
+            self.kv_rotation,
         )

@@ -67,10 +67,7 @@ namespace avx512 {
 // 32 vector registers: an 8-row x 2-panel tile keeps 16 accumulators in registers.
 constexpr int kVectorWidth = 16, kTileRows = 8, kTilePanels = 2;
 constexpr bool kVnni = false;
-#include "cpu/row_kernels.h"
-#include "cpu/block_kernels.h"
-#include "cpu/tensor_kernels.h"
-#include "cpu/lora_kernels.h"
+#include "cpu/isa_kernels.h"
 }  // namespace avx512
 TURBO_END_TARGET
 
@@ -80,10 +77,7 @@ TURBO_BEGIN_TARGET("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,f16c")
 namespace avx512vnni {
 constexpr int kVectorWidth = 16, kTileRows = 8, kTilePanels = 2;
 constexpr bool kVnni = true;
-#include "cpu/row_kernels.h"
-#include "cpu/block_kernels.h"
-#include "cpu/tensor_kernels.h"
-#include "cpu/lora_kernels.h"
+#include "cpu/isa_kernels.h"
 }  // namespace avx512vnni
 TURBO_END_TARGET
 
@@ -92,10 +86,7 @@ namespace avx2 {
 // 16 vector registers: a 6-row x 1-panel tile keeps 12 accumulators in registers.
 constexpr int kVectorWidth = 8, kTileRows = 6, kTilePanels = 1;
 constexpr bool kVnni = false;
-#include "cpu/row_kernels.h"
-#include "cpu/block_kernels.h"
-#include "cpu/tensor_kernels.h"
-#include "cpu/lora_kernels.h"
+#include "cpu/isa_kernels.h"
 }  // namespace avx2
 TURBO_END_TARGET
 #endif  // x86-64
@@ -104,10 +95,7 @@ TURBO_END_TARGET
 namespace portable {
 constexpr int kVectorWidth = 4, kTileRows = 2, kTilePanels = 1;
 constexpr bool kVnni = false;
-#include "cpu/row_kernels.h"
-#include "cpu/block_kernels.h"
-#include "cpu/tensor_kernels.h"
-#include "cpu/lora_kernels.h"
+#include "cpu/isa_kernels.h"
 }  // namespace portable
 
 #ifdef TURBO_CPU_X86

@@ -66,19 +66,6 @@ void check_lora(at::TensorList lora, int64_t num_layers, int64_t hidden, int64_t
   }
 }
 
-// The orthonormal Hadamard matrix an int8 cache's rows are rotated by, [D, D] in `options`
-// (llmctl.engine.quant.kv_rotation builds the same values: Sylvester's doubling, then
-// 1 / sqrt(D)); undefined when head_dim is not a power of two (no rotation). Built with
-// device ops only, so a CUDA graph capture may run it.
-at::Tensor kv_rotation(int64_t head_dim, const at::TensorOptions& options) {
-  if (head_dim < 2 || (head_dim & (head_dim - 1)) != 0) return at::Tensor();
-  at::Tensor h = at::ones({1, 1}, options.dtype(at::kFloat));
-  while (h.size(0) < head_dim) {
-    h = at::cat({at::cat({h, h}, 1), at::cat({h, -h}, 1)}, 0);
-  }
-  return h.mul(1.0 / std::sqrt(static_cast<double>(head_dim))).to(options.dtype());
-}
-
 }  // namespace
 
 at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
@@ -90,7 +77,8 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
                       const std::optional<at::Tensor>& kv_cache_scale,
                       const std::optional<at::Tensor>& logits_indices,
                       const std::optional<at::Tensor>& lora_rows,
-                      const std::optional<at::Tensor>& lora_tiles) {
+                      const std::optional<at::Tensor>& lora_tiles,
+                      const std::optional<at::Tensor>& kv_rotation) {
   // No autograd bookkeeping for any ATen call below.
   c10::InferenceMode inference_mode;
 
@@ -189,7 +177,12 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
   // matrix H (symmetric, H H = I): q k^T = (q H)(k H)^T, and attention over the rotated
   // values gives out H, so H again undoes it. The rotation spreads a row's outlier over
   // all of it, so the row's int8 scale (max|row| / 127) fits its values closer.
-  const at::Tensor rotation = int8_cache ? kv_rotation(head_dim, options) : at::Tensor();
+  const at::Tensor rotation = kv_rotation.has_value() ? *kv_rotation : at::Tensor();
+  TORCH_CHECK(!rotation.defined() ||
+                  (int8_cache && rotation.dim() == 2 && rotation.size(0) == head_dim &&
+                   rotation.size(1) == head_dim && rotation.scalar_type() == options.dtype()),
+              "kv_rotation must be a [head_dim, head_dim] matrix in the model dtype, given "
+              "with an int8 cache only");
 
   for (int64_t l = 0; l < num_layers; ++l) {
     const at::Tensor* w = weights.data() + kHeadWeights + kLayerWeights * l;

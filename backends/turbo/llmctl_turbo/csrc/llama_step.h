@@ -35,6 +35,9 @@ constexpr int64_t kLoraWeights = 8;
 // o_proj, gate_up and down as lora_add takes them (kernels.h): qkv's parts q, k, v, gate_up's
 // gate, up. They are applied to the tokens of lora_rows / lora_tiles (one slot per tile;
 // none given or no tiles: the base model alone).
+// kv_rotation: with an int8 cache, the [D, D] Hadamard matrix (model dtype) that q, k and v
+// are multiplied by after RoPE, and the attention output after it
+// (llmctl.engine.quant.kv_rotation); none: nothing rotated.
 at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
                       const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                       const at::Tensor& query_start_loc, const at::Tensor& context_lens,
@@ -44,6 +47,7 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
                       const std::optional<at::Tensor>& kv_cache_scale,
                       const std::optional<at::Tensor>& logits_indices,
                       const std::optional<at::Tensor>& lora_rows,
-                      const std::optional<at::Tensor>& lora_tiles);
+                      const std::optional<at::Tensor>& lora_tiles,
+                      const std::optional<at::Tensor>& kv_rotation);
 
 }  // namespace turbo

@@ -297,7 +297,7 @@ TORCH_LIBRARY(llmctl_turbo, m) {
         "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, Tensor[] weights, "
         "Tensor(a!) kv_cache, Tensor cos_sin_cache, int num_heads, float rms_norm_eps, "
         "Tensor[] lora_weights, Tensor(b!)? kv_cache_scale=None, Tensor? logits_indices=None, "
-        "Tensor? lora_rows=None, Tensor? lora_tiles=None) -> Tensor");
+        "Tensor? lora_rows=None, Tensor? lora_tiles=None, Tensor? kv_rotation=None) -> Tensor");
   // The CPU kernels' threads and instruction set (cpu/thread_pool.h, cpu/isa.h).
   m.def("cpu_threads() -> int", [] { return static_cast<int64_t>(cpu::num_threads()); });
   m.def("set_cpu_threads(int threads) -> ()", [](int64_t threads) {
