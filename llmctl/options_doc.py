@@ -58,7 +58,16 @@ def render_options_reference() -> str:
 
 
 def main() -> None:
-    target = Path(sys.argv[1]) if len(sys.argv) > 1 else REFERENCE_PATH
+    """``python -m llmctl.options_doc [PATH]``: write the reference (default: the docs')."""
+    args = sys.argv[1:]
+    usage = f"usage: python -m llmctl.options_doc [PATH]  (default: {REFERENCE_PATH})"
+    if args in (["-h"], ["--help"]):
+        print(usage)
+        return
+    if len(args) > 1 or (args and args[0].startswith("-")):
+        # A flag is never a file name: `--help` once wrote a file called `--help`.
+        sys.exit(usage)
+    target = Path(args[0]) if args else REFERENCE_PATH
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(render_options_reference())
     print(f"wrote {target}")

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from llmctl.errors import OptionError
@@ -110,3 +114,17 @@ def test_kv_budget_buys_blocks():
 def test_kv_budget_rejects_nonsense(raw):
     with pytest.raises(ValueError):
         parse_kv_budget(raw)
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h", "--check"])
+def test_the_reference_writer_takes_no_flag_for_a_file_name(flag: str, tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "llmctl.options_doc", flag],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(REPO), "PATH": ""},
+    )
+    assert "usage: python -m llmctl.options_doc [PATH]" in run.stdout + run.stderr
+    assert run.returncode == (0 if flag != "--check" else 1)
+    assert list(tmp_path.iterdir()) == []  # nothing written, no file named after the flag
