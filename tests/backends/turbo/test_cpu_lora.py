@@ -80,3 +80,14 @@ def test_lora_add_refuses_tiles_outside_the_step(turbo_ops):
     with pytest.raises(RuntimeError, match="LoRA A must be"):
         turbo_ops.lora_add(out, x, torch.zeros(2, 2, 7), bt, [0], [6], rows,
                            torch.tensor([[0], [0], [2]], dtype=torch.int32))  # fmt: skip
+
+
+def test_lora_add_slots_is_the_cuda_pass_and_says_so_on_the_cpu(turbo_ops):
+    """The per-token-slot pass (csrc/cuda/lora.cu) runs on CUDA; the CPU takes tiles."""
+    x, out = torch.randn(2, 8), torch.zeros(2, 6)
+    a, bt = torch.zeros(2, 2, 8), torch.zeros(2, 2, 6)
+    slots = torch.tensor([0, -1], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="on the CPU use lora_add"):
+        turbo_ops.lora_add_slots(out, x, a, bt, [0], [6], slots)
+    with pytest.raises(RuntimeError, match="lora_slots must be a contiguous int32 \\[2\\]"):
+        turbo_ops.lora_add_slots(out, x, a, bt, [0], [6], slots[:1])

@@ -15,76 +15,40 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.backends.turbo.kernel_checks import DTYPES, TOLERANCE
-from tests.helpers.kernel_refs import int32, ref_lora_add
+from tests.backends.turbo.kernel_checks import (
+    DTYPES,
+    LORA_PARTS,
+    LORA_ROWS,
+    MAX_LORAS,
+    check_lora_add,
+)
+from tests.helpers.kernel_refs import int32
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-MAX_LORAS = 4
-ROWS = [*range(1, 21), 64]
-# (name, out_offsets, sizes, output width): the parts of turbo's fused linears.
-PARTS = [
-    ("one", [0], [70], 70),  # o_proj / down: fewer columns than a block's 128
-    ("qkv", [0, 40, 64], [40, 24, 24], 88),  # q, k, v side by side
-    ("gate_up", [0, 150], [150, 150], 300),  # gate, up: more columns than one block
-]
-
-
-def random_slots(rows: int, generator: torch.Generator) -> torch.Tensor:
-    """Per-row slots: runs of one slot (prompt chunks) and single rows (decodes), -1 among
-    them, so tiles hold one slot, several, or none."""
-    slots: list[int] = []
-    while len(slots) < rows:
-        slot = int(torch.randint(-1, MAX_LORAS, (1,), generator=generator))
-        run = int(torch.randint(1, 6, (1,), generator=generator))
-        slots += [slot] * run
-    return int32(slots[:rows])
-
-
-def check_lora_add(emulated, dtype, rows, rank, parts, in_features, seed, slots=None):
-    _, out_offsets, sizes, width = parts
-    generator = torch.Generator().manual_seed(seed)
-    slots = random_slots(rows, generator) if slots is None else slots
-    a = torch.randn(MAX_LORAS, len(sizes) * rank, in_features, generator=generator) / 4
-    bt = torch.randn(MAX_LORAS, rank, sum(sizes), generator=generator) / 4
-    # x and out as strided views (turbo's fused rows are), out with spare columns.
-    x = torch.randn(rows, in_features + 5, generator=generator).to(dtype)[:, 2 : 2 + in_features]
-    wide = torch.randn(rows, width + 7, generator=generator).to(dtype)
-    out = wide[:, 3 : 3 + width]
-    before = wide.clone()
-    want = ref_lora_add(out, x, a, bt, out_offsets, sizes, slots)
-
-    emulated.lora_add(out, x, a, bt, out_offsets, sizes, slots)
-
-    torch.testing.assert_close(out.double(), want.to(dtype).double(), **TOLERANCE[dtype])
-    base = slots < 0
-    assert torch.equal(wide[base], before[base]), "a row without an adapter changed"
-    covered = torch.zeros(wide.shape[1], dtype=torch.bool)
-    for offset, size in zip(out_offsets, sizes, strict=True):
-        covered[3 + offset : 3 + offset + size] = True
-    assert torch.equal(wide[:, ~covered], before[:, ~covered]), "a column outside the parts changed"
-
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize("parts", PARTS, ids=lambda p: p[0])
+@pytest.mark.parametrize("parts", LORA_PARTS, ids=lambda p: p[0])
 @pytest.mark.parametrize("rank", [2, 8, 16])
 def test_lora_add_matches_plain_torch(emulated, dtype, parts, rank):
     in_features = {2: 67, 8: 200, 16: 33}[rank]  # never a multiple of the warp's 32
-    for rows in ROWS:
-        check_lora_add(emulated, dtype, rows, rank, parts, in_features, seed=rows * rank)
+    for rows in LORA_ROWS:
+        check_lora_add(emulated.lora_add, dtype, rows, rank, parts, in_features, seed=rows * rank)
 
 
 def test_every_slot_in_one_tile_and_all_base_rows(emulated):
     """A tile of 8 rows over all four slots and the base (each slot read once per group),
     and a step where no row has an adapter (nothing may change)."""
     mixed = int32([3, 0, -1, 3, 1, 2, 0, -1, 1, 1])
-    check_lora_add(emulated, torch.bfloat16, 10, 8, PARTS[1], 96, seed=1, slots=mixed)
-    check_lora_add(emulated, torch.float32, 9, 8, PARTS[0], 96, seed=2, slots=int32([-1] * 9))
+    check_lora_add(emulated.lora_add, torch.bfloat16, 10, 8, LORA_PARTS[1], 96, seed=1, slots=mixed)
+    check_lora_add(
+        emulated.lora_add, torch.float32, 9, 8, LORA_PARTS[0], 96, seed=2, slots=int32([-1] * 9)
+    )
 
 
 def test_rank_above_a_warp(emulated):
     """Ranks are loops, not register arrays: 64 works as 16 does."""
-    check_lora_add(emulated, torch.float32, 11, 64, PARTS[2], 130, seed=3)
+    check_lora_add(emulated.lora_add, torch.float32, 11, 64, LORA_PARTS[2], 130, seed=3)
 
 
 def test_slot_outside_the_slots_traps(emulated):
