@@ -170,7 +170,9 @@ def lora_kernels(device: str, dry_run: bool, run_pytest: RunPytest) -> tuple[boo
     generator = torch.Generator(device="cuda").manual_seed(0)
     passed, rows = tests_passed, []
     for batch in LORA_BATCHES:
-        cycle = torch.arange(batch, device="cuda", dtype=torch.int32) % (LORA_SLOTS + 1) - 1
+        # Slots 0, 1, 2, 3, then a base row (-1), and again: a batch of 1 has an adapter.
+        cycle = torch.arange(batch, device="cuda", dtype=torch.int32) % (LORA_SLOTS + 1)
+        cycle[cycle == LORA_SLOTS] = -1
         for pattern, slots in [("mixed", cycle), ("grouped", cycle.sort().values)]:
             for name, (in_features, sizes) in LORA_LAYERS.items():
                 error, lora_seconds, base_seconds = time_lora_layer(
@@ -190,14 +192,15 @@ def lora_kernels(device: str, dry_run: bool, run_pytest: RunPytest) -> tuple[boo
     )
 
 
-def time_lora_layer(ops, slots, in_features: int, sizes: list[int], generator):
-    """One layer's LoRA pass over ``slots`` rows: (max error / max against plain torch in
-    float32, seconds per call, seconds per call of the base bf16 matmul)."""
+def time_lora_layer(ops, slots, in_features: int, sizes: list[int], generator, iterations=100):
+    """One layer's LoRA pass over ``slots`` rows (on their device): (max error / max
+    against plain torch in float32, seconds per call, seconds per call of the base bf16
+    matmul)."""
     import torch
     from gpu_check_quant import seconds_per_call  # scripts/ on sys.path
 
     def randn(*shape, dtype=torch.float32):
-        return torch.randn(*shape, generator=generator, device="cuda").to(dtype)
+        return torch.randn(*shape, generator=generator, device=slots.device).to(dtype)
 
     batch, features = len(slots), sum(sizes)
     a = randn(LORA_SLOTS, len(sizes) * LORA_RANK, in_features) / in_features**0.5
@@ -218,7 +221,12 @@ def time_lora_layer(ops, slots, in_features: int, sizes: list[int], generator):
     error = ((got.float() - want).abs().max() / want.abs().max()).item()
     lora = partial(ops.lora_add_slots, out, x, a, bt, offsets, sizes, slots)
     base = partial(torch.mm, x, weight.T, out=out)
-    return error, seconds_per_call(lora, "cuda", 100), seconds_per_call(base, "cuda", 100)
+    device = slots.device.type
+    return (
+        error,
+        seconds_per_call(lora, device, iterations),
+        seconds_per_call(base, device, iterations),
+    )
 
 
 if __name__ == "__main__":
