@@ -23,7 +23,10 @@ namespace turbo_cuda {
 namespace {
 
 constexpr int kWarpsPerBlock = 4;
-constexpr int kRanks = 2;      // rank rows of A per warp (shrink)
+// Rank rows of A per warp (shrink). One: a decode step has few rows, so more warps fill
+// more of the GPU, and the registers left keep 4 iterations of loads in flight (with 2
+// rows and 4 iterations ptxas spills).
+constexpr int kRanks = 1;
 constexpr int kMaxRows = 8;    // token rows per tile (a block serves one tile)
 constexpr int kColumns = 128;  // output columns per block (expand), one per thread
 
@@ -72,6 +75,9 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
     const int32_t slot = tile.slot[g];
     const float* as = a + (static_cast<int64_t>(slot) * hr + first_rank) * in_features;
     float acc[kMaxRows][kRanks] = {};
+    // Unrolled so that several iterations' loads are in flight at once: a decode step
+    // has few blocks, and each would otherwise wait out one load latency per iteration.
+#pragma unroll 4
     for (int64_t k = lane; k < in_features; k += kWarp) {
       float w[kRanks];
 #pragma unroll
@@ -135,6 +141,7 @@ __global__ void __launch_bounds__(kColumns)
     const int32_t slot = tile.slot[g];
     const float* bs = bt + static_cast<int64_t>(slot) * rank * columns + col;
     float acc[kMaxRows] = {};
+#pragma unroll 4
     for (int64_t r = 0; r < rank; ++r) {
       const float b = bs[r * columns];
 #pragma unroll
