@@ -159,7 +159,7 @@ def lora_kernels(device: str, dry_run: bool, run_pytest: RunPytest) -> tuple[boo
     title = "### LoRA: turbo's CUDA pass (csrc/cuda/lora.cu)\n\n"
     tests_passed, tests = run_pytest(
         "#### Tests: adapters on CUDA",
-        ["-rs", "tests/backends/torch/test_lora.py", "-k", "on_cuda"],
+        ["-rs", "tests/backends/torch/test_lora.py", "-k", "adapters_on_cuda"],
     )
     if device != "cuda":
         return tests_passed, title + tests + "\nTimings not run: the pass runs on CUDA only.\n"
