@@ -244,6 +244,8 @@ class TurboModelRunner(PagedRunner):
     on the CPU and on CUDA.
     """
 
+    serves_lora = True  # turbo's CPU LoRA kernel and its CUDA ones (llmctl_turbo.lora)
+
     def __init__(
         self,
         model_dir: str | Path,
@@ -296,8 +298,6 @@ class TurboModelRunner(PagedRunner):
         self.cos_sin_cache = model_cos_sin_cache(config, self.max_model_len).to(self.device)
         self.kv_cache = torch.empty(0, device=self.device)
         self.kv_cache_scale: torch.Tensor | None = None  # an int8 cache's scales
-        # LoRA adapters: turbo's CPU kernels and its CUDA ones apply them.
-        self.serves_lora = True
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.loras: TurboLoras | None = None  # made when the first adapter is loaded
