@@ -12,7 +12,11 @@
    against transformers' (``reference_greedy.json``);
 4. decode step: the reference Llama (723.6M, bf16) through turbo's runner, eager and as
    the CUDA graphs the runner captured, per batch size (``gpu_check_graphs.compare_steps``;
-   GPU only).
+   GPU only);
+5. LoRA: turbo's CUDA LoRA pass (``csrc/cuda/lora.cu``, the op ``lora_add_slots``): a
+   mixed batch of four adapters through turbo's CUDA step against transformers + peft
+   (``test_lora.py``), then, on the reference Llama's fused layer shapes, the pass against
+   plain torch and its µs per call beside the bf16 base matmul it adds to (GPU only).
 
 The decode attention kernel itself is timed beside Triton's in the bandwidth table of
 ``gpu_check.py``. With ``dry_run`` on a machine without a GPU the "device" is the CPU:
@@ -24,6 +28,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 from gpu_check_graphs import RunPytest, compare_steps, reference_llama  # scripts/ on sys.path
@@ -49,7 +54,7 @@ def turbo_section(device: str, dry_run: bool, run_pytest: RunPytest) -> tuple[bo
         f"(CUDA kernels: {'yes, CUDA ' + spec.cuda_version if spec.with_cuda else 'no'}).\n"
     )
     passed = True
-    for part in (run_tests, end_to_end, time_decode_step):
+    for part in (run_tests, end_to_end, time_decode_step, lora_kernels):
         try:
             ok, text = part(device, dry_run, run_pytest)
         except Exception as exc:  # keep going: the report says what broke
@@ -131,6 +136,96 @@ def time_decode_step(device: str, dry_run: bool, run_pytest: RunPytest) -> tuple
         f"its graphs took {setup_seconds:.1f} s.\n\n"
         "| batch | eager ms/step | graph ms/step | speed-up | graph logits vs eager "
         "(max abs diff / max abs) |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
+    )
+
+
+# The LoRA part: 4 adapters of rank 16 over decode batches (1, 16, 64) and a prompt (256).
+LORA_BATCHES, LORA_RANK, LORA_SLOTS = (1, 16, 64, 256), 16, 4
+# The reference Llama's fused linears: (in features, output parts).
+LORA_LAYERS = {
+    "qkv": (2048, [2048, 512, 512]),
+    "o_proj": (2048, [2048]),
+    "gate_up": (2048, [5632, 5632]),
+    "down": (5632, [2048]),
+}
+
+
+def lora_kernels(device: str, dry_run: bool, run_pytest: RunPytest) -> tuple[bool, str]:
+    """The LoRA tests on CUDA, then the pass on each layer shape and batch: its error
+    against plain torch in float32 and its time beside the base bf16 matmul. The batch's
+    rows cycle through the base model and the four adapters ("mixed": no two neighbours
+    share a slot, so each reads its own A and B) or come sorted by slot ("grouped", as a
+    prompt chunk: each tile of 8 rows reads one slot once)."""
+    title = "### LoRA: turbo's CUDA pass (csrc/cuda/lora.cu)\n\n"
+    tests_passed, tests = run_pytest(
+        "#### Tests: adapters on CUDA",
+        ["-rs", "tests/backends/torch/test_lora.py", "-k", "adapters_on_cuda"],
+    )
+    if device != "cuda":
+        return tests_passed, title + tests + "\nTimings not run: the pass runs on CUDA only.\n"
+    import torch
+    from llmctl_turbo.build import load_ops
+
+    ops = load_ops()
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    passed, rows = tests_passed, []
+    for batch in LORA_BATCHES:
+        # Slots 0, 1, 2, 3, then a base row (-1), and again: a batch of 1 has an adapter.
+        cycle = torch.arange(batch, device="cuda", dtype=torch.int32) % (LORA_SLOTS + 1)
+        cycle[cycle == LORA_SLOTS] = -1
+        for pattern, slots in [("mixed", cycle), ("grouped", cycle.sort().values)]:
+            for name, (in_features, sizes) in LORA_LAYERS.items():
+                error, lora_seconds, base_seconds = time_lora_layer(
+                    ops, slots, in_features, sizes, generator
+                )
+                passed &= error < 1e-2  # bf16 output: one rounding of each sum
+                rows.append(
+                    f"| {batch} | {pattern} | {name} | {lora_seconds * 1e6:.1f} | "
+                    f"{base_seconds * 1e6:.1f} | {lora_seconds / base_seconds:.2f} | {error:.1e} |"
+                )
+    torch.cuda.empty_cache()
+    return passed, (
+        title + tests + f"\n{LORA_SLOTS} adapters of rank {LORA_RANK}, bf16 activations, "
+        "float32 slots; µs per call (CUDA events over 100 back-to-back calls).\n\n"
+        "| rows | slots | layer | LoRA pass µs | base bf16 matmul µs | ratio | max error "
+        "/ max |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
+    )
+
+
+def time_lora_layer(ops, slots, in_features: int, sizes: list[int], generator, iterations=100):
+    """One layer's LoRA pass over ``slots`` rows (on their device): (max error / max
+    against plain torch in float32, seconds per call, seconds per call of the base bf16
+    matmul)."""
+    import torch
+    from gpu_check_quant import seconds_per_call  # scripts/ on sys.path
+
+    def randn(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=generator, device=slots.device).to(dtype)
+
+    batch, features = len(slots), sum(sizes)
+    a = randn(LORA_SLOTS, len(sizes) * LORA_RANK, in_features) / in_features**0.5
+    bt = randn(LORA_SLOTS, LORA_RANK, features) / LORA_RANK**0.5
+    x = randn(batch, in_features, dtype=torch.bfloat16)
+    weight = randn(features, in_features, dtype=torch.bfloat16) / in_features**0.5
+    out = x @ weight.T
+    offsets = [sum(sizes[:p]) for p in range(len(sizes))]
+    got = out.clone()
+    ops.lora_add_slots(got, x, a, bt, offsets, sizes, slots)
+    want = out.float()
+    for slot in range(LORA_SLOTS):
+        adapted = slots == slot
+        h = x[adapted].float() @ a[slot].T
+        for p, (offset, size) in enumerate(zip(offsets, sizes, strict=True)):
+            part = h[:, p * LORA_RANK : (p + 1) * LORA_RANK]
+            want[adapted, offset : offset + size] += part @ bt[slot, :, offset : offset + size]
+    error = ((got.float() - want).abs().max() / want.abs().max()).item()
+    lora = partial(ops.lora_add_slots, out, x, a, bt, offsets, sizes, slots)
+    base = partial(torch.mm, x, weight.T, out=out)
+    device = slots.device.type
+    return (
+        error,
+        seconds_per_call(lora, device, iterations),
+        seconds_per_call(base, device, iterations),
     )
 
 

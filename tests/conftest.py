@@ -51,3 +51,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
         return made[kind]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def emulated():
+    """turbo's CUDA kernels built for the CPU emulator (tests/backends/turbo/cuda_emulator),
+    called through their C ABI on CPU tensors; skipped where the CUDA headers are absent."""
+    from tests.backends.turbo.cuda_emulator import library
+
+    try:
+        return library.load()
+    except library.EmulatorUnavailable as why:
+        pytest.skip(str(why))

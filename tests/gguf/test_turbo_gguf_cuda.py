@@ -25,16 +25,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 CPU = torch.device("cpu")  # the emulator's "device": the placement is the same
 
 
-@pytest.fixture(scope="module")
-def emulated():
-    from tests.backends.turbo.cuda_emulator import library
-
-    try:
-        return library.load()
-    except library.EmulatorUnavailable as why:
-        pytest.skip(str(why))
-
-
 def ggml_type_of(matrix: torch.Tensor) -> int:
     """The GGML type of GGUF rows ``[out, blocks, block bytes]`` (the block sizes of the
     kernel's types all differ)."""

@@ -152,3 +152,21 @@ def quantized(cache: PagedCache):
     (k, k_scale), (v, v_scale) = quantize_kv(cache.k, torch.int8), quantize_kv(cache.v, torch.int8)
     dequantized = [dequantize_kv(q, s, torch.float32) for q, s in ((k, k_scale), (v, v_scale))]
     return (k, v, k_scale, v_scale), dequantized
+
+
+def ref_lora_add(out, x, a, bt, out_offsets, sizes, token_slots) -> torch.Tensor:
+    """``out`` after turbo's LoRA pass, in float64: for each token with a slot (-1: none),
+    ``out[t, part p] += (A[s] @ x[t])[p R : (p+1) R] @ Bt[s][:, part p]``, the parts' columns
+    of ``Bt`` side by side (``a [slots, parts R, in]``, ``bt [slots, R, sum(sizes)]``)."""
+    want = out.double().clone()
+    rank = bt.shape[1]
+    b_offset = 0
+    for p, (offset, size) in enumerate(zip(out_offsets, sizes, strict=True)):
+        for t, slot in enumerate(int(s) for s in token_slots):
+            if slot >= 0:
+                h = a[slot, p * rank : (p + 1) * rank].double() @ x[t].double()
+                want[t, offset : offset + size] += (
+                    h @ bt[slot, :, b_offset : b_offset + size].double()
+                )
+        b_offset += size
+    return want

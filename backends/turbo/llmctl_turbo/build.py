@@ -47,6 +47,7 @@ CUDA_SOURCES = (
     "cuda/elementwise.cu",
     "cuda/int8_linear.cu",
     "cuda/gguf_linear.cu",
+    "cuda/lora.cu",
 )
 # -fno-trapping-math lets loops with a clamp or a max vectorise; results are unchanged.
 # -ffp-contract=fast lets a multiply and an add become one FMA (the ISO modes forbid it).

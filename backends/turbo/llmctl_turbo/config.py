@@ -111,19 +111,6 @@ def quantization_problem(value: str, options: Mapping[str, Any], hardware: Hardw
     return None
 
 
-def lora_problem(
-    adapters: Mapping[str, str], options: Mapping[str, Any], hardware: Hardware
-) -> str | None:
-    """Why turbo cannot serve ``adapters`` (``None``: it can). Its CPU step applies them
-    (csrc/cpu/lora_kernels.h); its CUDA kernels have no LoRA pass yet."""
-    if adapters and hardware.device_for(options.get("device", "auto")) == "cuda":
-        return (
-            "turbo applies LoRA adapters in its CPU kernels only, not on CUDA yet: use "
-            "--backend torch (its Triton LoRA kernels) or --device cpu"
-        )
-    return adapters_problem(adapters, options)
-
-
 def group_size_problem(value: int, options: Mapping[str, Any], hardware: Hardware) -> str | None:
     """quantization_group_size means something for int4 and int8 only."""
     quantization = options.get("quantization", "none")
@@ -168,9 +155,12 @@ RULES = (
     ),
     OptionRule(
         "lora",
-        "on CPU (turbo's native LoRA kernel): PEFT LoRA adapters (q/k/v/o/gate/up/down) of "
-        "the model's shapes, rank <= max_lora_rank; not on CUDA (use --backend torch)",
-        lambda value, options, hardware: lora_problem(value, options, hardware),
+        "PEFT LoRA adapters (q/k/v/o/gate/up/down) of the model's shapes, rank <= "
+        "max_lora_rank, in turbo's native LoRA kernels on CPU and CUDA",
+        # Its CPU step (csrc/cpu/lora_kernels.h) and its CUDA step (csrc/cuda/lora.cu)
+        # apply adapters over every base weight format and dtype they run: only the
+        # adapters themselves are checked.
+        lambda value, options, hardware: adapters_problem(value, options),
     ),
     OptionRule(
         "cpu_threads",

@@ -1,4 +1,4 @@
-"""LoRA adapters on turbo's CPU step: batched beside the base weights, never merged.
+"""LoRA adapters on turbo's step: batched beside the base weights, never merged.
 
 Each layer has ``max_loras`` slots of A and B for its four matrices (q/k/v and gate/up
 fused, as the step runs them), float32 whatever the model dtype (they are small, and
@@ -11,6 +11,11 @@ for the tokens of each tile (``llmctl.engine.lora.slot_tiles``: the step's adapt
 tokens sorted by slot, one slot per tile), with turbo's CPU kernel
 ``csrc/cpu/lora_kernels.h``. The base weights may be anything turbo runs (float, int8,
 GGUF blocks): the adapter adds to their product.
+
+On CUDA the same slots sit on the GPU and the step passes each token's slot instead of
+tiles (``step_slots``: int32 on the device, -1 for the base model); turbo's CUDA kernels
+``csrc/cuda/lora.cu`` group a tile's rows by slot themselves, so nothing is sorted on the
+host and the launches depend on the token count alone.
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ FUSED_MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "
 class TurboLoras:
     """Every layer's LoRA slots, as the flat list ``llama_step`` takes (``tensors``)."""
 
-    def __init__(self, config: ModelConfig, max_loras: int, rank: int) -> None:
+    def __init__(
+        self, config: ModelConfig, max_loras: int, rank: int, device: torch.device | None = None
+    ) -> None:
         q_width = config.num_heads * config.head_dim
         kv_width = config.num_kv_heads * config.head_dim
         hidden, intermediate = config.hidden_size, config.intermediate_size
@@ -51,8 +58,8 @@ class TurboLoras:
             parts = {}
             for fused in FUSED_MODULES:
                 in_features, sizes = shapes[fused]
-                a = torch.zeros(max_loras, len(sizes) * rank, in_features)
-                bt = torch.zeros(max_loras, rank, sum(sizes))
+                a = torch.zeros(max_loras, len(sizes) * rank, in_features, device=device)
+                bt = torch.zeros(max_loras, rank, sum(sizes), device=device)
                 self.tensors += [a, bt]
                 offsets = np.cumsum([0, *sizes[:-1]]).tolist()
                 parts[fused] = [
@@ -64,15 +71,17 @@ class TurboLoras:
 
     def load_slot(self, slot: int, weights: LoraWeights) -> None:
         """Put an adapter (``read_lora_weights``: A ``[r, in]``, scaled B ``[out, r]`` per
-        module) in ``slot``; the modules it leaves out, and ranks above its own, are 0."""
+        module) in ``slot``; the modules it leaves out, and ranks above its own, are 0. On
+        CUDA the copies are ordered after the steps already launched on the stream (pinned
+        host weights: without blocking the host)."""
         for module, (a, bt) in self.targets.items():
             a[slot].zero_()
             bt[slot].zero_()
             if module in weights:
                 lora_a, lora_b = weights[module]
                 rank = lora_a.shape[0]
-                a[slot, :rank].copy_(lora_a)
-                bt[slot, :rank].copy_(lora_b.T)
+                a[slot, :rank].copy_(lora_a, non_blocking=True)
+                bt[slot, :rank].copy_(lora_b.T, non_blocking=True)
 
     @staticmethod
     def step_tiles(
@@ -87,3 +96,15 @@ class TurboLoras:
             torch.from_numpy(order.astype(np.int32)),
             torch.from_numpy(np.ascontiguousarray(tiles, dtype=np.int32)),
         )
+
+    @staticmethod
+    def step_slots(
+        lora_slots: np.ndarray, query_lens: np.ndarray, device: torch.device
+    ) -> torch.Tensor | None:
+        """The step's ``lora_slots`` for ``llama_step`` on CUDA: each token's slot (its
+        sequence's; -1: none), int32 on ``device`` (None: no token has an adapter)."""
+        token_slots = np.repeat(np.asarray(lora_slots, dtype=np.int32), query_lens)
+        if (token_slots < 0).all():
+            return None
+        host = torch.from_numpy(token_slots).pin_memory()  # so the copy does not block
+        return host.to(device, non_blocking=True)

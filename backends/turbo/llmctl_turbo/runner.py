@@ -10,8 +10,8 @@ On a GPU, decode steps replay CUDA graphs of that call, captured per batch-size 
 when the cache is allocated (``llmctl.engine.runner.DecodeGraphs``): a step then costs one
 host-to-device copy and one graph launch instead of a few hundred kernel launches.
 Prefill and mixed steps run eagerly, and so does any step with a LoRA adapter in it
-(CPU only: ``llmctl_turbo.lora``, batched beside the base weights, never merged; the
-slots are allocated when the first adapter is put in one).
+(``llmctl_turbo.lora``, batched beside the base weights, never merged, on the CPU and on
+CUDA; the slots are allocated when the first adapter is put in one).
 """
 
 from __future__ import annotations
@@ -241,9 +241,11 @@ class TurboModelRunner(PagedRunner):
     matrices into the CPU blocks at load (``quantize_to_blocks``).
     ``kv_cache_dtype="int8"`` keeps the KV cache as int8 with a float32 scale per token
     and KV head (the torch backend's bytes), read by those kernels too.
-    On the CPU, ``max_loras`` LoRA slots of rank ``max_lora_rank`` serve adapters
-    (``LoraRunner``).
+    ``max_loras`` LoRA slots of rank ``max_lora_rank`` serve adapters (``LoraRunner``),
+    on the CPU and on CUDA.
     """
+
+    serves_lora = True  # turbo's CPU LoRA kernel and its CUDA ones (llmctl_turbo.lora)
 
     def __init__(
         self,
@@ -303,27 +305,32 @@ class TurboModelRunner(PagedRunner):
             if self.kv_dtype == torch.int8
             else None
         )
-        # LoRA adapters: turbo's CPU kernels apply them, its CUDA ones do not (yet).
-        self.serves_lora = self.device.type == "cpu"
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.loras: TurboLoras | None = None  # made when the first adapter is loaded
-        self._lora_step: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, tiles
+        # This step's adapter inputs (llama_step's lora_rows, lora_tiles, lora_slots): the
+        # tiles on the CPU, each token's slot on CUDA; None: no adapter in the step.
+        self._lora_step: tuple[torch.Tensor | None, ...] | None = None
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
 
     def read_lora(self, spec: AdapterSpec) -> LoraWeights:
-        return read_lora_weights(spec, torch.float32, pin=False)
+        return read_lora_weights(spec, torch.float32, pin=self.device.type == "cuda")
 
     def load_lora_slot(self, slot: int, weights: LoraWeights) -> None:
         if self.loras is None:
-            self.loras = TurboLoras(self.config, self.max_loras, self.max_lora_rank)
+            self.loras = TurboLoras(self.config, self.max_loras, self.max_lora_rank, self.device)
         self.loras.load_slot(slot, weights)
 
     def execute(self, batch: StepBatch) -> torch.Tensor:
         if batch.lora_slots is None or self.loras is None:
             return super().execute(batch)
-        self._lora_step = self.loras.step_tiles(batch.lora_slots, batch.query_lens)
+        if self.device.type == "cuda":
+            slots = self.loras.step_slots(batch.lora_slots, batch.query_lens, self.device)
+            self._lora_step = None if slots is None else (None, None, slots)
+        else:
+            tiles = self.loras.step_tiles(batch.lora_slots, batch.query_lens)
+            self._lora_step = None if tiles is None else (*tiles, None)
         try:
             return super().execute(batch)
         finally:
@@ -347,8 +354,8 @@ class TurboModelRunner(PagedRunner):
         """``llama_step`` over staged inputs: every eager step, and the decode step the
         CUDA graphs capture (padding rows: slot -1 writes nothing, context length 0
         attends to nothing). One native call serves decode and prefill alike; a step
-        with adapters passes their slots and its tiles."""
-        lora_rows, lora_tiles = self._lora_step or (None, None)
+        with adapters passes their slots and its tiles (CPU) or each token's slot (CUDA)."""
+        lora_rows, lora_tiles, lora_slots = self._lora_step or (None, None, None)
         return self._llama_step(
             inputs.input_ids,
             inputs.positions,
@@ -361,10 +368,11 @@ class TurboModelRunner(PagedRunner):
             self.cos_sin_cache,
             self.config.num_heads,
             self.config.rms_norm_eps,
-            self.loras.tensors if lora_rows is not None else [],
+            self.loras.tensors if self._lora_step is not None else [],
             self.kv_cache_scale,
             inputs.logits_indices,  # None: each sequence's last token
             lora_rows,
             lora_tiles,
+            lora_slots,
             self.kv_rotation,
         )

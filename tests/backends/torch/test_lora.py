@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from llmctl import LLM, SamplingParams
 from llmctl.engine.quant import dequantize_weight_int8, quantize_weight_int8
@@ -14,8 +15,8 @@ from llmctl.hardware import Hardware
 from tests.helpers.lora_adapters import ATTENTION, MLP, make_adapter
 from tests.helpers.tiny_models import hf_greedy, load_hf_model
 
-# Both backends that serve adapters: torch (matmuls on the CPU) and turbo (its native
-# CPU LoRA kernel inside its one-call step).
+# Both backends that serve adapters: torch (matmuls on the CPU, Triton on CUDA) and turbo
+# (its native LoRA kernels inside its one-call step).
 BACKENDS = ["torch", "turbo"]
 
 MAX_TOKENS = 12
@@ -79,6 +80,24 @@ def test_a_mixed_batch_of_adapters_matches_peft(served, max_loras, backend):
         if max_loras == 1:
             assert llm.engine.engine.loras.num_loads >= len(ADAPTERS)
         assert llm.engine.engine.block_size == 16  # adapters never change the block size
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (CUDA)")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_mixed_batch_of_adapters_on_cuda_matches_peft(served, backend):
+    """The same mixed batch on the GPU (torch: its Triton kernels; turbo: csrc/cuda/lora.cu
+    inside its CUDA step), in float32 so that greedy tokens match transformers + peft on
+    the CPU; with max_loras 2 the adapters swap through the device's slots."""
+    model_dir, paths, want = served
+    names = [None, *ADAPTERS, None]
+    with LLM(
+        str(model_dir), backend=backend, lora=paths, max_loras=2, cache_block_seq_len=32,
+        max_lora_rank=16, device="cuda", dtype="float32",
+    ) as llm:  # fmt: skip
+        got = greedy(llm, names)
+        for name, tokens in zip(names, got):
+            assert tokens == want[name], name
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -172,18 +191,20 @@ def test_adapters_on_int8_weights_match_peft_on_the_dequantized_weights(served, 
         assert greedy(llm, names) == [want[name] for name in names]
 
 
-def test_transformers_and_turbo_on_cuda_refuse_adapters_naming_torch(served):
-    """turbo serves adapters on the CPU only; transformers not at all."""
-    from llmctl_turbo.config import lora_problem
+def test_transformers_refuses_adapters_and_turbo_on_cuda_checks_them(served):
+    """transformers serves no adapters; turbo's rule takes them on CUDA as on the CPU
+    (csrc/cuda/lora.cu) and checks each one against the model."""
+    from llmctl_turbo.config import RULES
 
     model_dir, paths, _ = served
     with pytest.raises(BackendError, match="--backend torch"):
         LLM(str(model_dir), backend="transformers", lora={"a": paths["attn8"]})
+    (rule,) = [rule for rule in RULES if rule.option == "lora"]
     cuda = Hardware(cuda_available=True, compute_capability=(9, 0))
-    options = {"model": str(model_dir), "device": "cuda"}
-    assert "CPU kernels only" in lora_problem({"a": paths["attn8"]}, options, cuda)
-    assert lora_problem({}, options, cuda) is None
-    assert lora_problem({"a": paths["attn8"]}, {**options, "device": "cpu"}, cuda) is None
+    options = {"model": str(model_dir), "device": "cuda", "max_lora_rank": 8}
+    assert rule.refuses({"a": paths["attn8"]}, options, cuda) is None
+    assert rule.refuses({}, options, cuda) is None
+    assert "above max_lora_rank 8" in rule.refuses({"a": paths["all16"]}, options, cuda)
     with LLM(str(model_dir), backend="transformers") as llm:
         with pytest.raises(InvalidRequest, match="serves no LoRA adapters"):
             llm.generate([[1, 2, 3]], lora="a")

@@ -17,6 +17,7 @@ from tests.helpers.kernel_refs import (
     PagedCache,
     int32,
     poisoned,
+    ref_lora_add,
     ref_paged_attention,
     ref_rotary,
 )
@@ -133,3 +134,52 @@ def check_rotary_and_write_kv(run: Run, turbo_ops, dtype, block_size=32, seed=0)
     ]:
         torch.testing.assert_close(got, want, equal_nan=True, **TOLERANCE[dtype])
         torch.testing.assert_close(got, cpu, equal_nan=True, **TOLERANCE[dtype])
+
+
+# ------------------------------------------------------------------ LoRA (csrc/cuda/lora.cu)
+
+MAX_LORAS = 4
+LORA_ROWS = [*range(1, 21), 64]
+# (name, out_offsets, sizes, output width): the parts of turbo's fused linears.
+LORA_PARTS = [
+    ("one", [0], [70], 70),  # o_proj / down: fewer columns than a block's 128
+    ("qkv", [0, 40, 64], [40, 24, 24], 88),  # q, k, v side by side
+    ("gate_up", [0, 150], [150, 150], 300),  # gate, up: more columns than one block
+]
+
+
+def random_slots(rows: int, generator: torch.Generator) -> torch.Tensor:
+    """Per-row slots: runs of one slot (prompt chunks) and single rows (decodes), -1 among
+    them, so tiles hold one slot, several, or none."""
+    slots: list[int] = []
+    while len(slots) < rows:
+        slot = int(torch.randint(-1, MAX_LORAS, (1,), generator=generator))
+        run = int(torch.randint(1, 6, (1,), generator=generator))
+        slots += [slot] * run
+    return int32(slots[:rows])
+
+
+def check_lora_add(lora_add, dtype, rows, rank, parts, in_features, seed, slots=None):
+    """``lora_add(out, x, a, bt, out_offsets, sizes, slots)`` (the emulated kernels, or the
+    real op on a GPU: test_cuda_kernels.py) against ``ref_lora_add`` on fresh inputs."""
+    _, out_offsets, sizes, width = parts
+    generator = torch.Generator().manual_seed(seed)
+    slots = random_slots(rows, generator) if slots is None else slots
+    a = torch.randn(MAX_LORAS, len(sizes) * rank, in_features, generator=generator) / 4
+    bt = torch.randn(MAX_LORAS, rank, sum(sizes), generator=generator) / 4
+    # x and out as strided views (turbo's fused rows are), out with spare columns.
+    x = torch.randn(rows, in_features + 5, generator=generator).to(dtype)[:, 2 : 2 + in_features]
+    wide = torch.randn(rows, width + 7, generator=generator).to(dtype)
+    out = wide[:, 3 : 3 + width]
+    before = wide.clone()
+    want = ref_lora_add(out, x, a, bt, out_offsets, sizes, slots)
+
+    lora_add(out, x, a, bt, out_offsets, sizes, slots)
+
+    torch.testing.assert_close(out.double(), want.to(dtype).double(), **TOLERANCE[dtype])
+    base = slots < 0
+    assert torch.equal(wide[base], before[base]), "a row without an adapter changed"
+    covered = torch.zeros(wide.shape[1], dtype=torch.bool)
+    for offset, size in zip(out_offsets, sizes, strict=True):
+        covered[3 + offset : 3 + offset + size] = True
+    assert torch.equal(wide[:, ~covered], before[:, ~covered]), "a column outside the parts changed"

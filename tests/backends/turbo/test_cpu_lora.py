@@ -80,3 +80,40 @@ def test_lora_add_refuses_tiles_outside_the_step(turbo_ops):
     with pytest.raises(RuntimeError, match="LoRA A must be"):
         turbo_ops.lora_add(out, x, torch.zeros(2, 2, 7), bt, [0], [6], rows,
                            torch.tensor([[0], [0], [2]], dtype=torch.int32))  # fmt: skip
+
+
+def test_lora_add_slots_is_the_cuda_pass_and_says_so_on_the_cpu(turbo_ops):
+    """The per-token-slot pass (csrc/cuda/lora.cu) runs on CUDA; the CPU takes tiles."""
+    x, out = torch.randn(2, 8), torch.zeros(2, 6)
+    a, bt = torch.zeros(2, 2, 8), torch.zeros(2, 2, 6)
+    slots = torch.tensor([0, -1], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="on the CPU use lora_add"):
+        turbo_ops.lora_add_slots(out, x, a, bt, [0], [6], slots)
+    with pytest.raises(RuntimeError, match="lora_slots must be a contiguous int32 \\[2\\]"):
+        turbo_ops.lora_add_slots(out, x, a, bt, [0], [6], slots[:1])
+
+
+def test_the_cpu_step_takes_tiles_not_per_token_slots(tiny_model_dir):
+    """llama_step's per-token lora_slots are the CUDA step's; on the CPU they are refused
+    with the argument the CPU takes instead."""
+    from llmctl_turbo.runner import TurboModelRunner
+
+    from llmctl.engine.runner import StepBatch, stage_step
+    from llmctl.model.config import ModelConfig
+
+    model_dir = tiny_model_dir("llama3-rope")
+    runner = TurboModelRunner(
+        model_dir, ModelConfig.from_dir(model_dir), block_size=16, num_blocks=4
+    )
+    runner.load_lora_slot(0, {})  # the slots exist (zeros): the step checks its arguments
+    batch = StepBatch(
+        input_ids=np.array([5, 6, 7]), positions=np.arange(3), query_lens=np.array([3]),
+        context_lens=np.array([3]), block_tables=[[0]], slot_mapping=np.arange(3),
+        lora_slots=np.array([0]),
+    )  # fmt: skip
+    runner._lora_step = (None, None, torch.zeros(3, dtype=torch.int32))  # CUDA's form
+    with pytest.raises(RuntimeError, match="lora_slots on CUDA and lora_rows / lora_tiles on"):
+        runner.forward(stage_step(batch, runner.device), is_decode=False)
+    runner._lora_step = None
+    logits = runner.execute(batch)  # the CPU's own form (tiles) runs
+    assert logits.shape == (1, runner.config.vocab_size) and torch.isfinite(logits).all()

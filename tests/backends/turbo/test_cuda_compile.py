@@ -36,6 +36,7 @@ def test_cuda_sources_are_found_and_built():
         "elementwise.cu",
         "int8_linear.cu",
         "gguf_linear.cu",
+        "lora.cu",
     }
     assert {f"cuda/{name}" for name in names} <= set(CUDA_SOURCES)  # build.py compiles each
 

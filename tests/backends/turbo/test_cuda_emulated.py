@@ -56,16 +56,6 @@ def block_size_and_dtype(variants, name=lambda v: str(v).removeprefix("torch."))
     ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def emulated():
-    from tests.backends.turbo.cuda_emulator import library
-
-    try:
-        return library.load()
-    except library.EmulatorUnavailable as why:
-        pytest.skip(str(why))
-
-
 # The decode kernels: SIMT (every dtype) and tensor cores (bf16 / fp16).
 DECODE_KERNELS = [(dtype, False) for dtype in DTYPES] + [
     (torch.bfloat16, True),

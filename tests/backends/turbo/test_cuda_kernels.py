@@ -160,3 +160,44 @@ def test_native_step_on_gpu_matches_transformers(cuda_ops, stories_dir, block_si
 
 def test_native_step_on_gpu_qwen2_with_biases(cuda_ops, tiny_model_dir):
     check_against_transformers(tiny_model_dir("qwen2"), block_size=32, device="cuda")
+
+
+# ------------------------------------------------------------------ LoRA (csrc/cuda/lora.cu)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_lora_add_slots_matches_plain_torch(cuda_ops, dtype):
+    """The cases of test_cuda_lora_emulated.py through the real op: rows 1-20 and 64,
+    ranks 2 / 8 / 16, fused parts, strided x and out, base rows left bit for bit."""
+    from tests.backends.turbo.kernel_checks import LORA_PARTS, LORA_ROWS, check_lora_add
+
+    lora_add = on_device(cuda_ops.lora_add_slots)
+    for rank, in_features in [(2, 67), (8, 200), (16, 33)]:
+        for parts in LORA_PARTS:
+            for rows in LORA_ROWS:
+                check_lora_add(lora_add, dtype, rows, rank, parts, in_features, rows * rank)
+
+
+def test_lora_add_slots_replays_in_a_cuda_graph(cuda_ops):
+    """Captured once, replayed with other slots written into the same device tensor: the
+    pass reads them on the device, so each replay follows the new slots."""
+    from tests.helpers.kernel_refs import ref_lora_add
+
+    generator = torch.Generator().manual_seed(5)
+    rows, rank, in_features, width = 16, 8, 96, 72
+    a = (torch.randn(4, rank, in_features, generator=generator) / 4).cuda()
+    bt = (torch.randn(4, rank, width, generator=generator) / 4).cuda()
+    x = torch.randn(rows, in_features, generator=generator).cuda()
+    base = torch.randn(rows, width, generator=generator).cuda()
+    out, slots = base.clone(), torch.full((rows,), -1, dtype=torch.int32, device="cuda")
+    cuda_ops.lora_add_slots(out, x, a, bt, [0], [width], slots)  # warm up before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cuda_ops.lora_add_slots(out, x, a, bt, [0], [width], slots)
+    for step in range(3):
+        new = torch.randint(-1, 4, (rows,), generator=generator, dtype=torch.int32)
+        slots.copy_(new)
+        out.copy_(base)
+        graph.replay()
+        want = ref_lora_add(base.cpu(), x.cpu(), a.cpu(), bt.cpu(), [0], [width], new)
+        torch.testing.assert_close(out.cpu().double(), want, atol=1e-4, rtol=1e-4, msg=str(step))

@@ -219,20 +219,33 @@ void check_token_indices(const at::Tensor& indices, int64_t num_tokens) {
 }
 
 void check_lora_weights(const at::Tensor& a, const at::Tensor& bt, WeightName name,
-                        int64_t in_features, at::IntArrayRef sizes) {
+                        int64_t in_features, at::IntArrayRef sizes, const at::Tensor& like) {
   int64_t features = 0;
   for (int64_t size : sizes) features += size;
   const auto parts = static_cast<int64_t>(sizes.size());
-  TORCH_CHECK(a.defined() && bt.defined() && a.is_cpu() && bt.is_cpu() &&
-                  a.scalar_type() == at::kFloat && bt.scalar_type() == at::kFloat &&
-                  a.is_contiguous() && bt.is_contiguous() && a.dim() == 3 && bt.dim() == 3,
-              name, ": LoRA A and B must be contiguous float32 CPU tensors [slots, parts x rank, ",
-              "in] and [slots, rank, out]");
+  TORCH_CHECK(a.defined() && bt.defined() && a.device() == like.device() &&
+                  bt.device() == like.device() && a.scalar_type() == at::kFloat &&
+                  bt.scalar_type() == at::kFloat && a.is_contiguous() && bt.is_contiguous() &&
+                  a.dim() == 3 && bt.dim() == 3,
+              name, ": LoRA A and B must be contiguous float32 tensors [slots, parts x rank, ",
+              "in] and [slots, rank, out] on ", like.device());
+  // TURBO_CUDA_LORA_MAX_PARTS (cuda/turbo_cuda.h): q, k and v.
+  TORCH_CHECK(!like.is_cuda() || parts <= 3, name, ": turbo's CUDA LoRA pass takes at most 3 ",
+              "parts, got ", parts);
   const int64_t rank = bt.size(1);
   TORCH_CHECK(a.size(0) == bt.size(0) && a.size(1) == parts * rank && a.size(2) == in_features &&
                   bt.size(2) == features,
               name, ": LoRA A must be [slots, ", parts, " x rank, ", in_features,
               "] and B [slots, rank, ", features, "]; got ", a.sizes(), " and ", bt.sizes());
+}
+
+void check_lora_slots(const at::Tensor& token_slots, int64_t num_tokens, const at::Tensor& like) {
+  TORCH_CHECK(token_slots.scalar_type() == at::kInt && token_slots.dim() == 1 &&
+                  token_slots.size(0) == num_tokens && token_slots.is_contiguous() &&
+                  token_slots.device() == like.device(),
+              "lora_slots must be a contiguous int32 [", num_tokens, "] tensor (one slot per "
+              "token, -1: none) on ", like.device(), "; got ", token_slots.scalar_type(), " ",
+              token_slots.sizes(), " on ", token_slots.device());
 }
 
 void check_lora_tiles(const at::Tensor& rows, const at::Tensor& tiles, int64_t num_tokens,

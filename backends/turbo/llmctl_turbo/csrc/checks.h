@@ -79,10 +79,16 @@ void check_positions(const at::Tensor& positions, int64_t max_positions);
 // Every logits index names one of the step's num_tokens tokens (CPU tensors only).
 void check_token_indices(const at::Tensor& indices, int64_t num_tokens);
 
-// One layer's LoRA slots for lora_add (kernels.h): a float32 contiguous [slots, parts * R,
-// in_features] on the CPU, bt float32 contiguous [slots, R, sum of sizes].
+// One layer's LoRA slots for lora_add / lora_add_slots (kernels.h): a float32 contiguous
+// [slots, parts * R, in_features], bt float32 contiguous [slots, R, sum of sizes], both on
+// like's device; at most 3 parts on CUDA.
 void check_lora_weights(const at::Tensor& a, const at::Tensor& bt, WeightName name,
-                        int64_t in_features, at::IntArrayRef sizes);
+                        int64_t in_features, at::IntArrayRef sizes, const at::Tensor& like);
+
+// A step's per-token LoRA slots (lora_add_slots): a contiguous int32 [num_tokens] on like's
+// device. Their values are not read here (that would wait for the device): the kernels
+// trap on a slot past the last.
+void check_lora_slots(const at::Tensor& token_slots, int64_t num_tokens, const at::Tensor& like);
 
 // A step's LoRA tiles (kernels.h, lora_add): rows int32 [n] of token indices below
 // num_tokens, tiles int32 [3, tiles] of (slot below num_slots, start, end) with

@@ -249,4 +249,25 @@ void gguf_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                "gguf_linear");
 }
 
+// The LoRA pass (cuda/lora.cu): the shrink's float32 [rows, parts x rank] product goes to
+// a temporary from the caching allocator (inside a graph capture, from the graph's pool).
+void lora_add_slots(at::Tensor& out, const at::Tensor& x, const at::Tensor& a,
+                    const at::Tensor& bt, at::IntArrayRef out_offsets, at::IntArrayRef sizes,
+                    const at::Tensor& token_slots) {
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t rows = x.size(0), hr = a.size(1), num_slots = a.size(0);
+  const at::Tensor h = at::empty({rows, hr}, x.options().dtype(at::kFloat));
+  check_launch(turbo_cuda_lora_shrink(dtype_code(x), h.data_ptr<float>(), h.stride(0),
+                                      x.data_ptr(), x.stride(0), a.data_ptr<float>(),
+                                      token_slots.data_ptr<int32_t>(), num_slots, rows, hr,
+                                      x.size(1), stream_of(x)),
+               "lora_shrink");
+  check_launch(turbo_cuda_lora_expand(dtype_code(out), out.data_ptr(), out.stride(0),
+                                      h.data_ptr<float>(), h.stride(0), bt.data_ptr<float>(),
+                                      token_slots.data_ptr<int32_t>(), num_slots, rows,
+                                      bt.size(1), static_cast<int64_t>(sizes.size()),
+                                      out_offsets.data(), sizes.data(), stream_of(x)),
+               "lora_expand");
+}
+
 }  // namespace turbo::cuda

@@ -124,11 +124,19 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
 // sizes[p] features, c < sizes[p]) with rank rows p R .. p R + R - 1 of the product:
 // a float32 [slots, parts * R, K] (the parts' A stacked), bt float32 [slots, R, N] (each
 // part's B * scale transposed, the parts side by side: N = sum of sizes). x [T, K] and out
-// in the model dtype; out's other tokens and columns are left alone. CPU only
-// (cpu/lora_kernels.h).
+// in the model dtype; out's other tokens and columns are left alone. CPU
+// (cpu/lora_kernels.h); on CUDA lora_add_slots.
 void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
               at::IntArrayRef out_offsets, at::IntArrayRef sizes, const at::Tensor& rows,
               const at::Tensor& tiles);
+
+// The same pass on CUDA (cuda/lora.cu), with each token's slot in token_slots (int32 [T] on
+// the device, -1: none) instead of host tiles, so the step's launches depend on T alone
+// and a CUDA graph can capture them; a slot past a's last traps. x and out may be any
+// activation dtype (fp32, bf16, fp16); at most 3 parts. CUDA only.
+void lora_add_slots(at::Tensor& out, const at::Tensor& x, const at::Tensor& a,
+                    const at::Tensor& bt, at::IntArrayRef out_offsets, at::IntArrayRef sizes,
+                    const at::Tensor& token_slots);
 
 namespace cpu {
 at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t groups);
@@ -183,6 +191,9 @@ void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                  const at::Tensor& bias, const at::Tensor& scale);
 void gguf_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                  const at::Tensor& bias);
+void lora_add_slots(at::Tensor& out, const at::Tensor& x, const at::Tensor& a,
+                    const at::Tensor& bt, at::IntArrayRef out_offsets, at::IntArrayRef sizes,
+                    const at::Tensor& token_slots);
 }  // namespace cuda
 #endif
 

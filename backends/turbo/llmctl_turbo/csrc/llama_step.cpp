@@ -53,16 +53,16 @@ void check_weights(at::TensorList weights, int64_t num_layers, int64_t hidden,
 
 // The LoRA slots of every layer (kLoraWeights per layer; llama_step.h) fit the model.
 void check_lora(at::TensorList lora, int64_t num_layers, int64_t hidden, int64_t q_width,
-                int64_t kv_width, int64_t intermediate) {
+                int64_t kv_width, int64_t intermediate, const at::Tensor& like) {
   TORCH_CHECK(static_cast<int64_t>(lora.size()) == kLoraWeights * num_layers, "lora_weights must ",
               "hold ", kLoraWeights, " x ", num_layers, " layers tensors, got ", lora.size());
   const int64_t attn_width = q_width;  // the attention output's width (heads x head_dim)
   for (int64_t l = 0; l < num_layers; ++l) {
     const at::Tensor* w = lora.data() + kLoraWeights * l;
-    check_lora_weights(w[0], w[1], {"qkv LoRA", l}, hidden, {q_width, kv_width, kv_width});
-    check_lora_weights(w[2], w[3], {"o_proj LoRA", l}, attn_width, {hidden});
-    check_lora_weights(w[4], w[5], {"gate_up LoRA", l}, hidden, {intermediate, intermediate});
-    check_lora_weights(w[6], w[7], {"down LoRA", l}, intermediate, {hidden});
+    check_lora_weights(w[0], w[1], {"qkv LoRA", l}, hidden, {q_width, kv_width, kv_width}, like);
+    check_lora_weights(w[2], w[3], {"o_proj LoRA", l}, attn_width, {hidden}, like);
+    check_lora_weights(w[4], w[5], {"gate_up LoRA", l}, hidden, {intermediate, intermediate}, like);
+    check_lora_weights(w[6], w[7], {"down LoRA", l}, intermediate, {hidden}, like);
   }
 }
 
@@ -78,6 +78,7 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
                       const std::optional<at::Tensor>& logits_indices,
                       const std::optional<at::Tensor>& lora_rows,
                       const std::optional<at::Tensor>& lora_tiles,
+                      const std::optional<at::Tensor>& lora_slots,
                       const std::optional<at::Tensor>& kv_rotation) {
   // No autograd bookkeeping for any ATen call below.
   c10::InferenceMode inference_mode;
@@ -138,13 +139,34 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
   check_token_ids(input_ids, vocab);
 
   const int64_t intermediate = linear_in_features(weights[kHeadWeights + 7]);
-  // LoRA adapters: applied when the step has tiles of adapted tokens.
-  const bool lora = lora_tiles.has_value() && lora_tiles->numel() > 0;
+  // LoRA adapters: applied when the step has tiles of adapted tokens (CPU) or per-token
+  // slots (CUDA).
+  const bool lora_tiled = lora_tiles.has_value() && lora_tiles->numel() > 0;
+  const bool lora_slotted = lora_slots.has_value();
+  const bool lora = lora_tiled || lora_slotted;
   if (lora) {
-    TORCH_CHECK(lora_rows.has_value(), "lora_tiles needs lora_rows");
-    check_lora(lora_weights, num_layers, hidden, q_width, kv_width, intermediate);
-    check_lora_tiles(*lora_rows, *lora_tiles, num_tokens, lora_weights[0].size(0));
+    TORCH_CHECK(!(lora_tiled && lora_slotted), "pass lora_rows / lora_tiles (CPU) or "
+                "lora_slots (CUDA), not both");
+    TORCH_CHECK(lora_slotted == like.is_cuda(), "LoRA adapters take lora_slots on CUDA and "
+                "lora_rows / lora_tiles on the CPU; this step runs on ", like.device());
+    check_lora(lora_weights, num_layers, hidden, q_width, kv_width, intermediate, like);
+    if (lora_tiled) {
+      TORCH_CHECK(lora_rows.has_value(), "lora_tiles needs lora_rows");
+      check_lora_tiles(*lora_rows, *lora_tiles, num_tokens, lora_weights[0].size(0));
+    } else {
+      check_lora_slots(*lora_slots, num_tokens, like);
+    }
   }
+  // out[t] += the adapter pass of one fused linear (kernels.h), the way this device takes it.
+  const auto adapt = [&](at::Tensor& out, const at::Tensor& x, const at::Tensor& a,
+                         const at::Tensor& bt, at::IntArrayRef out_offsets,
+                         at::IntArrayRef sizes) {
+    if (lora_tiled) {
+      lora_add(out, x, a, bt, out_offsets, sizes, *lora_rows, *lora_tiles);
+    } else {
+      lora_add_slots(out, x, a, bt, out_offsets, sizes, *lora_slots);
+    }
+  };
   // With adapters gate/up is not fused with silu (the adapter adds to both before it): the
   // product goes to a buffer, up's columns after gate's whole panels when packed.
   const bool packed_gate_up = weights[kHeadWeights + 6].dim() == 3;
@@ -200,8 +222,8 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
     const at::Tensor* lw = lora ? lora_weights.data() + kLoraWeights * l : nullptr;
     linear(qkv, normed, w[1], w[2], w[8]);
     if (lora) {
-      lora_add(qkv, normed, lw[0], lw[1], {0, q_width, q_width + kv_width},
-               {q_width, kv_width, kv_width}, *lora_rows, *lora_tiles);
+      adapt(qkv, normed, lw[0], lw[1], {0, q_width, q_width + kv_width},
+            {q_width, kv_width, kv_width});
     }
     if (rotation.defined()) {  // int8 cache: q, k, v rotated after RoPE, before quantizing
       rotary_embedding(positions, q, k, cos_sin_cache);
@@ -217,7 +239,7 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
                     scale, k_scale, v_scale);
     if (rotation.defined()) attn.copy_(at::matmul(attn, rotation));  // H H = I
     linear(projected, attn_rows, w[3], w[4], w[9]);
-    if (lora) lora_add(projected, attn_rows, lw[2], lw[3], {0}, {hidden}, *lora_rows, *lora_tiles);
+    if (lora) adapt(projected, attn_rows, lw[2], lw[3], {0}, {hidden});
 
     // MLP block.
     add_rms_norm(normed, residual, projected, w[5], rms_norm_eps);
@@ -226,8 +248,7 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
     } else {
       if (!gate_up.defined()) gate_up = at::empty({num_tokens, up_offset + intermediate}, options);
       linear(gate_up, normed, w[6], no_bias, w[10]);
-      lora_add(gate_up, normed, lw[4], lw[5], {0, up_offset}, {intermediate, intermediate},
-               *lora_rows, *lora_tiles);
+      adapt(gate_up, normed, lw[4], lw[5], {0, up_offset}, {intermediate, intermediate});
       silu_and_mul(activated, up_offset == intermediate
                                   ? gate_up
                                   : at::cat({gate_up.narrow(1, 0, intermediate),
@@ -235,7 +256,7 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
                                             1));
     }
     linear(projected, activated, w[7], no_bias, w[11]);
-    if (lora) lora_add(projected, activated, lw[6], lw[7], {0}, {hidden}, *lora_rows, *lora_tiles);
+    if (lora) adapt(projected, activated, lw[6], lw[7], {0}, {hidden});
   }
   add_rms_norm(normed, residual, projected, weights[1], rms_norm_eps);
 

@@ -31,10 +31,12 @@ constexpr int64_t kLoraWeights = 8;
 // model dtype, or int8 (kv_cache_dtype=int8, CPU only) with kv_cache_scale its float32
 // scales [layers, 2, num_blocks, block_size, KVH] (none for a float cache; kernels.h).
 // The batch tensors are int32 and follow kernels.h.
-// LoRA adapters (CPU only): lora_weights is empty, or per layer the slots' A and B of qkv,
-// o_proj, gate_up and down as lora_add takes them (kernels.h): qkv's parts q, k, v, gate_up's
-// gate, up. They are applied to the tokens of lora_rows / lora_tiles (one slot per tile;
-// none given or no tiles: the base model alone).
+// LoRA adapters: lora_weights is empty, or per layer the slots' A and B of qkv, o_proj,
+// gate_up and down as lora_add takes them (kernels.h): qkv's parts q, k, v, gate_up's gate,
+// up, on the model's device. On the CPU they are applied to the tokens of lora_rows /
+// lora_tiles (one slot per tile; none given or no tiles: the base model alone); on CUDA
+// to each token by its slot in lora_slots (int32 [T] on the device, -1: none; none given:
+// the base model alone), which keeps the step's launches fixed for a CUDA graph.
 // kv_rotation: with an int8 cache, the [D, D] Hadamard matrix (model dtype) that q, k and v
 // are multiplied by after RoPE, and the attention output after it
 // (llmctl.engine.quant.kv_rotation); none: nothing rotated.
@@ -48,6 +50,7 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
                       const std::optional<at::Tensor>& logits_indices,
                       const std::optional<at::Tensor>& lora_rows,
                       const std::optional<at::Tensor>& lora_tiles,
+                      const std::optional<at::Tensor>& lora_slots,
                       const std::optional<at::Tensor>& kv_rotation);
 
 }  // namespace turbo

@@ -141,9 +141,10 @@ void linear_op(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
   linear(out, x, weight, bias, scale);
 }
 
-void lora_add_op(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
-                 at::IntArrayRef out_offsets, at::IntArrayRef sizes, const at::Tensor& rows,
-                 const at::Tensor& tiles) {
+// The arguments lora_add and lora_add_slots share: x, out, the parts and the slots' weights.
+void check_lora_add_args(const at::Tensor& out, const at::Tensor& x, const at::Tensor& a,
+                         const at::Tensor& bt, at::IntArrayRef out_offsets,
+                         at::IntArrayRef sizes) {
   TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && x.size(0) == out.size(0),
               "x and out must be [tokens, in] and [tokens, out]; got ", x.sizes(), " and ",
               out.sizes());
@@ -155,9 +156,23 @@ void lora_add_op(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const
     TORCH_CHECK(out_offsets[p] >= 0 && sizes[p] >= 0 && out_offsets[p] + sizes[p] <= out.size(1),
                 "part ", p, " (columns ", out_offsets[p], " + ", sizes[p], ") is not inside out");
   }
-  check_lora_weights(a, bt, {"lora"}, x.size(1), sizes);
+  check_lora_weights(a, bt, {"lora"}, x.size(1), sizes, x);
+}
+
+void lora_add_op(at::Tensor out, const at::Tensor& x, const at::Tensor& a, const at::Tensor& bt,
+                 at::IntArrayRef out_offsets, at::IntArrayRef sizes, const at::Tensor& rows,
+                 const at::Tensor& tiles) {
+  check_lora_add_args(out, x, a, bt, out_offsets, sizes);
   check_lora_tiles(rows, tiles, x.size(0), a.size(0));
   lora_add(out, x, a, bt, out_offsets, sizes, rows, tiles);
+}
+
+void lora_add_slots_op(at::Tensor out, const at::Tensor& x, const at::Tensor& a,
+                       const at::Tensor& bt, at::IntArrayRef out_offsets, at::IntArrayRef sizes,
+                       const at::Tensor& token_slots) {
+  check_lora_add_args(out, x, a, bt, out_offsets, sizes);
+  check_lora_slots(token_slots, x.size(0), x);
+  lora_add_slots(out, x, a, bt, out_offsets, sizes, token_slots);
 }
 
 void linear_silu_mul_op(at::Tensor out, const at::Tensor& x, const at::Tensor& gate_up,
@@ -273,6 +288,8 @@ TORCH_LIBRARY(llmctl_turbo, m) {
         "Tensor? weight_scale=None) -> ()");
   m.def("lora_add(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, int[] out_offsets, "
         "int[] sizes, Tensor rows, Tensor tiles) -> ()");
+  m.def("lora_add_slots(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, int[] out_offsets, "
+        "int[] sizes, Tensor token_slots) -> ()");
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) residual, Tensor x, Tensor weight, "
         "float eps) -> ()");
@@ -297,7 +314,8 @@ TORCH_LIBRARY(llmctl_turbo, m) {
         "Tensor block_tables, Tensor query_start_loc, Tensor context_lens, Tensor[] weights, "
         "Tensor(a!) kv_cache, Tensor cos_sin_cache, int num_heads, float rms_norm_eps, "
         "Tensor[] lora_weights, Tensor(b!)? kv_cache_scale=None, Tensor? logits_indices=None, "
-        "Tensor? lora_rows=None, Tensor? lora_tiles=None, Tensor? kv_rotation=None) -> Tensor");
+        "Tensor? lora_rows=None, Tensor? lora_tiles=None, Tensor? lora_slots=None, "
+        "Tensor? kv_rotation=None) -> Tensor");
   // The CPU kernels' threads and instruction set (cpu/thread_pool.h, cpu/isa.h).
   m.def("cpu_threads() -> int", [] { return static_cast<int64_t>(cpu::num_threads()); });
   m.def("set_cpu_threads(int threads) -> ()", [](int64_t threads) {
@@ -316,6 +334,7 @@ TORCH_LIBRARY(llmctl_turbo, m) {
   m.impl("linear", &linear_op);                                  \
   m.impl("linear_silu_mul", &linear_silu_mul_op);                \
   m.impl("lora_add", &lora_add_op);                              \
+  m.impl("lora_add_slots", &lora_add_slots_op);                  \
   m.impl("rms_norm", &rms_norm_op);                              \
   m.impl("add_rms_norm", &add_rms_norm_op);                      \
   m.impl("rotary_embedding", &rotary_embedding_op);              \

@@ -149,6 +149,12 @@ class EmulatedKernels:
             i32, i64, vp, i64, vp, i64, vp, vp, i64, i64, i64, vp
         ]  # fmt: skip
         self.lib.turbo_cuda_gguf_dequantize.argtypes = [i32, i64, vp, vp, i64, i64, vp]
+        self.lib.turbo_cuda_lora_shrink.argtypes = [
+            i32, vp, i64, vp, i64, vp, vp, i64, i64, i64, i64, vp
+        ]  # fmt: skip
+        self.lib.turbo_cuda_lora_expand.argtypes = [
+            i32, vp, i64, vp, i64, vp, vp, i64, i64, i64, i64, vp, vp, vp
+        ]  # fmt: skip
 
     def _check(self, status: int, name: str) -> None:
         if status != 0:
@@ -289,6 +295,30 @@ class EmulatedKernels:
                 out.shape[1], None,
             ),
             "gguf_dequantize",
+        )  # fmt: skip
+
+    def lora_add(self, out, x, a, bt, out_offsets, sizes, slots) -> None:
+        """What the binding's ``lora_add_slots`` does: shrink into a float32 ``h [rows,
+        parts x rank]`` (NaN-filled here: an expand that read a row the shrink left out
+        shows up), then expand into ``out``'s parts. ``slots`` int32 ``[rows]``."""
+        rows, hr = x.shape[0], a.shape[1]
+        h = torch.full((rows, hr), float("nan"))
+        self._check(
+            self.lib.turbo_cuda_lora_shrink(
+                DTYPE_CODES[x.dtype], _ptr(h), h.stride(0), _ptr(x), x.stride(0), _ptr(a),
+                _ptr(slots), a.shape[0], rows, hr, x.shape[1], None,
+            ),
+            "lora_shrink",
+        )  # fmt: skip
+        offsets = (ctypes.c_int64 * len(sizes))(*out_offsets)
+        widths = (ctypes.c_int64 * len(sizes))(*sizes)
+        self._check(
+            self.lib.turbo_cuda_lora_expand(
+                DTYPE_CODES[out.dtype], _ptr(out), out.stride(0), _ptr(h), h.stride(0),
+                _ptr(bt), _ptr(slots), bt.shape[0], rows, bt.shape[1], len(sizes), offsets,
+                widths, None,
+            ),
+            "lora_expand",
         )  # fmt: skip
 
 

@@ -166,6 +166,34 @@ cudaError_t turbo_cuda_gguf_dequantize(int dtype, int64_t ggml_type, void* out,
                                        const uint8_t* weight, int64_t features,
                                        int64_t in_features, cudaStream_t stream);
 
+/* ---- Multi-LoRA: the adapter pass after a linear layer (lora.cu), for any batch.
+ *
+ * slots int32 [rows] on the device: each token row's adapter slot, -1 for the base model
+ * (its rows are left alone); a slot >= num_slots traps. Nothing is read on the host, so
+ * a CUDA graph may capture both calls. A and Bt are float32, contiguous.
+ *
+ * shrink: h [rows, hr] fp32 (row stride h_stride) = x [rows, in_features] @ A[slot]^T,
+ * A [num_slots, hr, in_features] (hr = parts x rank: the parts' A stacked); rows of
+ * slot -1 are not written. */
+cudaError_t turbo_cuda_lora_shrink(int dtype, float* h, int64_t h_stride, const void* x,
+                                   int64_t x_stride, const float* a, const int32_t* slots,
+                                   int64_t num_slots, int64_t rows, int64_t hr,
+                                   int64_t in_features, cudaStream_t stream);
+
+/* Most output parts of one fused linear (q, k, v). */
+#define TURBO_CUDA_LORA_MAX_PARTS 3
+
+/* expand: for each part p (1 .. TURBO_CUDA_LORA_MAX_PARTS, sizes[p] features),
+ * out[t, out_offsets[p] + c] += h[t, p rank .. p rank + rank - 1] . Bt[slot, :, b_p + c]
+ * with Bt [num_slots, rank, sum of sizes] (each part's B * scale transposed, side by side;
+ * b_p the sum of the sizes before p), summed in fp32 and added with one rounding to
+ * `dtype`. out_offsets and sizes are host arrays (copied into the launch). */
+cudaError_t turbo_cuda_lora_expand(int dtype, void* out, int64_t out_stride, const float* h,
+                                   int64_t h_stride, const float* bt, const int32_t* slots,
+                                   int64_t num_slots, int64_t rows, int64_t rank,
+                                   int64_t num_parts, const int64_t* out_offsets,
+                                   const int64_t* sizes, cudaStream_t stream);
+
 #ifdef __cplusplus
 }
 #endif
