@@ -30,7 +30,7 @@ from llmctl.model.config import ModelConfig
 # adapters reads each adapter's A and B a handful of times, few enough that the tiles
 # spread over the threads.
 TILE_ROWS = 8
-# The fused modules in the order llama_step reads their slots (llama_step.h).
+# The fused modules in the order llama_step reads their slots (csrc/llama_step.cpp).
 FUSED_MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 

@@ -65,7 +65,7 @@ def prepare_weights(
     quantization: str = "none",
     group_scheme: tuple[int, int, bool] | None = None,
 ) -> list[torch.Tensor]:
-    """The flat weight list of ``llama_step`` (layout in ``csrc/llama_step.h``).
+    """The flat weight list of ``llama_step`` (layout in ``csrc/llama_step.cpp``).
 
     Fused matrices are concatenated once here. With ``pack`` (turbo's CPU kernels) each
     matrix is packed into the panels those kernels read (``pack_linear_weight`` in

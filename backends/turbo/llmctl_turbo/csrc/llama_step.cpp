@@ -1,19 +1,28 @@
-#include "llama_step.h"
+// The native step: one scheduler step's whole forward pass of a Llama-family model
+// (Llama, Mistral, Qwen2) in one call, so Python runs once per step, not once per layer.
+// Registered here for CPU and CUDA tensors; its schema is in ops.cpp.
 
 #include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/matmul.h>
-#include <ATen/ops/ones.h>
 #include <c10/core/InferenceMode.h>
+#include <torch/library.h>
 
 #include <cmath>
+#include <optional>
 
 #include "checks.h"
 #include "kernels.h"
 
 namespace turbo {
 namespace {
+
+// Number of tensors in `weights` before the first layer, and per layer.
+constexpr int64_t kHeadWeights = 3;
+constexpr int64_t kLayerWeights = 12;
+// Number of tensors per layer in `lora_weights`.
+constexpr int64_t kLoraWeights = 8;
 
 // Checks that the prepared weights fit together, once per call (cheap: shapes only).
 void check_weights(at::TensorList weights, int64_t num_layers, int64_t hidden,
@@ -51,7 +60,7 @@ void check_weights(at::TensorList weights, int64_t num_layers, int64_t hidden,
   }
 }
 
-// The LoRA slots of every layer (kLoraWeights per layer; llama_step.h) fit the model.
+// The LoRA slots of every layer (kLoraWeights per layer) fit the model.
 void check_lora(at::TensorList lora, int64_t num_layers, int64_t hidden, int64_t q_width,
                 int64_t kv_width, int64_t intermediate, const at::Tensor& like) {
   TORCH_CHECK(static_cast<int64_t>(lora.size()) == kLoraWeights * num_layers, "lora_weights must ",
@@ -68,6 +77,32 @@ void check_lora(at::TensorList lora, int64_t num_layers, int64_t hidden, int64_t
 
 }  // namespace
 
+// Runs every layer over the step's T new tokens and returns fp32 logits [B, vocab] for
+// the last new token of each of the B sequences, or with logits_indices (int32 [N], token
+// indices: a speculative step verifying several positions per sequence) [N, vocab] for
+// those tokens.
+//
+// weights (prepared once at load by runner.py; each matrix is the checkpoint's [out, in]
+// weight, or on the CPU that weight packed for turbo's kernels: see linear in kernels.h):
+//   embed_tokens [V, hidden], final norm [hidden], lm_head [V, hidden], then per layer:
+//   input norm, qkv [(H + 2 KVH) D, hidden], qkv bias ((H + 2 KVH) D, or empty),
+//   o_proj [hidden, H D], o_proj bias (hidden, or empty), post-attention norm,
+//   gate_up [2 I, hidden] (gate rows first; packed in 2 groups), down [hidden, I],
+//   then the scales of qkv, o_proj, gate_up and down: float32, packed like their matrix
+//   when that is int8 (quantization=int8, CPU only), else empty.
+// kv_cache: [layers, 2 (K, V), num_blocks, block_size, KVH, D], written in place: the
+// model dtype, or int8 (kv_cache_dtype=int8, CPU only) with kv_cache_scale its float32
+// scales [layers, 2, num_blocks, block_size, KVH] (none for a float cache; kernels.h).
+// The batch tensors are int32 and follow kernels.h.
+// LoRA adapters: lora_weights is empty, or per layer the slots' A and B of qkv, o_proj,
+// gate_up and down as lora_add takes them (kernels.h): qkv's parts q, k, v, gate_up's gate,
+// up, on the model's device. On the CPU they are applied to the tokens of lora_rows /
+// lora_tiles (one slot per tile; none given or no tiles: the base model alone); on CUDA
+// to each token by its slot in lora_slots (int32 [T] on the device, -1: none; none given:
+// the base model alone), which keeps the step's launches fixed for a CUDA graph.
+// kv_rotation: with an int8 cache, the [D, D] Hadamard matrix (model dtype) that q, k and v
+// are multiplied by after RoPE, and the attention output after it
+// (llmctl.engine.quant.kv_rotation); none: nothing rotated.
 at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
                       const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                       const at::Tensor& query_start_loc, const at::Tensor& context_lens,
@@ -278,3 +313,8 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
 }
 
 }  // namespace turbo
+
+TORCH_LIBRARY_IMPL(llmctl_turbo, CPU, m) { m.impl("llama_step", &turbo::llama_step); }
+#ifdef LLMCTL_TURBO_CUDA
+TORCH_LIBRARY_IMPL(llmctl_turbo, CUDA, m) { m.impl("llama_step", &turbo::llama_step); }
+#endif

@@ -11,7 +11,6 @@
 #include "cpu/isa.h"
 #include "cpu/thread_pool.h"
 #include "kernels.h"
-#include "llama_step.h"
 
 namespace turbo {
 namespace {
@@ -342,8 +341,7 @@ TORCH_LIBRARY(llmctl_turbo, m) {
   m.impl("write_kv_cache", &write_kv_cache_op);                  \
   m.impl("rotary_embedding_and_write_kv", &rotary_embedding_and_write_kv_op); \
   m.impl("paged_decode_attention", &paged_decode_attention_op);  \
-  m.impl("paged_prefill_attention", &paged_prefill_attention_op); \
-  m.impl("llama_step", &llama_step)
+  m.impl("paged_prefill_attention", &paged_prefill_attention_op)
 
 TORCH_LIBRARY_IMPL(llmctl_turbo, CPU, m) { TURBO_REGISTER_OPS(m); }
 
