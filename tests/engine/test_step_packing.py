@@ -10,6 +10,7 @@ import torch
 
 from llmctl.engine.runner import (
     DecodeGraphs,
+    GraphShape,
     StepBatch,
     StepLayout,
     batch_buckets,
@@ -73,7 +74,7 @@ def test_logits_indices_travel_after_the_block_tables():
 def test_a_decode_batch_pads_to_its_bucket_with_inert_rows(num_seqs, bucket):
     rng = random.Random(num_seqs)
     batch = random_batch(rng, num_seqs, decode=True)
-    flat, layout = pack_step(batch, pad_to=bucket)
+    flat, layout = pack_step(batch, pad=GraphShape(bucket))
     assert layout == StepLayout(bucket, bucket, num_seqs, max(map(len, batch.block_tables)))
     assert len(flat) == layout.size
     inputs = layout.unpack(torch.tensor(flat, dtype=torch.int32))
@@ -89,7 +90,7 @@ def test_the_head_of_a_padded_step_sits_where_the_bucket_says():
     """A graph reads ids/positions/slots/lengths at offsets fixed by its bucket alone."""
     rng = random.Random(0)
     for num_seqs in (3, 4):
-        flat, layout = pack_step(random_batch(rng, num_seqs, decode=True), pad_to=4)
+        flat, layout = pack_step(random_batch(rng, num_seqs, decode=True), pad=GraphShape(4))
         assert layout.head_size == StepLayout(4, 4, 0, 0).head_size == 3 * 4 + 2 * 4 + 1
 
 
@@ -99,9 +100,9 @@ def test_only_decode_batches_pad():
     prefill.query_lens[0] = 2  # make sure one sequence has several tokens
     prefill.input_ids.append(7)
     with pytest.raises(ValueError, match="only a decode batch"):
-        pack_step(prefill, pad_to=4)
+        pack_step(prefill, pad=GraphShape(4))
     with pytest.raises(ValueError, match="cannot pad"):
-        pack_step(random_batch(rng, 5, decode=True), pad_to=4)
+        pack_step(random_batch(rng, 5, decode=True), pad=GraphShape(4))
 
 
 @pytest.mark.parametrize(
