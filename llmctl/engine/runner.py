@@ -8,12 +8,11 @@ holds what every runner shares, in the order a step meets it:
   positions, block tables, slots);
 - ``stage_step``: how a runner turns it into device tensors: every input packed into one
   int32 buffer and copied to the device once (``StepLayout`` says where each input sits,
-  the same offsets for a padded decode batch of a given size, as CUDA graphs need);
-- ``DecodeGraphs``: CUDA graphs of the decode step (below);
+  the same offsets for a step padded to a graph's shape, as CUDA graphs need);
+- ``DecodeGraphs``: CUDA graphs of the decode and verification steps (below);
 - ``PagedRunner``: dtype, device, KV-cache sizing and the checks around allocating it,
-  and the choice of each step's path: a decode step that fits a captured CUDA graph
-  replays it, any other step runs the runner's ``forward`` eagerly over the staged
-  inputs.
+  and the choice of each step's path: a step that fits a captured CUDA graph replays
+  it, any other step runs the runner's ``forward`` eagerly over the staged inputs.
 
 CUDA graphs of the decode step, shared by both local runners (torch and turbo). A
 decode step of a small model on a big GPU is short on the device and long on the
@@ -21,34 +20,48 @@ host: Python and the launch of a few hundred kernels, layer by layer. A CUDA gra
 records those launches once and replays them with one call. A graph is fixed (its
 shapes, its buffers, every kernel argument), so:
 
-- one graph per batch-size bucket (``batch_buckets``: 1, 2, 4, 8, 16, then every 16 up
-  to ``max_batch_size``); a batch is padded to the smallest bucket that holds it;
+- one graph per ``GraphShape``: per batch-size bucket (``batch_buckets``: 1, 2, 4, 8,
+  16, then every 16 up to ``max_batch_size``), a decode graph (one token per sequence)
+  and, when the engine speculates with k = ``num_speculative_tokens``, a verification
+  graph (up to k + 1 tokens per sequence: its last token and its proposals; sequences
+  that do not speculate, or propose fewer, fit too); a step is padded to the smallest
+  bucket that holds it. Once the runner holds LoRA adapters each has a twin with
+  per-token adapter slots (captured at the first step with an adapter, for runners
+  whose ``forward`` reads them: ``PagedRunner.graphs_take_lora``); the adapters'
+  weights sit in fixed slot buffers, so swapping adapters keeps the graphs valid;
 - the step's inputs are staged into fixed device buffers: ONE host-to-device copy of the
-  packed inputs (``stage_step``) into ``staging``, whose head
-  (ids, positions, slots, context lengths, query starts) the graph reads in place, then
-  one device copy of the block tables into a fixed ``[max_batch_size,
+  packed inputs (``stage_step``) into ``staging``, whose head (ids, positions, slots,
+  LoRA slots, context lengths, query starts, logits indices) the graph reads in place,
+  then one device copy of the block tables into a fixed ``[sequences,
   max_blocks_per_seq]`` table;
 - whatever a kernel plans on the host (the Triton decode kernel's split-K plan, its
-  scratch buffers for partial results) is decided from those fixed shapes at capture
-  time: the table is as wide as the longest session, so the plan covers any context;
+  scratch buffers for partial results, the prefill kernel's grid) is decided from those
+  fixed shapes at capture time: the table is as wide as the longest session, so the
+  plan covers any context;
 - nothing inside the captured region may synchronise with the host, allocate on the
-  host or read a device value (``.item()``, ``.tolist()``).
+  host or read a device value (``.item()``, ``.tolist()``), nor group tokens on the
+  host (a LoRA step's rows by slot): what varies from step to step is data in the
+  fixed buffers.
 
-How a runner uses it (``forward`` maps ``StepInputs`` to logits ``[batch, vocab]``)::
+How a runner uses it (``forward`` maps ``StepInputs`` to logits)::
 
     graphs = decode_graphs(forward, enabled=..., device=..., max_batch_size=...,
-                           max_blocks_per_seq=..., block_size=..., num_blocks=...)
+                           max_blocks_per_seq=..., block_size=..., num_blocks=...,
+                           speculative_tokens=k)
     # None on the CPU or when disabled; otherwise captured already.
     if graphs is not None and graphs.fits(batch):
-        return graphs.run(batch)        # logits [num_seqs, vocab], valid until next run
+        return graphs.run(batch)        # the eager step's logits, valid until next run
     return forward(stage_step(batch, device))   # eager: prefill, mixed, too large
 
-Padding rows write nowhere (slot -1: a kernel must skip negative slots) and attend to
-nothing (context length 0: output 0, no NaN). Block-table rows past the batch and
-entries past a sequence's last block hold stale but valid block ids: kernels must read
-only the entries below ``ceil(context_len / block_size)``.
+Padding sequences and tokens come after the real ones (which keep their places, so
+attention over them is the eager step's): padding writes nowhere (slot -1: a kernel
+must skip negative slots), attends to nothing (context length 0: output 0, no NaN) and
+has no adapter (LoRA slot -1). A verification graph asks for logits at a fixed count
+of tokens; those past the step's own are the padding's, never returned. Block-table
+rows past the batch and entries past a sequence's last block hold stale but valid
+block ids: kernels must read only the entries below ``ceil(context_len / block_size)``.
 
-``forward`` must be capturable: called once eagerly per bucket first (Triton compiles
+``forward`` must be capturable: called once eagerly per graph first (Triton compiles
 and autotunes then, on inputs as long as the longest session, so the tuning is for
 real work), then captured. All graphs share one memory pool, captured largest first
 so the smaller ones reuse its memory.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -187,3 +188,155 @@ def test_replays_see_each_batch_in_the_fixed_buffers():
         ]
         assert out.tolist() == expected
     assert graphs.replays == 7
+
+
+def verification_batch(rng: random.Random, num_seqs: int, k: int, lora: bool = False):
+    """A speculative step: each sequence feeds its last token and up to ``k`` proposals
+    (some none: they do not speculate), logits asked at each verified position; each
+    sequence's LoRA slot (-1: none) if ``lora``."""
+    batch = random_batch(rng, 0, decode=True)
+    for _ in range(num_seqs):
+        count = rng.randint(1, k + 1)
+        start = rng.randint(0, 60)
+        table = rng.sample(range(1000), -(-(start + count) // 16))
+        batch.input_ids += [rng.randrange(1, 500) for _ in range(count)]
+        batch.positions += list(range(start, start + count))
+        batch.query_lens.append(count)
+        batch.context_lens.append(start + count)
+        batch.block_tables.append(table)
+        batch.slot_mapping += [table[p // 16] * 16 + p % 16 for p in range(start, start + count)]
+    first = 0
+    batch.logits_indices = []
+    for count in batch.query_lens:  # every position of a proposing sequence, else its last
+        batch.logits_indices += range(first if count > 1 else first + count - 1, first + count)
+        first += count
+    if lora:
+        batch.lora_slots = [rng.randrange(-1, 4) for _ in range(num_seqs)]
+    return batch
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_verification_step_pads_to_its_graph_with_inert_padding(seed, lora):
+    """Real sequences keep their tokens in place; padding sequences and tokens follow,
+    writing nowhere, attending to nothing, without an adapter; the logits indices past
+    the step's own name the last padding token."""
+    rng = random.Random(seed)
+    num_seqs, k = rng.randint(1, 8), rng.randint(1, 4)
+    batch = verification_batch(rng, num_seqs, k, lora)
+    shape = GraphShape(bucket_for(num_seqs, batch_buckets(8)), k + 1, lora)
+    flat, layout = pack_step(batch, pad=shape)
+    assert layout.head_size == shape.layout().head_size  # where the graph reads it
+    inputs = layout.unpack(torch.tensor(flat, dtype=torch.int32))
+    tokens, real = shape.num_tokens, len(batch.input_ids)
+    assert tokens == shape.batch * (k + 1) + 1 and shape.num_seqs == shape.batch + 1
+    assert inputs.input_ids.tolist() == batch.input_ids + [0] * (tokens - real)
+    assert inputs.positions.tolist() == batch.positions + [0] * (tokens - real)
+    assert inputs.slot_mapping.tolist() == batch.slot_mapping + [-1] * (tokens - real)
+    spare_seqs = shape.num_seqs - num_seqs
+    assert inputs.context_lens.tolist() == batch.context_lens + [0] * spare_seqs
+    starts = inputs.query_start_loc.tolist()
+    assert [b - a for a, b in zip(starts, starts[1:])][:num_seqs] == batch.query_lens
+    assert starts[-1] == tokens and starts == sorted(starts)
+    logits = inputs.logits_indices.tolist()
+    assert len(logits) == shape.num_logits == shape.batch * (k + 1)
+    own = len(batch.logits_indices)
+    assert logits[:own] == batch.logits_indices and logits[own:] == [tokens - 1] * (
+        shape.num_logits - own
+    )
+    if lora:
+        want = [s for s, n in zip(batch.lora_slots, batch.query_lens) for _ in range(n)]
+        assert inputs.lora_slots.tolist() == want + [-1] * (tokens - real)
+    else:
+        assert inputs.lora_slots is None
+    assert not inputs.is_decode
+
+
+def test_padding_refuses_what_would_drop_tokens_logits_or_adapters():
+    rng = random.Random(4)
+    batch = verification_batch(rng, 3, k=3)
+    batch.query_lens[0] = 4  # make sure one sequence has k + 1 tokens
+    with pytest.raises(ValueError, match="more than the graph's 3"):
+        pack_step(batch, pad=GraphShape(4, 3))
+    with pytest.raises(ValueError, match="only a decode batch"):
+        pack_step(batch, pad=GraphShape(4))
+    decode = random_batch(rng, 2, decode=True)
+    decode.lora_slots = [0, -1]
+    with pytest.raises(ValueError, match="LoRA slots"):
+        pack_step(decode, pad=GraphShape(2))
+    decode.lora_slots, decode.logits_indices = None, [0, 1]
+    with pytest.raises(ValueError, match="verification graph"):
+        pack_step(decode, pad=GraphShape(2))
+
+
+def fields_at_logits(inputs):
+    """A stand-in model: for each token whose logits the step returns, its id, position,
+    slot, LoRA slot (-1 without) and its sequence's block-table sum over its context."""
+    rows = inputs.logits_rows()
+    seq_of_token = torch.bucketize(rows, inputs.query_start_loc[1:], right=True)
+    blocks_used = -(-inputs.context_lens // 16)
+    in_context = torch.arange(inputs.block_tables.shape[1]) < blocks_used[:, None]
+    table_sums = (inputs.block_tables * in_context).sum(1)[seq_of_token]
+    lora = inputs.lora_slots[rows] if inputs.lora_slots is not None else torch.full_like(rows, -1)
+    fields = [inputs.input_ids, inputs.positions, inputs.slot_mapping]
+    return torch.stack([*(f[rows] for f in fields), lora, table_sums], dim=1)
+
+
+def expected_fields(batch):
+    starts = [0, *np.cumsum(batch.query_lens)]
+    rows = batch.logits_indices
+    if rows is None:
+        rows = [end - 1 for end in starts[1:]]
+    seq_of = np.searchsorted(starts[1:], rows, side="right")
+    slots = batch.lora_slots
+    return [
+        [
+            batch.input_ids[r],
+            batch.positions[r],
+            batch.slot_mapping[r],
+            -1 if slots is None else slots[s],
+            sum(batch.block_tables[s]),
+        ]
+        for r, s in zip(rows, seq_of)
+    ]
+
+
+def test_replays_see_each_verification_and_adapter_step_in_the_fixed_buffers():
+    """Decode and verification steps of changing sizes, with and without adapters, one
+    after another through the same buffers: each replay returns what the stand-in model
+    computes of the current step at exactly the positions it asked for."""
+    graphs = DecodeGraphs(
+        fields_at_logits,
+        max_batch_size=12,
+        max_blocks_per_seq=8,
+        block_size=16,
+        num_blocks=1000,
+        device=torch.device("cpu"),
+        speculative_tokens=3,
+        record=replay_eagerly,
+    )
+    graphs.capture(progress=False)
+    rng = random.Random(8)
+    decode = random_batch(rng, 5, decode=True)
+    assert graphs.shape_for(decode) == GraphShape(8, 1)
+    adapted = verification_batch(rng, 3, k=3, lora=True)
+    assert graphs.shape_for(adapted) is None  # no LoRA graphs yet: eager
+    graphs.capture(progress=False, lora=True)
+    assert graphs.shape_for(adapted) == GraphShape(4, 4, lora=True)
+    too_long = verification_batch(rng, 2, k=3)
+    too_long.query_lens[0] = 5
+    assert graphs.shape_for(too_long) is None
+    steps = [
+        verification_batch(rng, 12, k=3),
+        random_batch(rng, 3, decode=True),
+        verification_batch(rng, 1, k=3, lora=True),
+        verification_batch(rng, 7, k=2),
+        adapted,
+        verification_batch(rng, 12, k=3, lora=True),
+    ]
+    lora_decode = random_batch(rng, 9, decode=True)
+    lora_decode.lora_slots = [rng.randrange(-1, 4) for _ in range(9)]
+    steps.append(lora_decode)
+    for batch in steps:
+        assert graphs.run(batch).tolist() == expected_fields(batch)
+    assert (graphs.replays, graphs.verify_replays, graphs.lora_replays) == (7, 5, 4)
