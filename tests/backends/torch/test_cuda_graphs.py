@@ -7,9 +7,13 @@ q/k/v biases; a random Mistral with one KV head), with batches that shrink throu
 bucket and non-bucket sizes as requests finish, a second round from the prefix cache,
 and under preemption. ``scripts/gpu_check.py`` runs them on a GPU machine.
 
-Without a GPU one test still runs the runner's decode through the graphs' fixed,
-padded buffers, replayed eagerly, with the Triton kernels (interpreted): the padding
-rows must write nothing and change nothing.
+Without a GPU the runner's steps still run through the graphs' fixed, padded buffers,
+replayed eagerly, with the Triton kernels (interpreted): decode steps, verification
+steps of speculative decoding (up to k + 1 tokens per sequence), steps mixing LoRA
+adapters (each token's slot in a fixed buffer; another adapter put in a slot serves the
+same graphs), and a whole engine speculating with adapters. The padding must write
+nothing and change nothing; every logit equals the eager step's.
+(``tests/backends/test_cuda_graphs_verify.py`` runs those kinds end to end on a GPU.)
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ import torch
 from llmctl_torch import triton_attention  # noqa: F401  (switches the interpreter on early)
 from llmctl_torch.model import TorchModelRunner
 
-from llmctl import LLM
+from llmctl import LLM, SamplingParams
 from llmctl.engine.runner import DecodeGraphs, replay_eagerly
 from llmctl.model.config import ModelConfig
 from tests.conftest import STORIES
 from tests.helpers.cuda_graphs import greedy_rounds
+from tests.helpers.lora_adapters import ATTENTION, MLP, make_adapter
 from tests.helpers.tiny_models import PagedSequences, greedy, hf_greedy, load_hf_model
 
 HAS_CUDA = torch.cuda.is_available()
@@ -228,6 +233,43 @@ def test_adapter_steps_in_graph_buffers_give_eager_logits(monkeypatch, tiny_mode
     first, base = logits["graphed"][0], logits["base"][0]
     torch.testing.assert_close(first[1], base[1], rtol=1e-4, atol=1e-4)
     assert (first[[0, 2]] - base[[0, 2]]).abs().max() > 0.1
+
+
+def test_an_engine_speculating_with_adapters_gets_the_same_tokens_through_graphs(
+    monkeypatch, tiny_model_dir, tmp_path
+):
+    """The whole engine (its scheduler's verification steps, adapters swapping through
+    one slot) on the graphs' buffers, replayed eagerly without a GPU: the greedy tokens
+    of the same engine without graphs."""
+    monkeypatch.setenv("LLMCTL_TORCH_ATTENTION", "triton")
+    model_dir = tiny_model_dir("qwen2")
+    paths = {}
+    for seed, (name, rank, modules) in enumerate([("a4", 4, ATTENTION), ("m2", 2, MLP)]):
+        make_adapter(tmp_path / name, model_dir, rank=rank, target_modules=modules, seed=seed)
+        paths[name] = str(tmp_path / name)
+    phrase = [17, 301, 44, 9, 250]
+    prompts = [phrase * 3, [5, 6, 7] + phrase * 2, phrase * 2 + [99]]
+    names = [None, "a4", "m2"]
+    batch = [p for p in prompts for _ in names]
+    loras = [n for _ in prompts for n in names]
+    params = SamplingParams(max_tokens=10, temperature=0)
+    results, served = [], None
+    for graphed in (False, True):
+        with LLM(
+            str(model_dir), backend="torch", device="cpu", dtype="float32", lora=paths,
+            max_loras=1, cache_block_seq_len=16, max_batch_size=4, session_len=64,
+            speculative_method="ngram", num_speculative_tokens=3, ngram_min=1,
+        ) as llm:  # fmt: skip
+            runner = llm.engine.engine.runner
+            graphs = graphs_over(runner, speculative_tokens=3) if graphed else None
+            results.append([o.token_ids for o in llm.generate(batch, params, lora=loras)])
+            if graphs is not None:
+                served = (graphs.replays, graphs.verify_replays, graphs.lora_replays)
+            stats = llm.engine.engine.speculator.stats
+    assert results[1] == results[0]
+    assert stats.accepted > 0
+    steps, verify_steps, lora_steps = served
+    assert verify_steps > 0 and lora_steps > 0 and steps > verify_steps
 
 
 # ------------------------------------------------------------------------- on a GPU
