@@ -6,8 +6,11 @@
 1. tests: ``tests/backends/torch/test_cuda_graphs.py`` (greedy tokens with graphs on =
    graphs off = transformers on stories260K, a random Qwen2 with biases and a random
    Mistral with one KV head; batches of every size from 19 to 1; prefix caching;
-   preemption; bf16 logits) and the host-side packing tests, in a child process with
-   the Triton kernels compiled;
+   preemption; bf16 logits; verification and LoRA steps on the graphs' buffers) and the
+   host-side packing tests, in a child process with the Triton kernels compiled; then
+   ``tests/backends/test_cuda_graphs_verify.py``: n-gram speculation (verification
+   graphs, k + 1 tokens per sequence) on both backends and a batch mixing LoRA adapters
+   on torch, greedy tokens with graphs on = graphs off;
 2. decode step: the reference Llama shape (723.6M parameters, bf16, every sequence at
    context 512) through the torch runner, eager and as a replayed graph, per batch
    size: milliseconds per step (inputs staged, model run, device finished: what an
@@ -30,6 +33,9 @@ from pathlib import Path
 # (section title, pytest arguments, lines of log to keep) -> (passed, markdown)
 RunPytest = Callable[..., tuple[bool, str]]
 TESTS = ["tests/backends/torch/test_cuda_graphs.py", "tests/engine/test_step_packing.py"]
+# Verification steps (n-gram speculation, k + 1 tokens per sequence) and batches mixing
+# LoRA adapters: greedy tokens with graphs on = graphs off (= no speculation, = peft).
+VERIFY_TESTS = ["tests/backends/test_cuda_graphs_verify.py"]
 # The reference model of the GPU workload (docs: DESIGN "How speed work is done here").
 REFERENCE_SHAPE = dict(
     hidden_size=2048,
@@ -55,13 +61,17 @@ DRY_RUN_BATCHES = (1, 3)
 
 def graphs_section(device: str, dry_run: bool, run_pytest: RunPytest) -> tuple[bool, str]:
     tests_passed, tests = run_tests(dry_run, run_pytest)
+    verify_passed, verify = run_pytest(
+        "### Verification and LoRA steps: graphs on vs off", ["-rs", *VERIFY_TESTS]
+    )
     step_passed, step = time_decode_step(device, dry_run)
     if device == "cuda":  # the model and its cache are gone: hand their memory back
         import torch
 
         torch.cuda.empty_cache()
     heading = "## CUDA graphs: the torch backend's decode step\n"
-    return tests_passed and step_passed, "\n".join([heading, tests, step])
+    passed = tests_passed and verify_passed and step_passed
+    return passed, "\n".join([heading, tests, verify, step])
 
 
 def run_tests(dry_run: bool, run_pytest: RunPytest) -> tuple[bool, str]:

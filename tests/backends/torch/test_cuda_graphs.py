@@ -256,12 +256,15 @@ def test_an_engine_speculating_with_adapters_gets_the_same_tokens_through_graphs
     results, served = [], None
     for graphed in (False, True):
         with LLM(
-            str(model_dir), backend="torch", device="cpu", dtype="float32", lora=paths,
-            max_loras=1, cache_block_seq_len=16, max_batch_size=4, session_len=64,
-            speculative_method="ngram", num_speculative_tokens=3, ngram_min=1,
+            str(model_dir), backend="torch", device="cuda" if HAS_CUDA else "cpu",
+            dtype="float32", lora=paths, max_loras=1, cache_block_seq_len=16, max_batch_size=4,
+            session_len=64, speculative_method="ngram", num_speculative_tokens=3, ngram_min=1,
+            cuda_graphs=graphed,
         ) as llm:  # fmt: skip
             runner = llm.engine.engine.runner
-            graphs = graphs_over(runner, speculative_tokens=3) if graphed else None
+            if graphed and not HAS_CUDA:  # on a GPU the engine captured them itself
+                graphs_over(runner, speculative_tokens=3)
+            graphs = runner.decode_graphs
             results.append([o.token_ids for o in llm.generate(batch, params, lora=loras)])
             if graphs is not None:
                 served = (graphs.replays, graphs.verify_replays, graphs.lora_replays)
