@@ -369,7 +369,9 @@ def _speculative_method_note(value: Any, options: Mapping[str, Any], hw: Hardwar
     else:
         return None
     if hw.device_for(options.get("device", "auto")) == "cuda":
-        note += "; on CUDA steps no longer overlap and verification steps run eagerly"
+        note += "; on CUDA steps no longer overlap"
+        if options.get("cuda_graphs", True):
+            note += f", and verification steps (up to {tokens + 1} tokens) replay CUDA graphs"
     return note
 
 
