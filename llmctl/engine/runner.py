@@ -64,7 +64,8 @@ block ids: kernels must read only the entries below ``ceil(context_len / block_s
 ``forward`` must be capturable: called once eagerly per graph first (Triton compiles
 and autotunes then, on inputs as long as the longest session, so the tuning is for
 real work), then captured. All graphs share one memory pool, captured largest first
-so the smaller ones reuse its memory.
+so the smaller ones reuse its memory, and write their logits into one buffer (the
+largest's output: a graph's own would hold ``batch x vocab`` floats each).
 """
 
 from __future__ import annotations
@@ -486,6 +487,10 @@ class DecodeGraphs:
         )
         self._replays: dict[GraphShape, Callable[[], None]] = {}
         self._outputs: dict[GraphShape, torch.Tensor] = {}
+        # The logits buffer every graph writes into (the first captured's output): one
+        # buffer of the most rows any graph returns, not one per graph (a verification
+        # graph's holds k + 1 rows per sequence, and vocabularies are large).
+        self._logits: torch.Tensor | None = None
         self._pool: object = None
         self.lora_captured = False
         self.memory_bytes = 0
@@ -536,11 +541,11 @@ class DecodeGraphs:
         free_before = self._free_memory()
         if self._pool is None and self.device.type == "cuda":
             self._pool = torch.cuda.graph_pool_handle()
-        shapes = [
-            GraphShape(bucket, query_len, lora)
-            for query_len in self.query_lens
-            for bucket in reversed(self.buckets)
-        ]
+        shapes = sorted(
+            (GraphShape(bucket, q, lora) for q in self.query_lens for bucket in self.buckets),
+            key=lambda shape: shape.num_tokens,
+            reverse=True,  # largest first: the smaller ones reuse its memory
+        )
         what = "decode step" + (" with LoRA adapters" if lora else "")
         bar = Progress(
             TextColumn(f"capturing CUDA graphs of the {what}"),
@@ -556,7 +561,12 @@ class DecodeGraphs:
                 inputs = self.inputs(shape)
                 self.forward(inputs)  # compiles and autotunes outside the capture
                 self._synchronize()
-                replay, output = self.record(partial(self.forward, inputs), self._pool)
+                step = partial(self.forward, inputs)
+                if self._logits is not None:
+                    step = partial(self._into_logits, step)
+                replay, output = self.record(step, self._pool)
+                if self._logits is None:
+                    self._logits = output
                 self._replays[shape], self._outputs[shape] = replay, output
                 bar.advance(task)
         self._synchronize()
@@ -578,12 +588,19 @@ class DecodeGraphs:
             memory / 2**20,
         )
 
+    def _into_logits(self, step: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``step``'s logits copied into the shared logits buffer (inside the graph, so
+        its own output is freed after capture and the pool reuses that memory)."""
+        logits = step()
+        return self._logits[: logits.shape[0]].copy_(logits)
+
     @torch.inference_mode()
-    def run(self, batch: StepBatch) -> torch.Tensor:
-        """The logits of a batch that fits (``shape_for``), as ``forward`` would return
-        them eagerly: stage, pad to its graph's shape, replay. The tensor is the graph's
-        output buffer, overwritten by the next ``run``."""
-        shape = self.shape_for(batch)
+    def run(self, batch: StepBatch, shape: GraphShape | None = None) -> torch.Tensor:
+        """The logits of a batch that fits (``shape``: ``shape_for(batch)``, computed here
+        if not given), as ``forward`` would return them eagerly: stage, pad to its
+        graph's shape, replay. The tensor is the graphs' output buffer, overwritten by
+        the next ``run``."""
+        shape = shape or self.shape_for(batch)
         if shape is None:
             raise ValueError("this batch fits no captured graph (see DecodeGraphs.shape_for)")
         staged = stage_step(batch, self.device, pad=shape, out=self.staging)
@@ -790,8 +807,9 @@ class PagedRunner:
             if batch.lora_slots is not None and not graphs.lora_captured:
                 if self.graphs_take_lora():  # the first step with an adapter: once
                     graphs.capture(lora=True)
-            if graphs.fits(batch):
-                return graphs.run(batch)
+            shape = graphs.shape_for(batch)
+            if shape is not None:
+                return graphs.run(batch, shape)
         return self.eager_step(batch)
 
     def eager_step(self, batch: StepBatch) -> torch.Tensor:
