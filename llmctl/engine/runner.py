@@ -55,8 +55,9 @@ How a runner uses it (``forward`` maps ``StepInputs`` to logits)::
 
 Padding sequences and tokens come after the real ones (which keep their places, so
 attention over them is the eager step's): padding writes nowhere (slot -1: a kernel
-must skip negative slots), attends to nothing (context length 0: output 0, no NaN) and
-has no adapter (LoRA slot -1). A verification graph asks for logits at a fixed count
+must skip negative slots), attends to nothing (context length 0: a decode kernel
+outputs 0, no NaN; no op of a step mixes rows, so what a padding row computes is never
+seen) and has no adapter (LoRA slot -1). A verification graph asks for logits at a fixed count
 of tokens; those past the step's own are the padding's, never returned. Block-table
 rows past the batch and entries past a sequence's last block hold stale but valid
 block ids: kernels must read only the entries below ``ceil(context_len / block_size)``.
