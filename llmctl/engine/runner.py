@@ -421,9 +421,11 @@ def bucket_for(num_seqs: int, buckets: list[int]) -> int:
 def record_cuda_graph(
     fn: Callable[[], torch.Tensor], pool: object
 ) -> tuple[Callable[[], None], torch.Tensor]:
-    """Capture ``fn`` into a CUDA graph using the memory ``pool``."""
+    """Capture ``fn`` into a CUDA graph using the memory ``pool``. Only this thread's
+    calls are checked: graphs with LoRA slots are captured while serving, when another
+    thread may be pinning an adapter's host memory (``LoraRunner.read_lora``)."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         output = fn()
     return graph.replay, output
 
