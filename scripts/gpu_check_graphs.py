@@ -154,7 +154,7 @@ def time_decode_step(device: str, dry_run: bool) -> tuple[bool, str]:
         block_size=block_size,
         num_blocks=num_blocks,
         device=runner.device,
-        speculative_tokens=VERIFY_K,
+        num_speculative_tokens=VERIFY_K,
         record=record_cuda_graph if device == "cuda" else replay_eagerly,
     )
     graphs.capture(progress=False)

@@ -100,7 +100,7 @@ class EngineConfig(Generic[Extra]):
             max_model_len=max_model_len,
             cuda_graphs=self.cuda_graphs,
             # verification steps (the last token and k proposals) replay graphs too
-            speculative_tokens=self.speculation.num_tokens if self.speculation.enabled else 0,
+            num_speculative_tokens=self.speculation.num_tokens if self.speculation.enabled else 0,
             quantization=self.quantization,
             max_loras=self.lora.max_loras,
             max_lora_rank=self.lora.max_rank,

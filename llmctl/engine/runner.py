@@ -47,7 +47,7 @@ How a runner uses it (``forward`` maps ``StepInputs`` to logits)::
 
     graphs = decode_graphs(forward, enabled=..., device=..., max_batch_size=...,
                            max_blocks_per_seq=..., block_size=..., num_blocks=...,
-                           speculative_tokens=k)
+                           num_speculative_tokens=k)
     # None on the CPU or when disabled; otherwise captured already.
     if graphs is not None and graphs.fits(batch):
         return graphs.run(batch)        # the eager step's logits, valid until next run
@@ -442,7 +442,7 @@ def replay_eagerly(
 
 class DecodeGraphs:
     """The decode steps of one runner, captured per ``GraphShape``: every batch-size
-    bucket, for plain decode (one token per sequence) and, with ``speculative_tokens``
+    bucket, for plain decode (one token per sequence) and, with ``num_speculative_tokens``
     k > 0, for verification steps (up to k + 1 tokens per sequence: the last token and
     the proposals); once the runner holds LoRA adapters, each again with per-token
     adapter slots (``capture(lora=True)``, on the first step with an adapter).
@@ -465,15 +465,15 @@ class DecodeGraphs:
         block_size: int,
         num_blocks: int,
         device: torch.device,
-        speculative_tokens: int = 0,
+        num_speculative_tokens: int = 0,
         record: Recorder = record_cuda_graph,
     ) -> None:
-        if speculative_tokens < 0:
-            raise ValueError(f"speculative_tokens must be >= 0, got {speculative_tokens}")
+        if num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
         self.forward = forward
         self.buckets = batch_buckets(max_batch_size)
         # Tokens per sequence of each kind of graph: decode, then verification.
-        self.query_lens = [1] + ([speculative_tokens + 1] if speculative_tokens else [])
+        self.query_lens = [1] + ([num_speculative_tokens + 1] if num_speculative_tokens else [])
         self.max_blocks_per_seq = max_blocks_per_seq
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -662,7 +662,7 @@ def decode_graphs(
     max_blocks_per_seq: int,
     block_size: int,
     num_blocks: int,
-    speculative_tokens: int = 0,
+    num_speculative_tokens: int = 0,
 ) -> DecodeGraphs | None:
     """Captured decode graphs for a runner, or ``None`` where they do not apply: turned off
     (``cuda_graphs`` false, for debugging) or not on a CUDA device (on the CPU there are
@@ -676,7 +676,7 @@ def decode_graphs(
         block_size=block_size,
         num_blocks=num_blocks,
         device=device,
-        speculative_tokens=speculative_tokens,
+        num_speculative_tokens=num_speculative_tokens,
     )
     graphs.capture()
     return graphs
@@ -713,7 +713,7 @@ class PagedRunner:
     ``allocate_kv_cache``; tests may pass ``num_blocks`` to the subclass directly.
     ``max_num_seqs`` and ``max_model_len`` (default: the model's context) bound the
     decode steps CUDA graphs are captured for (on CUDA, when allocating the cache);
-    ``speculative_tokens`` k > 0 (``num_speculative_tokens`` of a speculating engine)
+    ``num_speculative_tokens`` k > 0 (that option of a speculating engine)
     captures verification steps of up to k + 1 tokens per sequence too;
     ``cuda_graphs=False`` turns them off.
     Subclasses implement ``_allocate(num_blocks)`` and ``forward(inputs, is_decode)``;
@@ -736,7 +736,7 @@ class PagedRunner:
         max_num_seqs: int = 128,
         max_model_len: int | None = None,
         cuda_graphs: bool = True,
-        speculative_tokens: int = 0,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.config = config
         # The whole model's sizes, which LoRA adapters must fit (a tensor-parallel rank's
@@ -754,7 +754,7 @@ class PagedRunner:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len or config.session_len()
         self.cuda_graphs = cuda_graphs
-        self.speculative_tokens = speculative_tokens
+        self.num_speculative_tokens = num_speculative_tokens
         self.decode_graphs: DecodeGraphs | None = None
 
     def kv_bytes_per_block(self) -> int:
@@ -784,7 +784,7 @@ class PagedRunner:
             max_blocks_per_seq=-(-self.max_model_len // self.block_size),
             block_size=self.block_size,
             num_blocks=num_blocks,
-            speculative_tokens=self.speculative_tokens,
+            num_speculative_tokens=self.num_speculative_tokens,
         )
 
     def captures_graphs(self) -> bool:

@@ -57,5 +57,5 @@ def test_runners_capture_verification_graphs_only_when_speculating():
 
     plain = EngineConfig(block_size=16)
     speculating = dataclasses.replace(plain, speculation=SpeculativeConfig("ngram", num_tokens=5))
-    assert plain.runner_options("float32", "cpu", 64)["speculative_tokens"] == 0
-    assert speculating.runner_options("float32", "cpu", 64)["speculative_tokens"] == 5
+    assert plain.runner_options("float32", "cpu", 64)["num_speculative_tokens"] == 0
+    assert speculating.runner_options("float32", "cpu", 64)["num_speculative_tokens"] == 5

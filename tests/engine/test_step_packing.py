@@ -312,7 +312,7 @@ def test_replays_see_each_verification_and_adapter_step_in_the_fixed_buffers():
         block_size=16,
         num_blocks=1000,
         device=torch.device("cpu"),
-        speculative_tokens=3,
+        num_speculative_tokens=3,
         record=replay_eagerly,
     )
     graphs.capture(progress=False)

@@ -81,7 +81,7 @@ def test_padded_decode_buffers_give_eager_tokens(monkeypatch, tiny_model_dir):
     assert graphs.replays == 5 + 2
 
 
-def graphs_over(runner: TorchModelRunner, speculative_tokens: int) -> DecodeGraphs:
+def graphs_over(runner: TorchModelRunner, num_speculative_tokens: int) -> DecodeGraphs:
     """The runner's graphs, captured over its cache (replayed eagerly without a GPU)."""
     graphs = DecodeGraphs(
         runner.decode_step,
@@ -90,7 +90,7 @@ def graphs_over(runner: TorchModelRunner, speculative_tokens: int) -> DecodeGrap
         block_size=runner.block_size,
         num_blocks=runner.num_blocks,
         device=runner.device,
-        speculative_tokens=speculative_tokens,
+        num_speculative_tokens=num_speculative_tokens,
         **({} if HAS_CUDA else {"record": replay_eagerly}),
     )
     graphs.capture(progress=False)
@@ -142,7 +142,7 @@ def test_verification_steps_in_graph_buffers_give_eager_logits(monkeypatch, tiny
     tokens = [[rng.randrange(3, 500) for _ in range(30)] for _ in range(3)]
     prompt_lens = {0: 12, 1: 7, 2: 20}
     runners = {eager: small_runner(model_dir, config) for eager in (True, False)}
-    graphs = graphs_over(runners[False], speculative_tokens=3)
+    graphs = graphs_over(runners[False], num_speculative_tokens=3)
     logits = {}
     for eager, runner in runners.items():
         paged = PagedSequences(runner, seed=2)
@@ -206,7 +206,7 @@ def test_adapter_steps_in_graph_buffers_give_eager_logits(monkeypatch, tiny_mode
     adapters = [random_adapter(config, rank, seed) for rank, seed in ((4, 1), (8, 2), (2, 3))]
     runners = {name: small_runner(model_dir, config, max_loras=2, max_lora_rank=8)
                for name in ("eager", "graphed", "base")}  # fmt: skip
-    graphs = graphs_over(runners["graphed"], speculative_tokens=2)
+    graphs = graphs_over(runners["graphed"], num_speculative_tokens=2)
     logits = {}
     for name, runner in runners.items():
         if name != "base":
@@ -263,7 +263,7 @@ def test_an_engine_speculating_with_adapters_gets_the_same_tokens_through_graphs
         ) as llm:  # fmt: skip
             runner = llm.engine.engine.runner
             if graphed and not HAS_CUDA:  # on a GPU the engine captured them itself
-                graphs_over(runner, speculative_tokens=3)
+                graphs_over(runner, num_speculative_tokens=3)
             graphs = runner.decode_graphs
             results.append([o.token_ids for o in llm.generate(batch, params, lora=loras)])
             if graphs is not None:
