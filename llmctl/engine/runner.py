@@ -351,10 +351,10 @@ def _check_fits(batch: StepBatch, shape: GraphShape) -> None:
         raise ValueError("only a decode batch (one token per sequence) pads to a decode graph")
     if shape.query_len == 1 and batch.logits_indices is not None:
         raise ValueError("a batch with logits_indices pads only to a verification graph")
-    if max(batch.query_lens, default=0) > shape.query_len:
+    longest = int(np.max(batch.query_lens, initial=0))
+    if longest > shape.query_len:
         raise ValueError(
-            f"a sequence feeds {max(batch.query_lens)} tokens, more than the graph's "
-            f"{shape.query_len}"
+            f"a sequence feeds {longest} tokens, more than the graph's {shape.query_len}"
         )
     if batch.lora_slots is not None and not shape.lora:
         raise ValueError("a batch with LoRA adapters pads only to a graph with LoRA slots")
@@ -518,7 +518,7 @@ class DecodeGraphs:
             return None
         if batch.is_decode and batch.logits_indices is None:
             query_len = 1
-        elif len(self.query_lens) > 1 and max(batch.query_lens) <= self.query_lens[-1]:
+        elif len(self.query_lens) > 1 and np.max(batch.query_lens) <= self.query_lens[-1]:
             query_len = self.query_lens[-1]
         else:
             return None
