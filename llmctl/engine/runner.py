@@ -557,21 +557,19 @@ class DecodeGraphs:
             transient=True,
             disable=not progress,
         )
-        with bar:
-            task = bar.add_task("capture", total=len(shapes))
+        shared_logits = self._logits
+        try:
+            with bar:
+                task = bar.add_task("capture", total=len(shapes))
+                for shape in shapes:
+                    self._capture_one(shape)
+                    bar.advance(task)
+        except BaseException:  # none of this call's graphs is used: free what they hold
             for shape in shapes:
-                self._fill_warmup_inputs(shape)
-                inputs = self.inputs(shape)
-                self.forward(inputs)  # compiles and autotunes outside the capture
-                self._synchronize()
-                step = partial(self.forward, inputs)
-                if self._logits is not None:
-                    step = partial(self._into_logits, step)
-                replay, output = self.record(step, self._pool)
-                if self._logits is None:
-                    self._logits = output
-                self._replays[shape], self._outputs[shape] = replay, output
-                bar.advance(task)
+                self._replays.pop(shape, None)
+                self._outputs.pop(shape, None)
+            self._logits = shared_logits
+            raise
         self._synchronize()
         self.lora_captured |= lora
         memory = max(0, free_before - self._free_memory())
@@ -590,6 +588,19 @@ class DecodeGraphs:
             time.monotonic() - started,
             memory / 2**20,
         )
+
+    def _capture_one(self, shape: GraphShape) -> None:
+        self._fill_warmup_inputs(shape)
+        inputs = self.inputs(shape)
+        self.forward(inputs)  # compiles and autotunes outside the capture
+        self._synchronize()
+        step = partial(self.forward, inputs)
+        if self._logits is not None:
+            step = partial(self._into_logits, step)
+        replay, output = self.record(step, self._pool)
+        if self._logits is None:
+            self._logits = output
+        self._replays[shape], self._outputs[shape] = replay, output
 
     def _into_logits(self, step: Callable[[], torch.Tensor]) -> torch.Tensor:
         """``step``'s logits copied into the shared logits buffer (inside the graph, so
@@ -756,6 +767,7 @@ class PagedRunner:
         self.cuda_graphs = cuda_graphs
         self.num_speculative_tokens = num_speculative_tokens
         self.decode_graphs: DecodeGraphs | None = None
+        self._lora_graphs_tried = False  # graphs with LoRA slots: captured once, or failed
 
     def kv_bytes_per_block(self) -> int:
         return self.config.kv_bytes_per_block(self.block_size, self.dtype, self.kv_cache_dtype)
@@ -808,12 +820,26 @@ class PagedRunner:
         graphs = self.decode_graphs
         if graphs is not None:
             if batch.lora_slots is not None and not graphs.lora_captured:
-                if self.graphs_take_lora():  # the first step with an adapter: once
-                    graphs.capture(lora=True)
+                self._capture_lora_graphs(graphs)  # the first step with an adapter
             shape = graphs.shape_for(batch)
             if shape is not None:
                 return graphs.run(batch, shape)
         return self.eager_step(batch)
+
+    def _capture_lora_graphs(self, graphs: DecodeGraphs) -> None:
+        """Capture the graphs with LoRA slots, once, where the runner's ``forward`` takes
+        them. They come after the KV cache took its share of memory: if they do not fit,
+        steps with adapters run eagerly (said once), and nothing is tried again."""
+        if self._lora_graphs_tried or not self.graphs_take_lora():
+            return
+        self._lora_graphs_tried = True
+        try:
+            graphs.capture(lora=True)
+        except torch.OutOfMemoryError:
+            logger.warning(
+                "CUDA graphs with LoRA slots do not fit in the device memory left: steps "
+                "with adapters run eagerly (a smaller cache_max_entry_count leaves room)"
+            )
 
     def eager_step(self, batch: StepBatch) -> torch.Tensor:
         """``forward`` over the staged step, outside any graph."""

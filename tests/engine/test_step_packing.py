@@ -3,6 +3,7 @@ to a CUDA-graph bucket, and the buckets themselves. Pure host code, checked on t
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 from llmctl.engine.runner import (
     DecodeGraphs,
     GraphShape,
+    PagedRunner,
     StepBatch,
     StepLayout,
     batch_buckets,
@@ -340,3 +342,54 @@ def test_replays_see_each_verification_and_adapter_step_in_the_fixed_buffers():
     for batch in steps:
         assert graphs.run(batch).tolist() == expected_fields(batch)
     assert (graphs.replays, graphs.verify_replays, graphs.lora_replays) == (7, 5, 4)
+
+
+class StandInRunner(PagedRunner):
+    """A runner whose "model" is ``fields_at_logits``; its graphs with LoRA slots run out
+    of device memory while being captured, as a big model's may mid-serving."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config, block_size=16, max_num_seqs=4, max_model_len=128)
+        self.lora_captures = 0
+
+    def _allocate(self, num_blocks: int) -> None:
+        pass
+
+    def graphs_take_lora(self) -> bool:
+        return True
+
+    def forward(self, inputs, is_decode: bool):
+        if inputs.lora_slots is not None:
+            self.lora_captures += 1
+            raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+        return fields_at_logits(inputs)
+
+
+def test_lora_graphs_that_do_not_fit_leave_adapter_steps_eager(tiny_model_dir, caplog):
+    from llmctl.model.config import ModelConfig
+
+    runner = StandInRunner(ModelConfig.from_dir(tiny_model_dir("llama3-rope")))
+    runner.allocate_kv_cache(100)  # no graphs on the CPU: made here, replayed eagerly
+    graphs = DecodeGraphs(
+        runner.decode_step, max_batch_size=4, max_blocks_per_seq=8, block_size=16,
+        num_blocks=100, device=torch.device("cpu"), record=replay_eagerly,
+    )  # fmt: skip
+    graphs.capture(progress=False)
+    runner.decode_graphs = graphs
+    captured = set(graphs._replays)
+    rng = random.Random(9)
+    for _ in range(2):
+        batch = random_batch(rng, 3, decode=True)
+        batch.lora_slots = [0, -1, 1]
+        with caplog.at_level("WARNING", logger="llmctl"):
+            # eagerly: an eager step's inputs carry no per-token slots (the runner groups
+            # its adapters' rows on the host)
+            eager = dataclasses.replace(batch, lora_slots=None)
+            assert runner.execute(batch).tolist() == expected_fields(eager)
+    assert runner.lora_captures == 1  # tried once, not at every step
+    assert "run eagerly" in caplog.text
+    assert not graphs.lora_captured and set(graphs._replays) == captured
+    assert graphs.replays == 0
+    plain = random_batch(rng, 3, decode=True)
+    assert runner.execute(plain).tolist() == expected_fields(plain)
+    assert graphs.replays == 1  # the graphs without LoRA still serve the base model
