@@ -321,7 +321,9 @@ TORCH_THREADS_RULE = OptionRule(
 CUDA_GRAPHS_RULE = OptionRule(
     "cuda_graphs",
     "on CUDA, decode steps replay graphs captured at start for batch sizes 1, 2, 4, 8, 16, "
-    "then every 16 up to max_batch_size; ignored on the CPU",
+    "then every 16 up to max_batch_size (with speculation, verification steps of up to "
+    "num_speculative_tokens + 1 tokens per sequence too; torch: steps with LoRA adapters "
+    "too, captured at the first one); ignored on the CPU",
     lambda value, options, hardware: None,
     note=cuda_graphs_note,
 )
@@ -367,7 +369,9 @@ def _speculative_method_note(value: Any, options: Mapping[str, Any], hw: Hardwar
     else:
         return None
     if hw.device_for(options.get("device", "auto")) == "cuda":
-        note += "; on CUDA steps no longer overlap and verification steps run eagerly"
+        note += "; on CUDA steps no longer overlap"
+        if options.get("cuda_graphs", True):
+            note += f", and verification steps (up to {tokens + 1} tokens) replay CUDA graphs"
     return note
 
 

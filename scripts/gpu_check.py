@@ -10,7 +10,8 @@ The parts, each recorded in ``docs/benchmarks/gpu_check_<date>.md``:
    Triton attention) against transformers' (its ``reference_greedy.json``);
 3. turbo (``gpu_check_turbo.py``): build, its CUDA kernel and CUDA-graph tests,
    stories260K end to end, its decode step eager vs graph;
-   then the torch backend's decode as CUDA graphs (``gpu_check_graphs.py``);
+   then the torch backend's decode as CUDA graphs, with verification steps of n-gram
+   speculation and batches mixing LoRA adapters, graphs on vs off (``gpu_check_graphs.py``);
 4. the reference throughput workload end to end for turbo, torch and transformers:
    tokens/s, step time, GPU busy share (``gpu_check_workload.py``);
 5. decode bandwidth: paged decode attention, turbo's CUDA kernel beside the Triton

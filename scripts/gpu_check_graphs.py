@@ -6,11 +6,14 @@
 1. tests: ``tests/backends/torch/test_cuda_graphs.py`` (greedy tokens with graphs on =
    graphs off = transformers on stories260K, a random Qwen2 with biases and a random
    Mistral with one KV head; batches of every size from 19 to 1; prefix caching;
-   preemption; bf16 logits) and the host-side packing tests, in a child process with
-   the Triton kernels compiled;
-2. decode step: the reference Llama shape (723.6M parameters, bf16, every sequence at
-   context 512) through the torch runner, eager and as a replayed graph, per batch
-   size: milliseconds per step (inputs staged, model run, device finished: what an
+   preemption; bf16 logits; verification and LoRA steps on the graphs' buffers) and the
+   host-side packing tests, in a child process with the Triton kernels compiled; then
+   ``tests/backends/test_cuda_graphs_verify.py``: n-gram speculation (verification
+   graphs, k + 1 tokens per sequence) on both backends and a batch mixing LoRA adapters
+   on torch, greedy tokens with graphs on = graphs off;
+2. decode and verification steps (k + 1 = 4 tokens per sequence): the reference Llama
+   shape (723.6M parameters, bf16, every sequence at context 512) through the torch
+   runner, eager and as a replayed graph, per batch size: milliseconds per step (inputs staged, model run, device finished: what an
    engine step waits for), the logits of both compared; graph capture time and memory.
 
 ``reference_llama()`` makes (once per machine, in the temp dir) the reference model of
@@ -30,6 +33,9 @@ from pathlib import Path
 # (section title, pytest arguments, lines of log to keep) -> (passed, markdown)
 RunPytest = Callable[..., tuple[bool, str]]
 TESTS = ["tests/backends/torch/test_cuda_graphs.py", "tests/engine/test_step_packing.py"]
+# Verification steps (n-gram speculation, k + 1 tokens per sequence) and batches mixing
+# LoRA adapters: greedy tokens with graphs on = graphs off (= no speculation, = peft).
+VERIFY_TESTS = ["tests/backends/test_cuda_graphs_verify.py"]
 # The reference model of the GPU workload (docs: DESIGN "How speed work is done here").
 REFERENCE_SHAPE = dict(
     hidden_size=2048,
@@ -50,18 +56,23 @@ TINY_SHAPE = dict(
     max_position_embeddings=128,
 )
 STEP_BATCHES = (1, 16, 64, 128)
+VERIFY_K = 3  # num_speculative_tokens of the timed verification steps
 DRY_RUN_BATCHES = (1, 3)
 
 
 def graphs_section(device: str, dry_run: bool, run_pytest: RunPytest) -> tuple[bool, str]:
     tests_passed, tests = run_tests(dry_run, run_pytest)
+    verify_passed, verify = run_pytest(
+        "### Verification and LoRA steps: graphs on vs off", ["-rs", *VERIFY_TESTS]
+    )
     step_passed, step = time_decode_step(device, dry_run)
     if device == "cuda":  # the model and its cache are gone: hand their memory back
         import torch
 
         torch.cuda.empty_cache()
     heading = "## CUDA graphs: the torch backend's decode step\n"
-    return tests_passed and step_passed, "\n".join([heading, tests, step])
+    passed = tests_passed and verify_passed and step_passed
+    return passed, "\n".join([heading, tests, verify, step])
 
 
 def run_tests(dry_run: bool, run_pytest: RunPytest) -> tuple[bool, str]:
@@ -83,21 +94,26 @@ def reference_llama(tiny: bool = False) -> Path:
     return model_dir
 
 
-def decode_batch(num_seqs: int, context: int, block_size: int):
+def decode_batch(num_seqs: int, context: int, block_size: int, query_len: int = 1):
     """A decode step of ``num_seqs`` sequences at ``context`` tokens, each over its own
-    blocks (every block of sequence ``i`` follows those of ``i - 1``)."""
+    blocks (every block of sequence ``i`` follows those of ``i - 1``); with ``query_len``
+    > 1 a verification step: each sequence's last token and ``query_len - 1``
+    proposals, logits at every one of them."""
     from llmctl.engine.runner import StepBatch
 
     blocks_per_seq = -(-context // block_size)
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(num_seqs)]
-    last = context - 1
+    new = range(context - query_len, context)
     return StepBatch(
-        input_ids=[(7 * i) % 500 + 3 for i in range(num_seqs)],
-        positions=[last] * num_seqs,
-        query_lens=[1] * num_seqs,
+        input_ids=[(7 * i + p) % 500 + 3 for i in range(num_seqs) for p in new],
+        positions=[p for _ in range(num_seqs) for p in new],
+        query_lens=[query_len] * num_seqs,
         context_lens=[context] * num_seqs,
         block_tables=tables,
-        slot_mapping=[t[last // block_size] * block_size + last % block_size for t in tables],
+        slot_mapping=[
+            t[p // block_size] * block_size + p % block_size for t in tables for p in new
+        ],
+        logits_indices=list(range(num_seqs * query_len)) if query_len > 1 else None,
     )
 
 
@@ -113,7 +129,7 @@ def time_decode_step(device: str, dry_run: bool) -> tuple[bool, str]:
     from llmctl.engine.runner import DecodeGraphs, record_cuda_graph, replay_eagerly
     from llmctl.model.config import ModelConfig
 
-    title = "### Decode step: eager vs CUDA graph\n\n"
+    title = "### Decode and verification steps: eager vs CUDA graph\n\n"
     started = time.monotonic()
     try:
         model_dir = reference_llama(tiny=dry_run)
@@ -138,6 +154,7 @@ def time_decode_step(device: str, dry_run: bool) -> tuple[bool, str]:
         block_size=block_size,
         num_blocks=num_blocks,
         device=runner.device,
+        num_speculative_tokens=VERIFY_K,
         record=record_cuda_graph if device == "cuda" else replay_eagerly,
     )
     graphs.capture(progress=False)
@@ -148,11 +165,12 @@ def time_decode_step(device: str, dry_run: bool) -> tuple[bool, str]:
     text = (
         title + f"{parameters / 1e6:.1f}M-parameter random Llama (`{model_dir}`, made in "
         f"{made:.0f} s), {dtype}, block size {block_size}, every sequence at context "
-        f"{context}; {iterations} steps each, each waited for. Graphs: "
-        f"{len(graphs.buckets)} batch sizes captured in {capture_seconds:.1f} s, "
-        f"{graphs.memory_bytes / 2**20:.0f} MiB of device memory.\n\n"
-        "| batch | eager ms/step | graph ms/step | speed-up | graph logits vs eager "
-        "(max abs diff / max abs) |\n|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
+        f"{context}; {iterations} steps each, each waited for; verification steps feed "
+        f"{VERIFY_K + 1} tokens per sequence (k = {VERIFY_K}). Graphs: "
+        f"{len(graphs.buckets)} batch sizes x (decode, verification) captured in "
+        f"{capture_seconds:.1f} s, {graphs.memory_bytes / 2**20:.0f} MiB of device memory.\n\n"
+        "| step | batch | eager ms/step | graph ms/step | speed-up | graph logits vs eager "
+        "(max abs diff / max abs) |\n|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n"
     )
     return passed, text
 
@@ -178,11 +196,11 @@ def compare_steps(runner, graphs, batches, context: int, iterations: int):
 
     rows, passed = [], True
     with torch.inference_mode():
-        for num_seqs in batches:
-            batch = decode_batch(num_seqs, context, runner.block_size)
+        for num_seqs, query_len in [(b, q) for q in (1, VERIFY_K + 1) for b in batches]:
+            batch = decode_batch(num_seqs, context, runner.block_size, query_len)
 
             def eager(batch=batch):
-                return runner.execute(batch)  # the runner decodes eagerly
+                return runner.execute(batch)  # the runner runs eagerly (its graphs are off)
 
             def graphed(batch=batch):
                 return graphs.run(batch)
@@ -194,8 +212,9 @@ def compare_steps(runner, graphs, batches, context: int, iterations: int):
             close = error < tolerance
             passed &= close
             eager_ms, graph_ms = per_step(eager), per_step(graphed)
+            kind = "decode" if query_len == 1 else "verify"
             rows.append(
-                f"| {num_seqs} | {eager_ms:.2f} | {graph_ms:.2f} | {eager_ms / graph_ms:.1f}x | "
+                f"| {kind} | {num_seqs} | {eager_ms:.2f} | {graph_ms:.2f} | {eager_ms / graph_ms:.1f}x | "
                 f"{error:.1e} {'ok' if close else 'TOO FAR'}, argmax "
                 f"{'same' if same_argmax else 'differs'} |"
             )

@@ -99,6 +99,8 @@ class EngineConfig(Generic[Extra]):
             max_num_seqs=self.max_num_seqs,
             max_model_len=max_model_len,
             cuda_graphs=self.cuda_graphs,
+            # verification steps (the last token and k proposals) replay graphs too
+            num_speculative_tokens=self.speculation.num_tokens if self.speculation.enabled else 0,
             quantization=self.quantization,
             max_loras=self.lora.max_loras,
             max_lora_rank=self.lora.max_rank,

@@ -48,3 +48,14 @@ def test_a_value_the_engine_cannot_use_names_the_users_option():
         EngineConfig(block_size=0)
     with pytest.raises(OptionError, match="max_batch_size"):
         EngineConfig(block_size=16, max_num_seqs=0)
+
+
+def test_runners_capture_verification_graphs_only_when_speculating():
+    """Both local runners get k = num_speculative_tokens (their verification graphs
+    take k + 1 tokens per sequence), and 0 without speculation."""
+    from llmctl.engine.config import SpeculativeConfig
+
+    plain = EngineConfig(block_size=16)
+    speculating = dataclasses.replace(plain, speculation=SpeculativeConfig("ngram", num_tokens=5))
+    assert plain.runner_options("float32", "cpu", 64)["num_speculative_tokens"] == 0
+    assert speculating.runner_options("float32", "cpu", 64)["num_speculative_tokens"] == 5

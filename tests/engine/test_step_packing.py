@@ -3,13 +3,17 @@ to a CUDA-graph bucket, and the buckets themselves. Pure host code, checked on t
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from llmctl.engine.runner import (
     DecodeGraphs,
+    GraphShape,
+    PagedRunner,
     StepBatch,
     StepLayout,
     batch_buckets,
@@ -73,7 +77,7 @@ def test_logits_indices_travel_after_the_block_tables():
 def test_a_decode_batch_pads_to_its_bucket_with_inert_rows(num_seqs, bucket):
     rng = random.Random(num_seqs)
     batch = random_batch(rng, num_seqs, decode=True)
-    flat, layout = pack_step(batch, pad_to=bucket)
+    flat, layout = pack_step(batch, pad=GraphShape(bucket))
     assert layout == StepLayout(bucket, bucket, num_seqs, max(map(len, batch.block_tables)))
     assert len(flat) == layout.size
     inputs = layout.unpack(torch.tensor(flat, dtype=torch.int32))
@@ -89,7 +93,7 @@ def test_the_head_of_a_padded_step_sits_where_the_bucket_says():
     """A graph reads ids/positions/slots/lengths at offsets fixed by its bucket alone."""
     rng = random.Random(0)
     for num_seqs in (3, 4):
-        flat, layout = pack_step(random_batch(rng, num_seqs, decode=True), pad_to=4)
+        flat, layout = pack_step(random_batch(rng, num_seqs, decode=True), pad=GraphShape(4))
         assert layout.head_size == StepLayout(4, 4, 0, 0).head_size == 3 * 4 + 2 * 4 + 1
 
 
@@ -99,9 +103,9 @@ def test_only_decode_batches_pad():
     prefill.query_lens[0] = 2  # make sure one sequence has several tokens
     prefill.input_ids.append(7)
     with pytest.raises(ValueError, match="only a decode batch"):
-        pack_step(prefill, pad_to=4)
+        pack_step(prefill, pad=GraphShape(4))
     with pytest.raises(ValueError, match="cannot pad"):
-        pack_step(random_batch(rng, 5, decode=True), pad_to=4)
+        pack_step(random_batch(rng, 5, decode=True), pad=GraphShape(4))
 
 
 @pytest.mark.parametrize(
@@ -186,3 +190,206 @@ def test_replays_see_each_batch_in_the_fixed_buffers():
         ]
         assert out.tolist() == expected
     assert graphs.replays == 7
+
+
+def verification_batch(rng: random.Random, num_seqs: int, k: int, lora: bool = False):
+    """A speculative step: each sequence feeds its last token and up to ``k`` proposals
+    (some none: they do not speculate), logits asked at each verified position; each
+    sequence's LoRA slot (-1: none) if ``lora``."""
+    batch = random_batch(rng, 0, decode=True)
+    for _ in range(num_seqs):
+        count = rng.randint(1, k + 1)
+        start = rng.randint(0, 60)
+        table = rng.sample(range(1000), -(-(start + count) // 16))
+        batch.input_ids += [rng.randrange(1, 500) for _ in range(count)]
+        batch.positions += list(range(start, start + count))
+        batch.query_lens.append(count)
+        batch.context_lens.append(start + count)
+        batch.block_tables.append(table)
+        batch.slot_mapping += [table[p // 16] * 16 + p % 16 for p in range(start, start + count)]
+    first = 0
+    batch.logits_indices = []
+    for count in batch.query_lens:  # every position of a proposing sequence, else its last
+        batch.logits_indices += range(first if count > 1 else first + count - 1, first + count)
+        first += count
+    if lora:
+        batch.lora_slots = [rng.randrange(-1, 4) for _ in range(num_seqs)]
+    return batch
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_verification_step_pads_to_its_graph_with_inert_padding(seed, lora):
+    """Real sequences keep their tokens in place; padding sequences and tokens follow,
+    writing nowhere, attending to nothing, without an adapter; the logits indices past
+    the step's own name the last padding token."""
+    rng = random.Random(seed)
+    num_seqs, k = rng.randint(1, 8), rng.randint(1, 4)
+    batch = verification_batch(rng, num_seqs, k, lora)
+    shape = GraphShape(bucket_for(num_seqs, batch_buckets(8)), k + 1, lora)
+    flat, layout = pack_step(batch, pad=shape)
+    assert layout.head_size == shape.layout().head_size  # where the graph reads it
+    inputs = layout.unpack(torch.tensor(flat, dtype=torch.int32))
+    tokens, real = shape.num_tokens, len(batch.input_ids)
+    assert tokens == shape.batch * (k + 1) + 1 and shape.num_seqs == shape.batch + 1
+    assert inputs.input_ids.tolist() == batch.input_ids + [0] * (tokens - real)
+    assert inputs.positions.tolist() == batch.positions + [0] * (tokens - real)
+    assert inputs.slot_mapping.tolist() == batch.slot_mapping + [-1] * (tokens - real)
+    spare_seqs = shape.num_seqs - num_seqs
+    assert inputs.context_lens.tolist() == batch.context_lens + [0] * spare_seqs
+    starts = inputs.query_start_loc.tolist()
+    assert [b - a for a, b in zip(starts, starts[1:])][:num_seqs] == batch.query_lens
+    assert starts[-1] == tokens and starts == sorted(starts)
+    logits = inputs.logits_indices.tolist()
+    assert len(logits) == shape.num_logits == shape.batch * (k + 1)
+    own = len(batch.logits_indices)
+    assert logits[:own] == batch.logits_indices and logits[own:] == [tokens - 1] * (
+        shape.num_logits - own
+    )
+    if lora:
+        want = [s for s, n in zip(batch.lora_slots, batch.query_lens) for _ in range(n)]
+        assert inputs.lora_slots.tolist() == want + [-1] * (tokens - real)
+    else:
+        assert inputs.lora_slots is None
+    assert not inputs.is_decode
+
+
+def test_padding_refuses_what_would_drop_tokens_logits_or_adapters():
+    rng = random.Random(4)
+    batch = verification_batch(rng, 3, k=3)
+    batch.query_lens[0] = 4  # make sure one sequence has k + 1 tokens
+    with pytest.raises(ValueError, match="more than the graph's 3"):
+        pack_step(batch, pad=GraphShape(4, 3))
+    with pytest.raises(ValueError, match="only a decode batch"):
+        pack_step(batch, pad=GraphShape(4))
+    decode = random_batch(rng, 2, decode=True)
+    decode.lora_slots = [0, -1]
+    with pytest.raises(ValueError, match="LoRA slots"):
+        pack_step(decode, pad=GraphShape(2))
+    decode.lora_slots, decode.logits_indices = None, [0, 1]
+    with pytest.raises(ValueError, match="verification graph"):
+        pack_step(decode, pad=GraphShape(2))
+
+
+def fields_at_logits(inputs):
+    """A stand-in model: for each token whose logits the step returns, its id, position,
+    slot, LoRA slot (-1 without) and its sequence's block-table sum over its context."""
+    rows = inputs.logits_rows()
+    seq_of_token = torch.bucketize(rows, inputs.query_start_loc[1:], right=True)
+    blocks_used = -(-inputs.context_lens // 16)
+    in_context = torch.arange(inputs.block_tables.shape[1]) < blocks_used[:, None]
+    table_sums = (inputs.block_tables * in_context).sum(1)[seq_of_token]
+    lora = inputs.lora_slots[rows] if inputs.lora_slots is not None else torch.full_like(rows, -1)
+    fields = [inputs.input_ids, inputs.positions, inputs.slot_mapping]
+    return torch.stack([*(f[rows] for f in fields), lora, table_sums], dim=1)
+
+
+def expected_fields(batch):
+    starts = [0, *np.cumsum(batch.query_lens)]
+    rows = batch.logits_indices
+    if rows is None:
+        rows = [end - 1 for end in starts[1:]]
+    seq_of = np.searchsorted(starts[1:], rows, side="right")
+    slots = batch.lora_slots
+    return [
+        [
+            batch.input_ids[r],
+            batch.positions[r],
+            batch.slot_mapping[r],
+            -1 if slots is None else slots[s],
+            sum(batch.block_tables[s]),
+        ]
+        for r, s in zip(rows, seq_of)
+    ]
+
+
+def test_replays_see_each_verification_and_adapter_step_in_the_fixed_buffers():
+    """Decode and verification steps of changing sizes, with and without adapters, one
+    after another through the same buffers: each replay returns what the stand-in model
+    computes of the current step at exactly the positions it asked for."""
+    graphs = DecodeGraphs(
+        fields_at_logits,
+        max_batch_size=12,
+        max_blocks_per_seq=8,
+        block_size=16,
+        num_blocks=1000,
+        device=torch.device("cpu"),
+        num_speculative_tokens=3,
+        record=replay_eagerly,
+    )
+    graphs.capture(progress=False)
+    rng = random.Random(8)
+    decode = random_batch(rng, 5, decode=True)
+    assert graphs.shape_for(decode) == GraphShape(8, 1)
+    adapted = verification_batch(rng, 3, k=3, lora=True)
+    assert graphs.shape_for(adapted) is None  # no LoRA graphs yet: eager
+    graphs.capture(progress=False, lora=True)
+    assert graphs.shape_for(adapted) == GraphShape(4, 4, lora=True)
+    too_long = verification_batch(rng, 2, k=3)
+    too_long.query_lens[0] = 5
+    assert graphs.shape_for(too_long) is None
+    steps = [
+        verification_batch(rng, 12, k=3),
+        random_batch(rng, 3, decode=True),
+        verification_batch(rng, 1, k=3, lora=True),
+        verification_batch(rng, 7, k=2),
+        adapted,
+        verification_batch(rng, 12, k=3, lora=True),
+    ]
+    lora_decode = random_batch(rng, 9, decode=True)
+    lora_decode.lora_slots = [rng.randrange(-1, 4) for _ in range(9)]
+    steps.append(lora_decode)
+    for batch in steps:
+        assert graphs.run(batch).tolist() == expected_fields(batch)
+    assert (graphs.replays, graphs.verify_replays, graphs.lora_replays) == (7, 5, 4)
+
+
+class StandInRunner(PagedRunner):
+    """A runner whose "model" is ``fields_at_logits``; its graphs with LoRA slots run out
+    of device memory while being captured, as a big model's may mid-serving."""
+
+    def __init__(self, config) -> None:
+        super().__init__(config, block_size=16, max_num_seqs=4, max_model_len=128)
+        self.lora_captures = 0
+
+    def _allocate(self, num_blocks: int) -> None:
+        pass
+
+    def graphs_take_lora(self) -> bool:
+        return True
+
+    def forward(self, inputs, is_decode: bool):
+        if inputs.lora_slots is not None:
+            self.lora_captures += 1
+            raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+        return fields_at_logits(inputs)
+
+
+def test_lora_graphs_that_do_not_fit_leave_adapter_steps_eager(tiny_model_dir, caplog):
+    from llmctl.model.config import ModelConfig
+
+    runner = StandInRunner(ModelConfig.from_dir(tiny_model_dir("llama3-rope")))
+    runner.allocate_kv_cache(100)  # no graphs on the CPU: made here, replayed eagerly
+    graphs = DecodeGraphs(
+        runner.decode_step, max_batch_size=4, max_blocks_per_seq=8, block_size=16,
+        num_blocks=100, device=torch.device("cpu"), record=replay_eagerly,
+    )  # fmt: skip
+    graphs.capture(progress=False)
+    runner.decode_graphs = graphs
+    captured = set(graphs._replays)
+    rng = random.Random(9)
+    for _ in range(2):
+        batch = random_batch(rng, 3, decode=True)
+        batch.lora_slots = [0, -1, 1]
+        with caplog.at_level("WARNING", logger="llmctl"):
+            # eagerly: an eager step's inputs carry no per-token slots (the runner groups
+            # its adapters' rows on the host)
+            eager = dataclasses.replace(batch, lora_slots=None)
+            assert runner.execute(batch).tolist() == expected_fields(eager)
+    assert runner.lora_captures == 1  # tried once, not at every step
+    assert "run eagerly" in caplog.text
+    assert not graphs.lora_captured and set(graphs._replays) == captured
+    assert graphs.replays == 0
+    plain = random_batch(rng, 3, decode=True)
+    assert runner.execute(plain).tolist() == expected_fields(plain)
+    assert graphs.replays == 1  # the graphs without LoRA still serve the base model

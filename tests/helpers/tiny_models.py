@@ -15,6 +15,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from llmctl.engine.runner import StepBatch
@@ -141,11 +142,20 @@ class PagedSequences:
         self.blocks.append([])
         return len(self.tokens) - 1
 
-    def step(self, new_counts: dict[int, int]) -> torch.Tensor:
+    def step(
+        self,
+        new_counts: dict[int, int],
+        logits_indices: list[int] | None = None,
+        lora_slots: list[int] | None = None,
+    ) -> torch.Tensor:
         """Run ``new_counts[seq]`` not-yet-cached tokens of each listed sequence at once;
-        return the runner's logits, one row per listed sequence."""
+        return the runner's logits, one row per listed sequence (or per token
+        ``logits_indices`` names, as a speculative step asks); ``lora_slots``: each listed
+        sequence's adapter slot (-1: none)."""
         bs = self.runner.block_size
-        batch = StepBatch([], [], [], [], [], [])
+        batch = StepBatch([], [], [], [], [], [], logits_indices=logits_indices)
+        if lora_slots is not None:
+            batch.lora_slots = np.asarray(lora_slots, dtype=np.int32)
         for seq, count in new_counts.items():
             start, end = self.cached[seq], self.cached[seq] + count
             while len(self.blocks[seq]) * bs < end:

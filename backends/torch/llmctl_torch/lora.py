@@ -21,7 +21,14 @@ output gets ``B[slot] @ (A[slot] @ x)`` added for each token, with the slot of i
   ``h = x @ A[slot].T`` and an "expand" kernel ``out += h @ B[slot].T`` per part.
 
 ``LoraContext`` holds the step's grouping, computed once per step from
-``StepBatch.lora_slots`` and shared by every layer. A weight method (fp or int8) is
+``StepBatch.lora_slots`` and shared by every layer. A CUDA graph cannot take that
+grouping (it is computed on the host, and its size depends on the step): a graph's
+inputs carry each token's slot instead (``StepInputs.lora_slots``, a fixed buffer
+copied in before each replay), and ``use_slots`` derives everything from it on the
+device with fixed shapes: each token its own tile for the Triton kernels (punica's
+gathered form, BGMV: a tile of one token, or none for a token without an adapter), a
+one-hot of the slots for the torch path. The slots' weights are fixed buffers, so an
+adapter put in a slot (``load``) serves the graphs captured before. A weight method (fp or int8) is
 untouched: the adapters add to whatever the base product is.
 
 Adapters are read with safetensors into host memory (``llmctl.engine.lora``'s
@@ -95,6 +102,20 @@ class LoraContext:
             packed = packed.pin_memory()
         packed = packed.to(self.device, non_blocking=True)
         self.tokens, self.tiles = packed[: len(order)], packed[len(order) :].view(3, -1)
+
+    def use_slots(self, token_slots: torch.Tensor) -> None:
+        """Each token's slot (``[tokens]`` int32 on the device, -1: none), as a graph's
+        inputs hold it: the grouping derived on the device, with fixed shapes and no host
+        work (see the module doc), so a graph can capture it."""
+        self.active = True
+        if self.kernel == "triton":
+            self.tokens = torch.arange(token_slots.shape[0], dtype=torch.int32, device=self.device)
+            adapted = (token_slots >= 0).to(torch.int32)
+            # (slot, start, end): the token alone, or an empty tile (slot 0: stores nothing)
+            self.tiles = torch.stack([token_slots.clamp(min=0), self.tokens, self.tokens + adapted])
+            return
+        slots = torch.arange(self.max_loras, dtype=token_slots.dtype, device=self.device)
+        self.one_hot = (token_slots[:, None] == slots).to(self.dtype)[:, :, None]
 
     def clear(self) -> None:
         self.active = False

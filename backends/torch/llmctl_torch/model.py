@@ -13,9 +13,11 @@ the new tokens' K/V and returns the logits of each sequence's last new token (or
 speculative step, of the tokens ``logits_indices`` names).
 
 On a GPU, decode steps replay CUDA graphs captured when the cache is allocated (see
-``llmctl.engine.runner.DecodeGraphs``); prefill and mixed prefill/decode steps run eagerly, and
-so does any step with a LoRA adapter in it (``llmctl_torch.lora``: batched, never
-merged; the slots are allocated when the first adapter is put in one).
+``llmctl.engine.runner.DecodeGraphs``), and so do the verification steps of speculative
+decoding (up to k + 1 tokens per sequence); longer prefill and mixed steps run eagerly.
+LoRA adapters (``llmctl_torch.lora``: batched, never merged) sit in slots allocated when
+the first adapter is put in one; graphs with per-token adapter slots are captured at the
+first step that uses one, and serve every adapter put in a slot afterwards.
 """
 
 from __future__ import annotations
@@ -368,15 +370,19 @@ class TorchModelRunner(PagedRunner):
             )
         self.loras.load_slot(slot, weights)
 
-    def execute(self, batch: StepBatch) -> torch.Tensor:
+    def eager_step(self, batch: StepBatch) -> torch.Tensor:
         if batch.lora_slots is None:
-            return super().execute(batch)
+            return super().eager_step(batch)
         context = self.loras.context
-        context.prepare(batch.lora_slots, batch.query_lens)
+        context.prepare(batch.lora_slots, batch.query_lens)  # grouped by slot on the host
         try:
-            return super().execute(batch)
+            return super().eager_step(batch)
         finally:
             context.clear()
+
+    def graphs_take_lora(self) -> bool:
+        # The layers read a graph's per-token slots on the device (LoraContext.use_slots).
+        return self.loras is not None
 
     def _allocate(self, num_blocks: int) -> None:
         """One ``[2, layers, num_blocks, block_size, kv_heads, head_dim]`` tensor, viewed
@@ -419,6 +425,16 @@ class TorchModelRunner(PagedRunner):
         return self.cuda_graphs and self.ops.name == "triton"
 
     def forward(self, inputs: StepInputs, is_decode: bool) -> torch.Tensor:
+        if inputs.lora_slots is None:
+            return self._forward(inputs, is_decode)
+        context = self.loras.context  # a graph's inputs: the slots of its tokens
+        context.use_slots(inputs.lora_slots)
+        try:
+            return self._forward(inputs, is_decode)
+        finally:
+            context.clear()
+
+    def _forward(self, inputs: StepInputs, is_decode: bool) -> torch.Tensor:
         meta = AttentionMetadata(
             slot_mapping=inputs.slot_mapping.long(),  # index_copy_ (plain torch) wants int64
             block_tables=inputs.block_tables,

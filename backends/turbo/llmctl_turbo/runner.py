@@ -6,12 +6,13 @@ own linear kernels, elsewhere as transposed views). Each ``execute`` turns the s
 lists into int32 tensors (one packed buffer, the shared ``stage_step``) and makes ONE
 native call, ``llama_step``, which runs every layer and returns the logits.
 
-On a GPU, decode steps replay CUDA graphs of that call, captured per batch-size bucket
-when the cache is allocated (``llmctl.engine.runner.DecodeGraphs``): a step then costs one
-host-to-device copy and one graph launch instead of a few hundred kernel launches.
-Prefill and mixed steps run eagerly, and so does any step with a LoRA adapter in it
-(``llmctl_turbo.lora``, batched beside the base weights, never merged, on the CPU and on
-CUDA; the slots are allocated when the first adapter is put in one).
+On a GPU, decode steps and speculative verification steps (k + 1 tokens a sequence)
+replay CUDA graphs of that call, captured per batch-size bucket when the cache is
+allocated (``llmctl.engine.runner.DecodeGraphs``): a step then costs one host-to-device
+copy and one graph launch instead of a few hundred kernel launches. Steps with a LoRA
+adapter (``llmctl_turbo.lora``, batched beside the base weights, never merged) replay
+graphs with per-token slots, captured at the first such step; prefill and mixed steps
+run eagerly. The adapter slots are allocated when the first adapter is put in one.
 """
 
 from __future__ import annotations
@@ -322,9 +323,9 @@ class TurboModelRunner(PagedRunner):
             self.loras = TurboLoras(self.config, self.max_loras, self.max_lora_rank, self.device)
         self.loras.load_slot(slot, weights)
 
-    def execute(self, batch: StepBatch) -> torch.Tensor:
+    def eager_step(self, batch: StepBatch) -> torch.Tensor:
         if batch.lora_slots is None or self.loras is None:
-            return super().execute(batch)
+            return super().eager_step(batch)
         if self.device.type == "cuda":
             slots = self.loras.step_slots(batch.lora_slots, batch.query_lens, self.device)
             self._lora_step = None if slots is None else (None, None, slots)
@@ -332,9 +333,14 @@ class TurboModelRunner(PagedRunner):
             tiles = self.loras.step_tiles(batch.lora_slots, batch.query_lens)
             self._lora_step = None if tiles is None else (*tiles, None)
         try:
-            return super().execute(batch)
+            return super().eager_step(batch)
         finally:
             self._lora_step = None
+
+    def graphs_take_lora(self) -> bool:
+        # On CUDA the step reads each token's slot on the device: a graph's fixed
+        # StepInputs.lora_slots serve as they are (the CPU kernels take host-made tiles).
+        return self.device.type == "cuda" and self.loras is not None
 
     def weight_bytes(self) -> int:
         unique = {t.data_ptr(): t for t in self.weights if t.numel()}  # tied embeddings once
@@ -354,8 +360,10 @@ class TurboModelRunner(PagedRunner):
         """``llama_step`` over staged inputs: every eager step, and the decode step the
         CUDA graphs capture (padding rows: slot -1 writes nothing, context length 0
         attends to nothing). One native call serves decode and prefill alike; a step
-        with adapters passes their slots and its tiles (CPU) or each token's slot (CUDA)."""
-        lora_rows, lora_tiles, lora_slots = self._lora_step or (None, None, None)
+        with adapters passes their slots and its tiles (CPU) or each token's slot (CUDA:
+        an eager step's, or a graph's fixed ``inputs.lora_slots``)."""
+        lora_rows, lora_tiles, lora_slots = self._lora_step or (None, None, inputs.lora_slots)
+        adapted = lora_rows is not None or lora_slots is not None
         return self._llama_step(
             inputs.input_ids,
             inputs.positions,
@@ -368,7 +376,7 @@ class TurboModelRunner(PagedRunner):
             self.cos_sin_cache,
             self.config.num_heads,
             self.config.rms_norm_eps,
-            self.loras.tensors if self._lora_step is not None else [],
+            self.loras.tensors if adapted else [],
             self.kv_cache_scale,
             inputs.logits_indices,  # None: each sequence's last token
             lora_rows,

@@ -91,6 +91,29 @@ def test_rows_without_an_adapter_are_untouched(kernel):
     assert not layer.context.active  # a step of base rows only skips the adapters
 
 
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+@pytest.mark.parametrize("shape", SHAPES[:4], ids=[f"shape{i}" for i in range(4)])
+def test_a_graphs_per_token_slots_match_the_reference(kernel, shape):
+    """The form a CUDA graph captures (``use_slots``: each token's slot in a device
+    tensor, the grouping derived there with fixed shapes) gives the per-token reference,
+    rows without an adapter (slot -1, as a graph's padding) untouched."""
+    in_features, part_sizes, slots, rank, query_lens = shape
+    layer, g = random_layer(kernel, in_features, part_sizes, slots, rank, torch.float32, 4)
+    num_tokens = int(sum(query_lens))
+    token_slots = torch.randint(-1, slots, (num_tokens,), generator=g)
+    token_slots[0], token_slots[-1] = slots - 1, -1
+    x = torch.randn(num_tokens, in_features, generator=g).to(DEVICE)
+    out = torch.randn(num_tokens, sum(part_sizes), generator=g).to(DEVICE)
+    want = reference(x.cpu(), out.cpu(), layer, token_slots.tolist())
+    layer.context.use_slots(token_slots.to(torch.int32).to(DEVICE))
+    layer.apply(x, out)
+    layer.context.clear()
+    magnitude = want.abs().max()
+    assert torch.allclose(out.double().cpu(), want, atol=1e-4 * float(magnitude), rtol=1e-5)
+    base = token_slots < 0
+    assert torch.equal(out.cpu()[base].double(), want[base])
+
+
 def test_triton_kernels_take_bfloat16():
     """bf16 weights and activations (the GPU's dtype): within bf16's rounding of the output."""
     layer, g = random_layer("triton", 64, [64, 32], 3, 16, torch.bfloat16, 3)
