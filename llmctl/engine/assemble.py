@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
@@ -12,6 +13,7 @@ from llmctl.engine.async_engine import AsyncEngine
 from llmctl.engine.config import EngineConfig
 from llmctl.engine.kv_cache import plan_kv_cache
 from llmctl.engine.llm_engine import LLMEngine
+from llmctl.engine.lora import LoraRunner
 from llmctl.engine.runner import PagedRunner
 from llmctl.errors import OptionError
 from llmctl.hardware import Hardware, available_memory_bytes
@@ -57,6 +59,8 @@ def build_engine(
     if config.speculation.method == "draft":
         draft = draft_model(config.speculation.model, tokenizer)
     runner = load_runner(model, model_config, config, dtype, device, max_model_len)
+    if config.lora.adapters and runner.serves_lora:  # before the cache takes the memory
+        cast(LoraRunner, runner).allocate_lora_slots()
     runners = [runner]
     if draft is not None:  # its cache has the same blocks: the plan counts both
         draft_config = ModelConfig.from_dir(draft.path)

@@ -61,6 +61,13 @@ class LoraRunner(Protocol):
         any thread: it only reads files)."""
         ...
 
+    def allocate_lora_slots(self) -> None:
+        """Allocate the ``max_loras`` slots of rank ``max_lora_rank`` (once; later calls do
+        nothing). The engine calls it before it sizes the KV cache when adapters are
+        served from the start, so the cache leaves them their memory; else the first
+        ``load_lora_slot`` does."""
+        ...
+
     def load_lora_slot(self, slot: int, weights: Any) -> None:
         """Put ``weights`` (from ``read_lora``) in ``slot``, replacing what was there. The
         copy is ordered after the steps already launched (they may still read the old)."""

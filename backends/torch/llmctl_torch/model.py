@@ -362,12 +362,15 @@ class TorchModelRunner(PagedRunner):
     def read_lora(self, spec: AdapterSpec) -> LoraWeights:
         return read_lora_weights(spec, self.dtype, pin=self.device.type == "cuda")
 
-    def load_lora_slot(self, slot: int, weights: LoraWeights) -> None:
+    def allocate_lora_slots(self) -> None:
         if self.loras is None:
             kernel = "triton" if self.device.type == "cuda" else "torch"
             self.loras = ModelLoras(
                 self.model, self.max_loras, self.max_lora_rank, self.dtype, kernel
             )
+
+    def load_lora_slot(self, slot: int, weights: LoraWeights) -> None:
+        self.allocate_lora_slots()
         self.loras.load_slot(slot, weights)
 
     def eager_step(self, batch: StepBatch) -> torch.Tensor:

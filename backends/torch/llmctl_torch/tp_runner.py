@@ -149,7 +149,15 @@ class TensorParallelRunner(ShardRunner):
             except Exception as exc:
                 raise EngineDead(self.ranks.diagnose(exc)) from exc
 
+    def allocate_lora_slots(self) -> None:
+        if self.loras is None:
+            with self._on_all_ranks(("lora_slots", None)):
+                super().allocate_lora_slots()
+
     def load_lora_slot(self, slot: int, weights: LoraWeights) -> None:
+        # Slots first, on every rank: inside the call below this rank's own load finds
+        # them there (allocating them in it would send to the ranks under the same lock).
+        self.allocate_lora_slots()
         # Every rank gets the whole adapter (host memory, pickled) and keeps its part.
         with self._on_all_ranks(("lora", (slot, weights))):
             super().load_lora_slot(slot, weights)
@@ -209,6 +217,8 @@ def run_worker(topology: Topology, task: WorkerTask, rank: int) -> None:
                 runner.execute(value)
             elif kind == "lora":
                 runner.load_lora_slot(*value)
+            elif kind == "lora_slots":
+                runner.allocate_lora_slots()
             else:
                 runner.allocate_kv_cache(value)
                 dist.barrier()

@@ -318,9 +318,12 @@ class TurboModelRunner(PagedRunner):
     def read_lora(self, spec: AdapterSpec) -> LoraWeights:
         return read_lora_weights(spec, torch.float32, pin=self.device.type == "cuda")
 
-    def load_lora_slot(self, slot: int, weights: LoraWeights) -> None:
+    def allocate_lora_slots(self) -> None:
         if self.loras is None:
             self.loras = TurboLoras(self.config, self.max_loras, self.max_lora_rank, self.device)
+
+    def load_lora_slot(self, slot: int, weights: LoraWeights) -> None:
+        self.allocate_lora_slots()
         self.loras.load_slot(slot, weights)
 
     def eager_step(self, batch: StepBatch) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 
 from llmctl import LLM, SamplingParams
 from llmctl.engine.quant import dequantize_weight_int8, quantize_weight_int8
+from llmctl.engine.runner import PagedRunner
 from llmctl.errors import BackendError, InvalidRequest, ModelError
 from llmctl.hardware import Hardware
 from tests.helpers.lora_adapters import ATTENTION, MLP, make_adapter
@@ -80,6 +81,30 @@ def test_a_mixed_batch_of_adapters_matches_peft(served, max_loras, backend):
         if max_loras == 1:
             assert llm.engine.engine.loras.num_loads >= len(ADAPTERS)
         assert llm.engine.engine.block_size == 16  # adapters never change the block size
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_adapter_slots_are_allocated_before_the_kv_cache(served, backend, monkeypatch):
+    """Adapters served from the start get their slots before the KV cache is sized, so
+    the cache leaves their memory free (on a GPU the plan reads what is free); with none,
+    the first run-time load allocates them, and they then serve correctly."""
+    model_dir, paths, want = served
+    slots_when_cache_allocated = []
+    allocate = PagedRunner.allocate_kv_cache
+
+    def watched(runner: PagedRunner, num_blocks: int) -> None:
+        slots_when_cache_allocated.append(runner.loras is not None)
+        allocate(runner, num_blocks)
+
+    monkeypatch.setattr(PagedRunner, "allocate_kv_cache", watched)
+    with LLM(str(model_dir), backend=backend, lora={"mlp4": paths["mlp4"]}) as llm:
+        assert slots_when_cache_allocated == [True]
+        assert greedy(llm, ["mlp4"]) == [want["mlp4"]]
+    with LLM(str(model_dir), backend=backend) as llm:
+        assert slots_when_cache_allocated == [True, False]
+        assert llm.engine.engine.runner.loras is None
+        llm.load_lora("attn8", paths["attn8"])
+        assert greedy(llm, ["attn8", None]) == [want["attn8"], want[None]]
 
 
 @pytest.mark.gpu
