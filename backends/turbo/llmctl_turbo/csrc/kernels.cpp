@@ -95,15 +95,12 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const a
 void lora_add_slots(at::Tensor& out, const at::Tensor& x, const at::Tensor& a,
                     const at::Tensor& bt, at::IntArrayRef out_offsets, at::IntArrayRef sizes,
                     const at::Tensor& token_slots) {
-#ifdef LLMCTL_TURBO_CUDA
-  if (out.is_cuda()) {
-    cuda::lora_add_slots(out, x, a, bt, out_offsets, sizes, token_slots);
-    return;
-  }
-#endif
+  TORCH_CHECK(out.is_cuda(), "lora_add_slots is turbo's CUDA LoRA pass; on the CPU use "
+              "lora_add (tiles of one slot: llmctl.engine.lora.slot_tiles)");
   check_cuda_built(out);
-  TORCH_CHECK(false, "lora_add_slots is turbo's CUDA LoRA pass; on the CPU use lora_add "
-              "(tiles of one slot: llmctl.engine.lora.slot_tiles)");
+#ifdef LLMCTL_TURBO_CUDA
+  cuda::lora_add_slots(out, x, a, bt, out_offsets, sizes, token_slots);
+#endif
 }
 
 void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& gate_up,
