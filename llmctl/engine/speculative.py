@@ -22,14 +22,23 @@ Verification keeps the output exactly what plain decoding gives:
   without t. Every token is then distributed as p. A seeded request draws from its own
   generator.
 
-Adaptive: a request whose accepted proposals do not pay for what they add to a step's
-time (``Speculator.pays``, from step times measured while the engine runs) stops
-proposing, so prompts that do not repeat lose almost nothing, and large batches, whose
-steps grow with every token, speculate only where nearly every proposal is accepted.
+Adaptive, per request and per step (``Speculator.num_proposals``): a proposal is worth its
+cost when the chance it is accepted beats what its place in the step costs. Each request
+keeps a decayed count of its accepted proposals and of its rejections, so ``p``, the chance
+that a proposal is accepted after the one before it was, is known as it goes; the j-th
+proposal of a step is then accepted with chance ``p**j``. A proposal adds ``b`` seconds to
+a step (``StepCost``, fitted from the decode and verification steps the engine runs) and
+pays if ``p**j`` exceeds ``b`` times the engine's tokens per second. So a request that
+copies its prompt proposes up to ``num_speculative_tokens`` tokens, one whose proposals
+miss proposes fewer, and one whose first proposal does not pay pauses (proposes nothing)
+for a few steps, then tries one proposal again, the pause doubling while that does not
+pay: prompts that do not repeat lose almost nothing, and a large batch, whose steps grow
+with every token, speculates only where proposals are nearly always accepted.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,39 +59,53 @@ from llmctl.engine.scheduler import ScheduledStep
 from llmctl.engine.sequence import Sequence
 from llmctl.engine.step_profile import SpeculationStats
 
-# After this many verification steps, a request whose proposals do not pay for what they
-# cost stops proposing (``Speculator.pays``).
-ADAPTIVE_MIN_STEPS = 4
 # Weight of the newest step in the fit of a step's time to its tokens (``StepCost``).
 STEP_TIME_WEIGHT = 0.05
+# What a request's acceptance counts start from (a proposal as likely accepted as not), and
+# how much each verification step keeps of the counts before it: about the last ten steps
+# decide, so a request that stops copying its prompt soon proposes less.
+PRIOR_ACCEPTED = PRIOR_REJECTED = 1.0
+ACCEPTANCE_DECAY = 0.9
+# The longest pause (steps without proposals) of a request whose proposals do not pay.
+MAX_PAUSE_STEPS = 32
 
 
 class StepCost:
     """A step's time as ``a + b * tokens`` (its new tokens), fitted as the engine runs:
-    exponentially weighted least squares over every step (decodes, verifications with
-    their drafting, prefill chunks). ``a`` is what a step costs whatever it feeds (the
-    weights read once, the per-step overheads), ``b`` what each token adds."""
+    exponentially weighted least squares over its decode and verification steps (with
+    their drafting). ``a`` is what a step costs whatever it feeds (the weights read once,
+    the per-step overheads), ``b`` what each token adds. Also the engine's rate, tokens
+    emitted per second of those steps, over the same window."""
 
     def __init__(self) -> None:
-        self._sums = np.zeros(5)  # weight, x, y, x*x, x*y
+        self._sums = np.zeros(7)  # weight, x, y, x*x, x*y, emitted, seconds
 
-    def add(self, tokens: int, seconds: float) -> None:
+    def add(self, tokens: int, seconds: float, emitted: int) -> None:
         self._sums *= 1.0 - STEP_TIME_WEIGHT
-        self._sums += (1.0, tokens, seconds, tokens * tokens, tokens * seconds)
+        self._sums += (1.0, tokens, seconds, tokens * tokens, tokens * seconds, emitted, seconds)
 
-    def token_share(self, tokens: int) -> float | None:
-        """The part of a step of ``tokens`` tokens that grows with them, ``b*n / (a +
-        b*n)``; ``None`` until steps of different sizes have been measured."""
-        weight, x, y, xx, xy = self._sums
+    def per_token(self) -> float | None:
+        """``b``, the seconds one more token adds to a step; ``None`` until steps of
+        different sizes have been measured."""
+        weight, x, y, xx, xy = self._sums[:5]
         if weight < 2:
             return None
         mean_x, mean_y = x / weight, y / weight
         variance = xx / weight - mean_x * mean_x
         if variance < 1e-6:
             return None
-        b = max((xy / weight - mean_x * mean_y) / variance, 0.0)
-        a = max(mean_y - b * mean_x, 1e-9)
-        return b * tokens / (a + b * tokens)
+        return max((xy / weight - mean_x * mean_y) / variance, 0.0)
+
+    def acceptance_bar(self) -> float | None:
+        """The chance of acceptance above which one more proposed token pays: ``b`` times
+        the tokens emitted per second (a proposal adds ``b`` to the step's time and its
+        chance of acceptance to its tokens; the rate rises if the second ratio beats the
+        first). ``None`` until ``b`` is known."""
+        b = self.per_token()
+        emitted, seconds = self._sums[5:]
+        if b is None or seconds <= 0.0:
+            return None
+        return b * emitted / seconds
 
 
 def propose_ngram(
@@ -118,12 +141,26 @@ def propose_ngram(
 
 @dataclass
 class SpecState:
-    """One request's speculation: its counts, and whether it still proposes."""
+    """One request's speculation: its counts, its decayed acceptance counts (``p``, the
+    chance a proposal is accepted after the one before it was, is ``hits / (hits +
+    misses)``), and its pause: steps left without proposals, and the next pause's length."""
 
     steps: int = 0
     proposed: int = 0
     accepted: int = 0
-    active: bool = True
+    hits: float = PRIOR_ACCEPTED
+    misses: float = PRIOR_REJECTED
+    paused: int = 0
+    next_pause: int = 1
+    stopped: bool = False  # paused at least once (counted in ``stopped_requests``)
+
+    @property
+    def acceptance(self) -> float:
+        return self.hits / (self.hits + self.misses)
+
+    def observe(self, num_proposed: int, num_accepted: int) -> None:
+        self.hits = self.hits * ACCEPTANCE_DECAY + num_accepted
+        self.misses = self.misses * ACCEPTANCE_DECAY + (num_accepted < num_proposed)
 
 
 class Speculator:
@@ -140,22 +177,36 @@ class Speculator:
         self.draft = draft
         self.stats = SpeculationStats()
         self.cost = StepCost()
-        self._step_tokens = 1  # new tokens of the latest step (of which proposals pay part)
 
-    def step_seconds(self, tokens: int, seconds: float) -> None:
-        """Note how long a step of ``tokens`` new tokens took (with its drafting)."""
-        self.cost.add(tokens, seconds)
-        self._step_tokens = tokens
+    def step_seconds(self, tokens: int, seconds: float, emitted: int) -> None:
+        """Note how long a decode or verification step of ``tokens`` new tokens took (with
+        its drafting), and how many tokens it gave its requests."""
+        self.cost.add(tokens, seconds, emitted)
 
-    def pays(self, state: SpecState) -> bool:
-        """Whether a request's proposals are worth their cost. A request's k proposals
-        make a step of n tokens cost ``b*k`` more and yield its accepted ones: the
-        batch's tokens per second rise if accepted/proposed exceeds ``b*n / (a + b*n)``
-        (``StepCost.token_share``). At batch 1 on a memory-bound model that share is small
-        and nearly any acceptance pays; in a large batch whose step is compute-bound only
-        near-certain proposals do. Until the cost is known, a request goes on."""
-        share = self.cost.token_share(self._step_tokens)
-        return share is None or state.accepted > share * state.proposed
+    def num_proposals(self, state: SpecState) -> int:
+        """How many tokens a request proposes this step (at most ``num_speculative_tokens``):
+        the j-th pays if ``p**j`` (``SpecState.acceptance``) exceeds the bar of
+        ``StepCost.acceptance_bar``. At batch 1 on a memory-bound model a token costs
+        little and nearly any acceptance pays; in a large batch whose step is compute-bound
+        only near-certain proposals do. Until the cost is known a request proposes all it
+        may; one whose first proposal does not pay pauses (module docstring)."""
+        if state.paused:
+            state.paused -= 1
+            return 0 if state.paused else 1  # a pause ends with a proposal, to measure again
+        most = self.config.num_tokens
+        bar = self.cost.acceptance_bar()
+        if bar is None or bar <= 0.0:
+            return most
+        p = state.acceptance
+        if p > bar:
+            state.next_pause = 1
+            return min(most, int(math.log(bar) / math.log(p)))
+        state.paused = state.next_pause
+        state.next_pause = min(2 * state.next_pause, MAX_PAUSE_STEPS)
+        if not state.stopped:
+            state.stopped = True
+            self.stats.stopped_requests += 1
+        return 0
 
     def propose(self, seqs: list[Sequence]) -> bool:
         """Set ``seq.proposal`` for every running sequence; whether any got tokens.
@@ -172,11 +223,11 @@ class Speculator:
             state = seq.speculation
             if state is None:
                 state = seq.speculation = SpecState()
-            if not state.active or seq.num_pending_tokens:
-                continue
-            if seq.num_computed_tokens != len(seq.token_ids) - 1:
-                continue  # still prefilling
-            room = min(config.num_tokens, seq.sampling.max_tokens - seq.num_output_tokens - 1)
+            if seq.num_pending_tokens or seq.num_computed_tokens != len(seq.token_ids) - 1:
+                continue  # a token still on the device, or still prefilling
+            room = min(
+                self.num_proposals(state), seq.sampling.max_tokens - seq.num_output_tokens - 1
+            )
             if room <= 0:
                 continue
             if self.draft is not None:  # room for the draft's tokens (fill_proposals)
@@ -272,9 +323,7 @@ class Speculator:
         state.steps += 1
         state.proposed += num_proposed
         state.accepted += num_accepted
-        if state.steps >= ADAPTIVE_MIN_STEPS and not self.pays(state):
-            state.active = False
-            self.stats.stopped_requests += 1
+        state.observe(num_proposed, num_accepted)
 
 
 def _accept_greedy(proposal: list[int], targets: list[int]) -> list[int]:
