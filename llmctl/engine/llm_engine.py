@@ -267,17 +267,12 @@ class LLMEngine:
         except Exception as exc:
             raise StepFailed([seq.request_id for seq in step.seqs], outputs) from exc
         # A draft model's calls (speculative_method=draft; 0 otherwise) are model time,
-        # and a verification step costs them too (what adaptive speculation weighs). Only
-        # decode and verification steps are fitted: a prefill's cost per token is another.
+        # and a verification step costs them too (what adaptive speculation weighs).
         draft_seconds = scheduled - drafting
-        if self.speculator is not None and len(step.ready) == len(step.seqs):
-            num_proposed = sum(map(len, step.proposed.values()))
-            if len(step.input_ids) == len(step.seqs) + num_proposed:
-                seconds = perf_counter() - launched + draft_seconds
-                accepted = sum(len(tokens) - 1 for tokens, _ in step.verified.values())
-                self.speculator.step_seconds(
-                    len(step.input_ids), seconds, len(step.seqs) + accepted
-                )
+        if self.speculator is not None:
+            seconds = perf_counter() - launched + draft_seconds
+            accepted = sum(len(tokens) - 1 for tokens, _ in step.verified.values())
+            self.speculator.step_seconds(len(batch.input_ids), seconds, len(step.ready) + accepted)
         previous, self._in_flight = self._in_flight, (step, sampled)
         profile.steps += 1
         profile.scheduled_seqs += len(step.seqs)

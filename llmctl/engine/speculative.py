@@ -27,7 +27,7 @@ cost when the chance it is accepted beats what its place in the step costs. Each
 keeps a decayed count of its accepted proposals and of its rejections, so ``p``, the chance
 that a proposal is accepted after the one before it was, is known as it goes; the j-th
 proposal of a step is then accepted with chance ``p**j``. A proposal adds ``b`` seconds to
-a step (``StepCost``, fitted from the decode and verification steps the engine runs) and
+a step (``StepCost``, fitted from the steps the engine runs) and
 pays if ``p**j`` exceeds ``b`` times the engine's tokens per second. So a request that
 copies its prompt proposes up to ``num_speculative_tokens`` tokens, one whose proposals
 miss proposes fewer, and one whose first proposal does not pay pauses (proposes nothing)
@@ -64,7 +64,7 @@ STEP_TIME_WEIGHT = 0.05
 # What a request's acceptance counts start from (a proposal as likely accepted as not), and
 # how much each verification step keeps of the counts before it: about the last ten steps
 # decide, so a request that stops copying its prompt soon proposes less.
-PRIOR_ACCEPTED = PRIOR_REJECTED = 1.0
+PRIOR_ACCEPTED = PRIOR_REJECTED = 0.5
 ACCEPTANCE_DECAY = 0.9
 # The longest pause (steps without proposals) of a request whose proposals do not pay.
 MAX_PAUSE_STEPS = 32
@@ -72,10 +72,11 @@ MAX_PAUSE_STEPS = 32
 
 class StepCost:
     """A step's time as ``a + b * tokens`` (its new tokens), fitted as the engine runs:
-    exponentially weighted least squares over its decode and verification steps (with
-    their drafting). ``a`` is what a step costs whatever it feeds (the weights read once,
-    the per-step overheads), ``b`` what each token adds. Also the engine's rate, tokens
-    emitted per second of those steps, over the same window."""
+    exponentially weighted least squares over every step (decodes, verifications with
+    their drafting, prefill chunks: those give the first steps of different sizes, and a
+    prompt's tokens cost at least what a proposal does). ``a`` is what a step costs
+    whatever it feeds (the weights read once, the per-step overheads), ``b`` what each
+    token adds. Also the engine's rate, tokens emitted per second, over the same window."""
 
     def __init__(self) -> None:
         self._sums = np.zeros(7)  # weight, x, y, x*x, x*y, emitted, seconds
@@ -179,8 +180,8 @@ class Speculator:
         self.cost = StepCost()
 
     def step_seconds(self, tokens: int, seconds: float, emitted: int) -> None:
-        """Note how long a decode or verification step of ``tokens`` new tokens took (with
-        its drafting), and how many tokens it gave its requests."""
+        """Note how long a step of ``tokens`` new tokens took (with its drafting), and how
+        many tokens it gave its requests."""
         self.cost.add(tokens, seconds, emitted)
 
     def num_proposals(self, state: SpecState) -> int:
@@ -188,14 +189,16 @@ class Speculator:
         the j-th pays if ``p**j`` (``SpecState.acceptance``) exceeds the bar of
         ``StepCost.acceptance_bar``. At batch 1 on a memory-bound model a token costs
         little and nearly any acceptance pays; in a large batch whose step is compute-bound
-        only near-certain proposals do. Until the cost is known a request proposes all it
-        may; one whose first proposal does not pay pauses (module docstring)."""
+        only near-certain proposals do. Until the cost is known a request proposes one
+        token; one whose first proposal does not pay pauses (module docstring)."""
         if state.paused:
             state.paused -= 1
             return 0 if state.paused else 1  # a pause ends with a proposal, to measure again
         most = self.config.num_tokens
         bar = self.cost.acceptance_bar()
-        if bar is None or bar <= 0.0:
+        if bar is None:
+            return 1  # a cheap first measure (the fit has not seen two steps yet)
+        if bar <= 0.0:
             return most
         p = state.acceptance
         if p > bar:

@@ -299,8 +299,8 @@ def test_a_request_whose_proposals_do_not_pay_pauses_and_tries_again():
     assert accepted_proposals == [3] + [NGRAM.num_tokens] * 119
     # Always rejected, it proposes fewer as p falls, then pauses; each pause ends with one
     # proposal and, as that is rejected too, the next pause is twice as long, up to 32.
-    assert proposals[:7] == [3, 2, 1, 1, 1, 1, 0]
-    probes = [i for i, count in enumerate(proposals) if count][6:]
+    assert proposals[:5] == [3, 1, 1, 1, 0]
+    probes = [i for i, count in enumerate(proposals) if count][4:]
     assert [proposals[i] for i in probes] == [1] * len(probes)
     assert list(np.diff(probes)) == [3, 5, 9, 17, MAX_PAUSE_STEPS + 1, MAX_PAUSE_STEPS + 1]
     assert speculator.stats.stopped_requests == 1  # counted once, however often it pauses
