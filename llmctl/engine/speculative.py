@@ -71,42 +71,53 @@ MAX_PAUSE_STEPS = 32
 
 
 class StepCost:
-    """A step's time as ``a + b * tokens`` (its new tokens), fitted as the engine runs:
-    exponentially weighted least squares over every step (decodes, verifications with
-    their drafting, prefill chunks: those give the first steps of different sizes, and a
-    prompt's tokens cost at least what a proposal does). ``a`` is what a step costs
-    whatever it feeds (the weights read once, the per-step overheads), ``b`` what each
-    token adds. Also the engine's rate, tokens emitted per second, over the same window."""
+    """A step's time as ``a + b * tokens + c * verifies`` (its new tokens; whether it
+    verifies proposals), fitted as the engine runs: exponentially weighted least squares
+    over every step (decodes, verifications with their drafting, prefill chunks: those
+    give the first steps of different sizes, and a prompt's tokens cost at least what a
+    proposal does). ``a`` is what a step costs whatever it feeds (the weights read once,
+    the per-step overheads), ``b`` what each token adds, ``c`` what verifying adds besides
+    (the logits of every verified position, the acceptance on the host): measured, a
+    2-token verification cost SmolLM2 Q4_1 on this (busy) CPU ~3 ``b`` more than a decode. Also
+    the engine's rate, tokens emitted per second, over the same window."""
 
     def __init__(self) -> None:
-        self._sums = np.zeros(7)  # weight, x, y, x*x, x*y, emitted, seconds
+        # Weighted sums of z z^T for z = (1, tokens, verifies, seconds); emitted, seconds.
+        self._moments = np.zeros((4, 4))
+        self._emitted = np.zeros(2)
+        self.fit: tuple[float, float, float] | None = None  # (a, b, c); None until known
 
-    def add(self, tokens: int, seconds: float, emitted: int) -> None:
-        self._sums *= 1.0 - STEP_TIME_WEIGHT
-        self._sums += (1.0, tokens, seconds, tokens * tokens, tokens * seconds, emitted, seconds)
+    def add(self, tokens: int, seconds: float, emitted: int, verifies: bool) -> None:
+        z = np.array([1.0, tokens, float(verifies), seconds])
+        self._moments *= 1.0 - STEP_TIME_WEIGHT
+        self._moments += np.outer(z, z)
+        self._emitted *= 1.0 - STEP_TIME_WEIGHT
+        self._emitted += (emitted, seconds)
+        self.fit = self._solve()
 
-    def per_token(self) -> float | None:
-        """``b``, the seconds one more token adds to a step; ``None`` until steps of
-        different sizes have been measured."""
-        weight, x, y, xx, xy = self._sums[:5]
+    @property
+    def rate(self) -> float:
+        """Tokens emitted per second of step time."""
+        emitted, seconds = self._emitted
+        return emitted / seconds if seconds > 0.0 else 0.0
+
+    def _solve(self) -> tuple[float, float, float] | None:
+        """``(a, b, c)``; ``None`` until steps of different sizes have been measured. ``c``
+        is 0 while every step verifies, or none does (it cannot be told from ``a``)."""
+        weight = self._moments[0, 0]
         if weight < 2:
             return None
-        mean_x, mean_y = x / weight, y / weight
-        variance = xx / weight - mean_x * mean_x
-        if variance < 1e-6:
+        mean = self._moments[0] / weight
+        cov = self._moments / weight - np.outer(mean, mean)  # of (1, tokens, verifies, seconds)
+        if cov[1, 1] < 1e-6:
             return None
-        return max((xy / weight - mean_x * mean_y) / variance, 0.0)
-
-    def acceptance_bar(self) -> float | None:
-        """The chance of acceptance above which one more proposed token pays: ``b`` times
-        the tokens emitted per second (a proposal adds ``b`` to the step's time and its
-        chance of acceptance to its tokens; the rate rises if the second ratio beats the
-        first). ``None`` until ``b`` is known."""
-        b = self.per_token()
-        emitted, seconds = self._sums[5:]
-        if b is None or seconds <= 0.0:
-            return None
-        return b * emitted / seconds
+        b, c = cov[1, 3] / cov[1, 1], 0.0
+        if cov[2, 2] > 1e-3:
+            both = cov[1:3, 1:3]
+            if np.linalg.det(both) > 1e-9 * cov[1, 1]:
+                b, c = np.linalg.solve(both, cov[1:3, 3])
+        b, c = max(float(b), 0.0), max(float(c), 0.0)
+        return float(mean[3] - b * mean[1] - c * mean[2]), b, c
 
 
 def propose_ngram(
@@ -179,31 +190,36 @@ class Speculator:
         self.stats = SpeculationStats()
         self.cost = StepCost()
 
-    def step_seconds(self, tokens: int, seconds: float, emitted: int) -> None:
-        """Note how long a step of ``tokens`` new tokens took (with its drafting), and how
-        many tokens it gave its requests."""
-        self.cost.add(tokens, seconds, emitted)
+    def step_seconds(self, tokens: int, seconds: float, emitted: int, verifies: bool) -> None:
+        """Note how long a step of ``tokens`` new tokens took (with its drafting), how many
+        tokens it gave its requests, and whether it verified proposals."""
+        self.cost.add(tokens, seconds, emitted, verifies)
 
     def num_proposals(self, state: SpecState) -> int:
-        """How many tokens a request proposes this step (at most ``num_speculative_tokens``):
-        the j-th pays if ``p**j`` (``SpecState.acceptance``) exceeds the bar of
-        ``StepCost.acceptance_bar``. At batch 1 on a memory-bound model a token costs
-        little and nearly any acceptance pays; in a large batch whose step is compute-bound
-        only near-certain proposals do. Until the cost is known a request proposes one
-        token; one whose first proposal does not pay pauses (module docstring)."""
+        """How many tokens a request proposes this step (at most ``num_speculative_tokens``).
+        The j-th adds ``b`` seconds (``StepCost``) and ``p**j`` tokens (``p``:
+        ``SpecState.acceptance``): it pays while ``p**j`` exceeds ``b`` times the engine's
+        tokens per second, and the k that pay must also make up for ``c``, what verifying
+        costs besides. At batch 1 on a memory-bound model a token costs little and nearly
+        any acceptance pays; in a large batch whose step is compute-bound only
+        near-certain proposals do. Until the cost is known a request proposes one token;
+        one whose proposals do not pay pauses (module docstring)."""
         if state.paused:
             state.paused -= 1
             return 0 if state.paused else 1  # a pause ends with a proposal, to measure again
-        most = self.config.num_tokens
-        bar = self.cost.acceptance_bar()
-        if bar is None:
-            return 1  # a cheap first measure (the fit has not seen two steps yet)
-        if bar <= 0.0:
-            return most
+        fit = self.cost.fit
+        if fit is None:
+            return 1  # a cheap first measure (the fit has not seen two step sizes yet)
+        _, b, c = fit
+        rate = self.cost.rate
         p = state.acceptance
-        if p > bar:
+        bar = b * rate  # the chance of acceptance above which one more token pays
+        count = self.config.num_tokens
+        if bar > 0.0:
+            count = min(count, int(math.log(bar) / math.log(p))) if p > bar else 0
+        if count and sum(p**j for j in range(1, count + 1)) > rate * (c + b * count):
             state.next_pause = 1
-            return min(most, int(math.log(bar) / math.log(p)))
+            return count
         state.paused = state.next_pause
         state.next_pause = min(2 * state.next_pause, MAX_PAUSE_STEPS)
         if not state.stopped:

@@ -263,12 +263,16 @@ def test_sampled_tokens_are_distributed_as_without_speculation(stories_tokenizer
         assert p_value > 0.001, (position, plain[position], spec[position])
 
 
-def steps_costing(speculator, base: float, per_token: float, tokens_per_second: float) -> None:
+def steps_costing(
+    speculator, base: float, per_token: float, tokens_per_second: float, verifying: float = 0.0
+) -> None:
     """Feed the speculator's cost fit steps of 1 to 8 tokens costing ``base + per_token *
-    tokens`` seconds, each emitting tokens at ``tokens_per_second``."""
-    for tokens in (1, 5, 2, 8, 3, 1, 4, 6):
-        seconds = base + per_token * tokens
-        speculator.step_seconds(tokens, seconds, round(seconds * tokens_per_second))
+    tokens`` seconds (plus ``verifying`` for those that verify: every other one, when
+    set), each emitting tokens at ``tokens_per_second``."""
+    for i, tokens in enumerate((1, 5, 2, 8, 3, 1, 4, 6, 2, 5)):
+        verifies = bool(verifying) and i % 2 == 1
+        seconds = base + per_token * tokens + verifying * verifies
+        speculator.step_seconds(tokens, seconds, round(seconds * tokens_per_second), verifies)
 
 
 def test_a_request_whose_proposals_do_not_pay_pauses_and_tries_again():
@@ -278,8 +282,8 @@ def test_a_request_whose_proposals_do_not_pay_pauses_and_tries_again():
     speculator = Speculator(NGRAM, Sampler())
     # 1 ms per step plus 0.1 ms per token, 1000 tokens/s: a proposal pays above 10 %.
     steps_costing(speculator, 0.001, 0.0001, 1000.0)
-    assert speculator.cost.per_token() == pytest.approx(0.0001)
-    assert speculator.cost.acceptance_bar() == pytest.approx(0.1, rel=0.05)
+    assert speculator.cost.fit == pytest.approx((0.001, 0.0001, 0.0))
+    assert speculator.cost.rate == pytest.approx(1000.0, rel=0.05)
     greedy = SamplingParams(max_tokens=100, temperature=0)
     rejected, accepted = Sequence("a", [1, 2, 3], greedy), Sequence("b", [1, 2, 3], greedy)
     rejected.speculation, accepted.speculation = SpecState(), SpecState()
@@ -324,3 +328,20 @@ def test_how_many_tokens_pay_follows_acceptance_and_the_cost_of_a_token():
     assert speculator.num_proposals(nine_in_ten) == 8  # 0.9**8 = 0.43 > 0.4 > 0.9**9
     assert speculator.num_proposals(half) == 1
     assert speculator.num_proposals(SpecState(hits=1.0, misses=2.0)) == 0  # 1/3 < 0.4: paused
+
+
+def test_what_verifying_costs_besides_its_tokens_is_fitted_and_weighed():
+    from llmctl.engine.sampler import Sampler
+    from llmctl.engine.speculative import SpecState, Speculator
+
+    speculator = Speculator(NGRAM, Sampler())
+    # 10 ms a step, 0.2 ms a token, 4 ms more for a verification; one token a step.
+    steps_costing(speculator, 0.01, 0.0002, 100.0, verifying=0.004)
+    assert speculator.cost.fit == pytest.approx((0.01, 0.0002, 0.004))
+    rate = speculator.cost.rate
+    assert 80 < rate < 130
+    # One in five accepted: 0.2 and 0.04 beat the bar (0.0002 x rate < 0.02) for two
+    # tokens, but 0.24 tokens do not make up for the 4.4 ms (about 0.5 tokens) they and
+    # the verification add: it pauses. One in two: 4 tokens (0.94) pay for 4.8 ms.
+    assert speculator.num_proposals(SpecState(hits=1.0, misses=4.0)) == 0
+    assert speculator.num_proposals(SpecState(hits=1.0, misses=1.0)) == 4
