@@ -273,9 +273,7 @@ class LLMEngine:
             seconds = perf_counter() - launched + draft_seconds
             accepted = sum(len(tokens) - 1 for tokens, _ in step.verified.values())
             emitted = len(step.ready) + accepted
-            self.speculator.step_seconds(
-                len(batch.input_ids), seconds, emitted, bool(step.proposed)
-            )
+            self.speculator.step_seconds(len(batch.input_ids), seconds, emitted, len(step.proposed))
         previous, self._in_flight = self._in_flight, (step, sampled)
         profile.steps += 1
         profile.scheduled_seqs += len(step.seqs)

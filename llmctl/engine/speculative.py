@@ -27,13 +27,15 @@ cost when the chance it is accepted beats what its place in the step costs. Each
 keeps a decayed count of its accepted proposals and of its rejections, so ``p``, the chance
 that a proposal is accepted after the one before it was, is known as it goes; the j-th
 proposal of a step is then accepted with chance ``p**j``. A proposal adds ``b`` seconds to
-a step (``StepCost``, fitted from the steps the engine runs) and
-pays if ``p**j`` exceeds ``b`` times the engine's tokens per second. So a request that
-copies its prompt proposes up to ``num_speculative_tokens`` tokens, one whose proposals
-miss proposes fewer, and one whose first proposal does not pay pauses (proposes nothing)
-for a few steps, then tries one proposal again, the pause doubling while that does not
-pay: prompts that do not repeat lose almost nothing, and a large batch, whose steps grow
-with every token, speculates only where proposals are nearly always accepted.
+a step and a verification ``c`` besides (``StepCost``, fitted from the steps the engine
+runs); the j-th pays if ``p**j`` exceeds ``b`` times the engine's tokens per second, and
+the k that pay must make up for ``c`` too. A request starts with one proposal, and only
+where its text's last ``ngram_max`` tokens occur earlier (a repeat that long is what
+copying looks like); one whose proposals do not pay pauses (proposes nothing) for a few
+steps, then probes so again, the pause doubling while that does not pay. So a request
+that copies its prompt proposes up to ``num_speculative_tokens`` tokens, prompts that do
+not repeat lose almost nothing, and a large batch, whose steps grow with every token,
+speculates only where proposals are nearly always accepted.
 """
 
 from __future__ import annotations
@@ -165,6 +167,11 @@ class SpecState:
     paused: int = 0
     next_pause: int = 1
     stopped: bool = False  # paused at least once (counted in ``stopped_requests``)
+    # Until its next verification the request proposes one token, and only where its
+    # text's longest suffix looked up (ngram_max tokens) occurs earlier: at its start, and
+    # after each pause. A repeat that long is what copying looks like, so a prompt with
+    # nothing to repeat costs almost no verification at all.
+    probing: bool = True
 
     @property
     def acceptance(self) -> float:
@@ -189,11 +196,14 @@ class Speculator:
         self.draft = draft
         self.stats = SpeculationStats()
         self.cost = StepCost()
+        self._verifying = 1.0  # requests that verify in a verification step, on average
 
-    def step_seconds(self, tokens: int, seconds: float, emitted: int, verifies: bool) -> None:
+    def step_seconds(self, tokens: int, seconds: float, emitted: int, verifying: int) -> None:
         """Note how long a step of ``tokens`` new tokens took (with its drafting), how many
-        tokens it gave its requests, and whether it verified proposals."""
-        self.cost.add(tokens, seconds, emitted, verifies)
+        tokens it gave its requests, and how many of its requests verified proposals."""
+        self.cost.add(tokens, seconds, emitted, verifying > 0)
+        if verifying:
+            self._verifying += STEP_TIME_WEIGHT * (verifying - self._verifying)
 
     def num_proposals(self, state: SpecState) -> int:
         """How many tokens a request proposes this step (at most ``num_speculative_tokens``).
@@ -206,11 +216,13 @@ class Speculator:
         one whose proposals do not pay pauses (module docstring)."""
         if state.paused:
             state.paused -= 1
-            return 0 if state.paused else 1  # a pause ends with a proposal, to measure again
+            state.probing = not state.paused  # a pause ends with a probe, to measure again
+            return 0
         fit = self.cost.fit
-        if fit is None:
-            return 1  # a cheap first measure (the fit has not seen two step sizes yet)
+        if state.probing or fit is None:
+            return 1  # a cheap measure (also while the fit has not seen two step sizes)
         _, b, c = fit
+        c /= max(self._verifying, 1.0)  # the requests that verify together share it
         rate = self.cost.rate
         p = state.acceptance
         bar = b * rate  # the chance of acceptance above which one more token pays
@@ -252,7 +264,8 @@ class Speculator:
             if self.draft is not None:  # room for the draft's tokens (fill_proposals)
                 proposal = [seq.token_ids[-1]] * room
             else:
-                proposal = propose_ngram(seq.token_ids, config.ngram_min, config.ngram_max, room)
+                shortest = config.ngram_max if state.probing else config.ngram_min
+                proposal = propose_ngram(seq.token_ids, shortest, config.ngram_max, room)
             if proposal:
                 seq.proposal = proposal
                 any_proposed = True
@@ -343,6 +356,7 @@ class Speculator:
         state.proposed += num_proposed
         state.accepted += num_accepted
         state.observe(num_proposed, num_accepted)
+        state.probing = False
 
 
 def _accept_greedy(proposal: list[int], targets: list[int]) -> list[int]:

@@ -255,7 +255,9 @@ def test_sampled_tokens_are_distributed_as_without_speculation(stories_tokenizer
         return counts, engine
 
     plain, _ = frequencies(SpeculativeConfig())
-    spec, engine = frequencies(SpeculativeConfig("ngram", num_tokens=3, ngram_max=3))
+    # ngram_max 1: a request starts proposing only where its last ngram_max tokens occur
+    # earlier, and with one-token suffixes every request here does at once.
+    spec, engine = frequencies(SpeculativeConfig("ngram", num_tokens=3, ngram_max=1))
     assert engine.speculator.stats.steps >= seeds  # every request speculated
     assert 0 < engine.speculator.stats.accepted < engine.speculator.stats.proposed
     for position in range(1, positions):
@@ -299,14 +301,16 @@ def test_a_request_whose_proposals_do_not_pay_pauses_and_tries_again():
         accepted_proposals.append(count)
         tokens = speculator.verify(accepted, [7] * count, logits[: count + 1])
         assert tokens == ([7] * (count + 1), [None] * (count + 1))
-    # From the prior (p = 1/2: 0.5**3 > 0.1 > 0.5**4), every proposal accepted: all it may.
-    assert accepted_proposals == [3] + [NGRAM.num_tokens] * 119
-    # Always rejected, it proposes fewer as p falls, then pauses; each pause ends with one
-    # proposal and, as that is rejected too, the next pause is twice as long, up to 32.
-    assert proposals[:5] == [3, 1, 1, 1, 0]
-    probes = [i for i, count in enumerate(proposals) if count][4:]
+    # A probe of one token first, then (p = 3/4: 0.75**4 > 0.1) all it may.
+    assert accepted_proposals == [1] + [NGRAM.num_tokens] * 119
+    # Always rejected: after the probe p falls below what two tokens need, then below what
+    # one needs, and it pauses; each pause (1 step, 2, 4 ... 32) ends with a probe of one
+    # token, and as that is rejected too, the next pause is twice as long.
+    assert proposals[:6] == [1, 1, 1, 1, 0, 0]
+    probes = [i for i, count in enumerate(proposals) if count][3:]
     assert [proposals[i] for i in probes] == [1] * len(probes)
-    assert list(np.diff(probes)) == [3, 5, 9, 17, MAX_PAUSE_STEPS + 1, MAX_PAUSE_STEPS + 1]
+    pauses = [1, 2, 4, 8, 16, MAX_PAUSE_STEPS, MAX_PAUSE_STEPS]
+    assert list(np.diff(probes)) == [pause + 2 for pause in pauses]  # + the decision, the probe
     assert speculator.stats.stopped_requests == 1  # counted once, however often it pauses
 
 
@@ -316,8 +320,10 @@ def test_how_many_tokens_pay_follows_acceptance_and_the_cost_of_a_token():
 
     config = SpeculativeConfig(method="ngram", num_tokens=16, ngram_max=3, ngram_min=1)
     speculator = Speculator(config, Sampler())
-    nine_in_ten = SpecState(hits=9.0, misses=1.0)  # p = 0.9: the j-th pays while 0.9**j > bar
-    half = SpecState(hits=1.0, misses=1.0)
+    nine_in_ten = SpecState(
+        hits=9.0, misses=1.0, probing=False
+    )  # p = 0.9: the j-th pays while 0.9**j > bar
+    half = SpecState(hits=1.0, misses=1.0, probing=False)
     # Batch 1, memory-bound: a token adds 2 % of a step, ~1 token per step: bar 0.02.
     steps_costing(speculator, 0.01, 0.0002, 100.0)
     assert speculator.num_proposals(nine_in_ten) == 16  # 0.9**16 = 0.185 > 0.02
@@ -327,7 +333,9 @@ def test_how_many_tokens_pay_follows_acceptance_and_the_cost_of_a_token():
     steps_costing(speculator, 0.001, 0.001, 400.0)  # bar 0.001 * 400 = 0.4
     assert speculator.num_proposals(nine_in_ten) == 8  # 0.9**8 = 0.43 > 0.4 > 0.9**9
     assert speculator.num_proposals(half) == 1
-    assert speculator.num_proposals(SpecState(hits=1.0, misses=2.0)) == 0  # 1/3 < 0.4: paused
+    assert (
+        speculator.num_proposals(SpecState(hits=1.0, misses=2.0, probing=False)) == 0
+    )  # 1/3 < 0.4: paused
 
 
 def test_what_verifying_costs_besides_its_tokens_is_fitted_and_weighed():
@@ -343,5 +351,5 @@ def test_what_verifying_costs_besides_its_tokens_is_fitted_and_weighed():
     # One in five accepted: 0.2 and 0.04 beat the bar (0.0002 x rate < 0.02) for two
     # tokens, but 0.24 tokens do not make up for the 4.4 ms (about 0.5 tokens) they and
     # the verification add: it pauses. One in two: 4 tokens (0.94) pay for 4.8 ms.
-    assert speculator.num_proposals(SpecState(hits=1.0, misses=4.0)) == 0
-    assert speculator.num_proposals(SpecState(hits=1.0, misses=1.0)) == 4
+    assert speculator.num_proposals(SpecState(hits=1.0, misses=4.0, probing=False)) == 0
+    assert speculator.num_proposals(SpecState(hits=1.0, misses=1.0, probing=False)) == 4
