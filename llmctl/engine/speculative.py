@@ -29,10 +29,10 @@ that a proposal is accepted after the one before it was, is known as it goes; th
 proposal of a step is then accepted with chance ``p**j``. A proposal adds ``b`` seconds to
 a step and a verification ``c`` besides (``StepCost``, fitted from the steps the engine
 runs); the j-th pays if ``p**j`` exceeds ``b`` times the engine's tokens per second, and
-the k that pay must make up for ``c`` too. A request starts with one proposal, and only
-where its text's last ``ngram_max`` tokens occur earlier (a repeat that long is what
-copying looks like); one whose proposals do not pay pauses (proposes nothing) for a few
-steps, then probes so again, the pause doubling while that does not pay. So a request
+the k that pay must make up for ``c`` too. A request starts with one proposal; one whose
+proposals do not pay pauses (proposes nothing) for a few steps, then probes with one
+token again, only where its text's last ``ngram_max`` tokens occur earlier (a repeat that
+long is what copying looks like), the pause doubling while that does not pay. So a request
 that copies its prompt proposes up to ``num_speculative_tokens`` tokens, prompts that do
 not repeat lose almost nothing, and a large batch, whose steps grow with every token,
 speculates only where proposals are nearly always accepted.
@@ -167,10 +167,10 @@ class SpecState:
     paused: int = 0
     next_pause: int = 1
     stopped: bool = False  # paused at least once (counted in ``stopped_requests``)
-    # Until its next verification the request proposes one token, and only where its
-    # text's longest suffix looked up (ngram_max tokens) occurs earlier: at its start, and
-    # after each pause. A repeat that long is what copying looks like, so a prompt with
-    # nothing to repeat costs almost no verification at all.
+    # Until its next verification the request proposes one token (at its start, and after
+    # each pause); after a pause, only where its text's longest suffix looked up
+    # (ngram_max tokens) occurs earlier. A repeat that long is what copying looks like, so
+    # a prompt with nothing to repeat costs almost no verification at all.
     probing: bool = True
 
     @property
@@ -264,7 +264,7 @@ class Speculator:
             if self.draft is not None:  # room for the draft's tokens (fill_proposals)
                 proposal = [seq.token_ids[-1]] * room
             else:
-                shortest = config.ngram_max if state.probing else config.ngram_min
+                shortest = config.ngram_max if state.probing and state.stopped else config.ngram_min
                 proposal = propose_ngram(seq.token_ids, shortest, config.ngram_max, room)
             if proposal:
                 seq.proposal = proposal
