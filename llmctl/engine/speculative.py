@@ -155,13 +155,10 @@ def propose_ngram(
 
 @dataclass
 class SpecState:
-    """One request's speculation: its counts, its decayed acceptance counts (``p``, the
-    chance a proposal is accepted after the one before it was, is ``hits / (hits +
-    misses)``), and its pause: steps left without proposals, and the next pause's length."""
+    """One request's speculation: its decayed acceptance counts (``p``, the chance a
+    proposal is accepted after the one before it was, is ``hits / (hits + misses)``), and
+    its pause: steps left without proposals, and the next pause's length."""
 
-    steps: int = 0
-    proposed: int = 0
-    accepted: int = 0
     hits: float = PRIOR_ACCEPTED
     misses: float = PRIOR_REJECTED
     paused: int = 0
@@ -352,9 +349,6 @@ class Speculator:
     def _record(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         self.stats.record(num_proposed, num_accepted)
         state = seq.speculation
-        state.steps += 1
-        state.proposed += num_proposed
-        state.accepted += num_accepted
         state.observe(num_proposed, num_accepted)
         state.probing = False
 
