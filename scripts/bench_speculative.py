@@ -12,13 +12,18 @@ the best of ``--rounds`` alternating runs; acceptance counts are summed over the
 A table at the end gives each speedup (speculation's tokens/s over none's).
 
     python scripts/bench_speculative.py [MODEL] [--backend turbo] [--max-tokens 128]
+    python scripts/bench_speculative.py smollm2-135m --quantization gguf  # Q4_1 blocks
     python scripts/bench_speculative.py MODEL --method draft --draft SMALL_MODEL
+
+Each row also gives the machine's load average when it ended (``os.getloadavg``): on a
+shared machine the ratios move with it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 from rich.console import Console
@@ -72,10 +77,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--method", choices=("ngram", "draft"), default="ngram")
     parser.add_argument("--draft", help="the draft model of --method draft")
+    parser.add_argument(
+        "--quantization", default="none", help="as the option (gguf: a GGUF file's blocks)"
+    )
     args = parser.parse_args()
     if (args.method == "draft") != (args.draft is not None):
         parser.error("--draft MODEL goes with --method draft, and only with it")
-    common = dict(backend=args.backend, device="cpu", enable_prefix_caching=False)
+    common = dict(
+        backend=args.backend,
+        device="cpu",
+        enable_prefix_caching=False,
+        quantization=args.quantization,
+    )
     plain = LLM(args.model, **common)
     method = {"speculative_method": args.method}
     if args.draft:
@@ -109,13 +122,18 @@ def main() -> None:
                 "proposed": proposed,
                 "accepted": accepted,
                 "acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0,
+                "load_average": round(os.getloadavg()[0], 2),
             }
             report.append(row)
             print(json.dumps(row), flush=True)
-    table = Table(title=f"{args.method} speculation on {args.model} ({args.backend}, greedy)")
+    title = (
+        f"{args.method} speculation on {args.model} ({args.backend}, {args.quantization}, greedy)"
+    )
+    table = Table(title=title)
     for column in ("workload", "batch", "none tok/s", f"{args.method} tok/s", "speedup"):
         table.add_column(column)
     table.add_column("accepted / proposed")
+    table.add_column("load")
     for row in report:
         table.add_row(
             row["workload"],
@@ -124,6 +142,7 @@ def main() -> None:
             str(row[f"{args.method}_tokens_per_s"]),
             f"{row['speedup']}x",
             f"{row['accepted']} / {row['proposed']} ({row['acceptance_rate']:.0%})",
+            str(row["load_average"]),
         )
     Console().print(table)
 

@@ -267,11 +267,13 @@ class LLMEngine:
         except Exception as exc:
             raise StepFailed([seq.request_id for seq in step.seqs], outputs) from exc
         # A draft model's calls (speculative_method=draft; 0 otherwise) are model time,
-        # and a verification step costs them too (what adaptive stopping weighs).
+        # and a verification step costs them too (what adaptive speculation weighs).
         draft_seconds = scheduled - drafting
         if self.speculator is not None:
             seconds = perf_counter() - launched + draft_seconds
-            self.speculator.step_seconds(len(batch.input_ids), seconds)
+            accepted = sum(len(tokens) - 1 for tokens, _ in step.verified.values())
+            emitted = len(step.ready) + accepted
+            self.speculator.step_seconds(len(batch.input_ids), seconds, emitted, len(step.proposed))
         previous, self._in_flight = self._in_flight, (step, sampled)
         profile.steps += 1
         profile.scheduled_seqs += len(step.seqs)

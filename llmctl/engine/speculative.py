@@ -22,14 +22,25 @@ Verification keeps the output exactly what plain decoding gives:
   without t. Every token is then distributed as p. A seeded request draws from its own
   generator.
 
-Adaptive: a request whose accepted proposals do not pay for what they add to a step's
-time (``Speculator.pays``, from step times measured while the engine runs) stops
-proposing, so prompts that do not repeat lose almost nothing, and large batches, whose
-steps grow with every token, speculate only where nearly every proposal is accepted.
+Adaptive, per request and per step (``Speculator.num_proposals``): a proposal is worth its
+cost when the chance it is accepted beats what its place in the step costs. Each request
+keeps a decayed count of its accepted proposals and of its rejections, so ``p``, the chance
+that a proposal is accepted after the one before it was, is known as it goes; the j-th
+proposal of a step is then accepted with chance ``p**j``. A proposal adds ``b`` seconds to
+a step and a verification ``c`` besides (``StepCost``, fitted from the steps the engine
+runs); the j-th pays if ``p**j`` exceeds ``b`` times the engine's tokens per second, and
+the k that pay must make up for ``c`` too. A request starts with one proposal; one whose
+proposals do not pay pauses (proposes nothing) for a few steps, then probes with one
+token again, only where its text's last ``ngram_max`` tokens occur earlier (a repeat that
+long is what copying looks like), the pause doubling while that does not pay. So a request
+that copies its prompt proposes up to ``num_speculative_tokens`` tokens, prompts that do
+not repeat lose almost nothing, and a large batch, whose steps grow with every token,
+speculates only where proposals are nearly always accepted.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,39 +61,65 @@ from llmctl.engine.scheduler import ScheduledStep
 from llmctl.engine.sequence import Sequence
 from llmctl.engine.step_profile import SpeculationStats
 
-# After this many verification steps, a request whose proposals do not pay for what they
-# cost stops proposing (``Speculator.pays``).
-ADAPTIVE_MIN_STEPS = 4
 # Weight of the newest step in the fit of a step's time to its tokens (``StepCost``).
 STEP_TIME_WEIGHT = 0.05
+# What a request's acceptance counts start from (a proposal as likely accepted as not), and
+# how much each verification step keeps of the counts before it: about the last ten steps
+# decide, so a request that stops copying its prompt soon proposes less.
+PRIOR_ACCEPTED = PRIOR_REJECTED = 0.5
+ACCEPTANCE_DECAY = 0.9
+# The longest pause (steps without proposals) of a request whose proposals do not pay.
+MAX_PAUSE_STEPS = 32
 
 
 class StepCost:
-    """A step's time as ``a + b * tokens`` (its new tokens), fitted as the engine runs:
-    exponentially weighted least squares over every step (decodes, verifications with
-    their drafting, prefill chunks). ``a`` is what a step costs whatever it feeds (the
-    weights read once, the per-step overheads), ``b`` what each token adds."""
+    """A step's time as ``a + b * tokens + c * verifies`` (its new tokens; whether it
+    verifies proposals), fitted as the engine runs: exponentially weighted least squares
+    over every step (decodes, verifications with their drafting, prefill chunks: those
+    give the first steps of different sizes, and a prompt's tokens cost at least what a
+    proposal does). ``a`` is what a step costs whatever it feeds (the weights read once,
+    the per-step overheads), ``b`` what each token adds, ``c`` what verifying adds besides
+    (the logits of every verified position, the acceptance on the host): measured, a
+    2-token verification cost SmolLM2 Q4_1 on this (busy) CPU ~3 ``b`` more than a decode. Also
+    the engine's rate, tokens emitted per second, over the same window."""
 
     def __init__(self) -> None:
-        self._sums = np.zeros(5)  # weight, x, y, x*x, x*y
+        # Weighted sums of z z^T for z = (1, tokens, verifies, seconds); emitted, seconds.
+        self._moments = np.zeros((4, 4))
+        self._emitted = np.zeros(2)
+        self.fit: tuple[float, float, float] | None = None  # (a, b, c); None until known
 
-    def add(self, tokens: int, seconds: float) -> None:
-        self._sums *= 1.0 - STEP_TIME_WEIGHT
-        self._sums += (1.0, tokens, seconds, tokens * tokens, tokens * seconds)
+    def add(self, tokens: int, seconds: float, emitted: int, verifies: bool) -> None:
+        z = np.array([1.0, tokens, float(verifies), seconds])
+        self._moments *= 1.0 - STEP_TIME_WEIGHT
+        self._moments += np.outer(z, z)
+        self._emitted *= 1.0 - STEP_TIME_WEIGHT
+        self._emitted += (emitted, seconds)
+        self.fit = self._solve()
 
-    def token_share(self, tokens: int) -> float | None:
-        """The part of a step of ``tokens`` tokens that grows with them, ``b*n / (a +
-        b*n)``; ``None`` until steps of different sizes have been measured."""
-        weight, x, y, xx, xy = self._sums
+    @property
+    def rate(self) -> float:
+        """Tokens emitted per second of step time."""
+        emitted, seconds = self._emitted
+        return emitted / seconds if seconds > 0.0 else 0.0
+
+    def _solve(self) -> tuple[float, float, float] | None:
+        """``(a, b, c)``; ``None`` until steps of different sizes have been measured. ``c``
+        is 0 while every step verifies, or none does (it cannot be told from ``a``)."""
+        weight = self._moments[0, 0]
         if weight < 2:
             return None
-        mean_x, mean_y = x / weight, y / weight
-        variance = xx / weight - mean_x * mean_x
-        if variance < 1e-6:
+        mean = self._moments[0] / weight
+        cov = self._moments / weight - np.outer(mean, mean)  # of (1, tokens, verifies, seconds)
+        if cov[1, 1] < 1e-6:
             return None
-        b = max((xy / weight - mean_x * mean_y) / variance, 0.0)
-        a = max(mean_y - b * mean_x, 1e-9)
-        return b * tokens / (a + b * tokens)
+        b, c = cov[1, 3] / cov[1, 1], 0.0
+        if cov[2, 2] > 1e-3:
+            both = cov[1:3, 1:3]
+            if np.linalg.det(both) > 1e-9 * cov[1, 1]:
+                b, c = np.linalg.solve(both, cov[1:3, 3])
+        b, c = max(float(b), 0.0), max(float(c), 0.0)
+        return float(mean[3] - b * mean[1] - c * mean[2]), b, c
 
 
 def propose_ngram(
@@ -118,12 +155,28 @@ def propose_ngram(
 
 @dataclass
 class SpecState:
-    """One request's speculation: its counts, and whether it still proposes."""
+    """One request's speculation: its decayed acceptance counts (``p``, the chance a
+    proposal is accepted after the one before it was, is ``hits / (hits + misses)``), and
+    its pause: steps left without proposals, and the next pause's length."""
 
-    steps: int = 0
-    proposed: int = 0
-    accepted: int = 0
-    active: bool = True
+    hits: float = PRIOR_ACCEPTED
+    misses: float = PRIOR_REJECTED
+    paused: int = 0
+    next_pause: int = 1
+    stopped: bool = False  # paused at least once (counted in ``stopped_requests``)
+    # Until its next verification the request proposes one token (at its start, and after
+    # each pause); after a pause, only where its text's longest suffix looked up
+    # (ngram_max tokens) occurs earlier. A repeat that long is what copying looks like, so
+    # a prompt with nothing to repeat costs almost no verification at all.
+    probing: bool = True
+
+    @property
+    def acceptance(self) -> float:
+        return self.hits / (self.hits + self.misses)
+
+    def observe(self, num_proposed: int, num_accepted: int) -> None:
+        self.hits = self.hits * ACCEPTANCE_DECAY + num_accepted
+        self.misses = self.misses * ACCEPTANCE_DECAY + (num_accepted < num_proposed)
 
 
 class Speculator:
@@ -140,22 +193,48 @@ class Speculator:
         self.draft = draft
         self.stats = SpeculationStats()
         self.cost = StepCost()
-        self._step_tokens = 1  # new tokens of the latest step (of which proposals pay part)
+        self._verifying = 1.0  # requests that verify in a verification step, on average
 
-    def step_seconds(self, tokens: int, seconds: float) -> None:
-        """Note how long a step of ``tokens`` new tokens took (with its drafting)."""
-        self.cost.add(tokens, seconds)
-        self._step_tokens = tokens
+    def step_seconds(self, tokens: int, seconds: float, emitted: int, verifying: int) -> None:
+        """Note how long a step of ``tokens`` new tokens took (with its drafting), how many
+        tokens it gave its requests, and how many of its requests verified proposals."""
+        self.cost.add(tokens, seconds, emitted, verifying > 0)
+        if verifying:
+            self._verifying += STEP_TIME_WEIGHT * (verifying - self._verifying)
 
-    def pays(self, state: SpecState) -> bool:
-        """Whether a request's proposals are worth their cost. A request's k proposals
-        make a step of n tokens cost ``b*k`` more and yield its accepted ones: the
-        batch's tokens per second rise if accepted/proposed exceeds ``b*n / (a + b*n)``
-        (``StepCost.token_share``). At batch 1 on a memory-bound model that share is small
-        and nearly any acceptance pays; in a large batch whose step is compute-bound only
-        near-certain proposals do. Until the cost is known, a request goes on."""
-        share = self.cost.token_share(self._step_tokens)
-        return share is None or state.accepted > share * state.proposed
+    def num_proposals(self, state: SpecState) -> int:
+        """How many tokens a request proposes this step (at most ``num_speculative_tokens``).
+        The j-th adds ``b`` seconds (``StepCost``) and ``p**j`` tokens (``p``:
+        ``SpecState.acceptance``): it pays while ``p**j`` exceeds ``b`` times the engine's
+        tokens per second, and the k that pay must also make up for ``c``, what verifying
+        costs besides. At batch 1 on a memory-bound model a token costs little and nearly
+        any acceptance pays; in a large batch whose step is compute-bound only
+        near-certain proposals do. Until the cost is known a request proposes one token;
+        one whose proposals do not pay pauses (module docstring)."""
+        if state.paused:
+            state.paused -= 1
+            state.probing = not state.paused  # a pause ends with a probe, to measure again
+            return 0
+        fit = self.cost.fit
+        if state.probing or fit is None:
+            return 1  # a cheap measure (also while the fit has not seen two step sizes)
+        _, b, c = fit
+        c /= max(self._verifying, 1.0)  # the requests that verify together share it
+        rate = self.cost.rate
+        p = state.acceptance
+        bar = b * rate  # the chance of acceptance above which one more token pays
+        count = self.config.num_tokens
+        if bar > 0.0:
+            count = min(count, int(math.log(bar) / math.log(p))) if p > bar else 0
+        if count and sum(p**j for j in range(1, count + 1)) > rate * (c + b * count):
+            state.next_pause = 1
+            return count
+        state.paused = state.next_pause
+        state.next_pause = min(2 * state.next_pause, MAX_PAUSE_STEPS)
+        if not state.stopped:
+            state.stopped = True
+            self.stats.stopped_requests += 1
+        return 0
 
     def propose(self, seqs: list[Sequence]) -> bool:
         """Set ``seq.proposal`` for every running sequence; whether any got tokens.
@@ -172,17 +251,18 @@ class Speculator:
             state = seq.speculation
             if state is None:
                 state = seq.speculation = SpecState()
-            if not state.active or seq.num_pending_tokens:
-                continue
-            if seq.num_computed_tokens != len(seq.token_ids) - 1:
-                continue  # still prefilling
-            room = min(config.num_tokens, seq.sampling.max_tokens - seq.num_output_tokens - 1)
+            if seq.num_pending_tokens or seq.num_computed_tokens != len(seq.token_ids) - 1:
+                continue  # a token still on the device, or still prefilling
+            room = min(
+                self.num_proposals(state), seq.sampling.max_tokens - seq.num_output_tokens - 1
+            )
             if room <= 0:
                 continue
             if self.draft is not None:  # room for the draft's tokens (fill_proposals)
                 proposal = [seq.token_ids[-1]] * room
             else:
-                proposal = propose_ngram(seq.token_ids, config.ngram_min, config.ngram_max, room)
+                shortest = config.ngram_max if state.probing and state.stopped else config.ngram_min
+                proposal = propose_ngram(seq.token_ids, shortest, config.ngram_max, room)
             if proposal:
                 seq.proposal = proposal
                 any_proposed = True
@@ -269,12 +349,8 @@ class Speculator:
     def _record(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:
         self.stats.record(num_proposed, num_accepted)
         state = seq.speculation
-        state.steps += 1
-        state.proposed += num_proposed
-        state.accepted += num_accepted
-        if state.steps >= ADAPTIVE_MIN_STEPS and not self.pays(state):
-            state.active = False
-            self.stats.stopped_requests += 1
+        state.observe(num_proposed, num_accepted)
+        state.probing = False
 
 
 def _accept_greedy(proposal: list[int], targets: list[int]) -> list[int]:

@@ -47,6 +47,17 @@ def repetitive_prompts(seed: int, count: int) -> list[list[int]]:
     return prompts
 
 
+def grounded(model_dir, backend, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt, the model's greedy answer to it (8 tokens), then the prompt's last 4
+    tokens again: the answer is in the prompt (what prompt lookup is for), so a random
+    model, which does not copy a phrase, accepts proposals too (the engine proposes only
+    where copying pays)."""
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with LLM(str(model_dir), backend=backend, device="cpu", dtype="float32") as llm:
+        answers = [o.token_ids for o in llm.generate(prompts, params)]
+    return [prompt + answer + prompt[-4:] for prompt, answer in zip(prompts, answers)]
+
+
 def generate(model_dir, backend, prompts, params, **options):
     with LLM(str(model_dir), backend=backend, device="cpu", dtype="float32", **options) as llm:
         assert llm.backend == backend
@@ -63,7 +74,7 @@ def generate(model_dir, backend, prompts, params, **options):
 @pytest.mark.parametrize("block_size", [16, 64, 128])
 def test_greedy_tokens_equal_without_speculation(tiny_model_dir, backend, kind, block_size):
     model_dir = tiny_model_dir(kind)
-    prompts = repetitive_prompts(block_size, 7)
+    prompts = grounded(model_dir, backend, repetitive_prompts(block_size, 7))
     params = SamplingParams(max_tokens=40, temperature=0)
     want, _, _ = generate(model_dir, backend, prompts, params, cache_block_seq_len=block_size)
     got, stats, _ = generate(
@@ -82,7 +93,7 @@ def test_greedy_tokens_equal_without_speculation(tiny_model_dir, backend, kind, 
 
 def test_greedy_tokens_equal_under_preemption(tiny_model_dir, backend):
     model_dir = tiny_model_dir("qwen2")
-    prompts = repetitive_prompts(7, 9)
+    prompts = grounded(model_dir, backend, repetitive_prompts(7, 9))
     params = SamplingParams(max_tokens=48, temperature=0)
     # 8 blocks of 16 tokens: one 128-token session fits, not the whole batch.
     options = dict(cache_block_seq_len=16, cache_max_entry_count=8, session_len=128)

@@ -255,7 +255,9 @@ def test_sampled_tokens_are_distributed_as_without_speculation(stories_tokenizer
         return counts, engine
 
     plain, _ = frequencies(SpeculativeConfig())
-    spec, engine = frequencies(SpeculativeConfig("ngram", num_tokens=3, ngram_max=3))
+    # ngram_max 1: a request starts proposing only where its last ngram_max tokens occur
+    # earlier, and with one-token suffixes every request here does at once.
+    spec, engine = frequencies(SpeculativeConfig("ngram", num_tokens=3, ngram_max=1))
     assert engine.speculator.stats.steps >= seeds  # every request speculated
     assert 0 < engine.speculator.stats.accepted < engine.speculator.stats.proposed
     for position in range(1, positions):
@@ -263,42 +265,91 @@ def test_sampled_tokens_are_distributed_as_without_speculation(stories_tokenizer
         assert p_value > 0.001, (position, plain[position], spec[position])
 
 
-def test_a_request_whose_proposals_do_not_pay_stops_proposing():
+def steps_costing(
+    speculator, base: float, per_token: float, tokens_per_second: float, verifying: float = 0.0
+) -> None:
+    """Feed the speculator's cost fit steps of 1 to 8 tokens costing ``base + per_token *
+    tokens`` seconds (plus ``verifying`` for those that verify: every other one, when
+    set), each emitting tokens at ``tokens_per_second``."""
+    for i, tokens in enumerate((1, 5, 2, 8, 3, 1, 4, 6, 2, 5)):
+        verifies = bool(verifying) and i % 2 == 1
+        seconds = base + per_token * tokens + verifying * verifies
+        speculator.step_seconds(tokens, seconds, round(seconds * tokens_per_second), verifies)
+
+
+def test_a_request_whose_proposals_do_not_pay_pauses_and_tries_again():
     from llmctl.engine.sampler import Sampler
-    from llmctl.engine.speculative import ADAPTIVE_MIN_STEPS, SpecState, Speculator
+    from llmctl.engine.speculative import MAX_PAUSE_STEPS, SpecState, Speculator
 
     speculator = Speculator(NGRAM, Sampler())
-    # Steps cost 0.75 ms plus 0.25 ms per token: a 3-token step spends half on its tokens.
-    for tokens in (1, 5, 1, 5, 3):
-        speculator.step_seconds(tokens, 0.00075 + 0.00025 * tokens)
-    assert speculator.cost.token_share(3) == pytest.approx(0.5)
-    assert speculator.cost.token_share(1) == pytest.approx(0.25)
+    # 1 ms per step plus 0.1 ms per token, 1000 tokens/s: a proposal pays above 10 %.
+    steps_costing(speculator, 0.001, 0.0001, 1000.0)
+    assert speculator.cost.fit == pytest.approx((0.001, 0.0001, 0.0))
+    assert speculator.cost.rate == pytest.approx(1000.0, rel=0.05)
     greedy = SamplingParams(max_tokens=100, temperature=0)
     rejected, accepted = Sequence("a", [1, 2, 3], greedy), Sequence("b", [1, 2, 3], greedy)
     rejected.speculation, accepted.speculation = SpecState(), SpecState()
-    logits = torch.full((3, 16), -5.0)
+    logits = torch.full((5, 16), -5.0)
     logits[:, 7] = 5.0  # the model always says 7
-    for _ in range(ADAPTIVE_MIN_STEPS):
-        assert rejected.speculation.active
-        assert speculator.verify(rejected, [5, 6], logits) == ([7], [None])
-        assert speculator.verify(accepted, [7, 7], logits) == ([7, 7, 7], [None] * 3)
-    assert not rejected.speculation.active  # nothing accepted: never pays
-    assert accepted.speculation.active  # every proposal accepted: pays
-    assert speculator.stats.stopped_requests == 1
-    assert speculator.stats.accepted_at == [ADAPTIVE_MIN_STEPS, ADAPTIVE_MIN_STEPS]
-    assert speculator.stats.proposed_at == [2 * ADAPTIVE_MIN_STEPS] * 2
+    proposals, accepted_proposals = [], []
+    for _ in range(120):
+        count = speculator.num_proposals(rejected.speculation)
+        proposals.append(count)
+        if count:
+            assert speculator.verify(rejected, [5] * count, logits[: count + 1]) == ([7], [None])
+        count = speculator.num_proposals(accepted.speculation)
+        accepted_proposals.append(count)
+        tokens = speculator.verify(accepted, [7] * count, logits[: count + 1])
+        assert tokens == ([7] * (count + 1), [None] * (count + 1))
+    # A probe of one token first, then (p = 3/4: 0.75**4 > 0.1) all it may.
+    assert accepted_proposals == [1] + [NGRAM.num_tokens] * 119
+    # Always rejected: after the probe p falls below what two tokens need, then below what
+    # one needs, and it pauses; each pause (1 step, 2, 4 ... 32) ends with a probe of one
+    # token, and as that is rejected too, the next pause is twice as long.
+    assert proposals[:6] == [1, 1, 1, 1, 0, 0]
+    probes = [i for i, count in enumerate(proposals) if count][3:]
+    assert [proposals[i] for i in probes] == [1] * len(probes)
+    pauses = [1, 2, 4, 8, 16, MAX_PAUSE_STEPS, MAX_PAUSE_STEPS]
+    assert list(np.diff(probes)) == [pause + 2 for pause in pauses]  # + the decision, the probe
+    assert speculator.stats.stopped_requests == 1  # counted once, however often it pauses
 
 
-def test_half_accepted_pays_at_batch_one_but_not_in_a_compute_bound_batch():
+def test_how_many_tokens_pay_follows_acceptance_and_the_cost_of_a_token():
+    from llmctl.engine.sampler import Sampler
+    from llmctl.engine.speculative import SpecState, Speculator
+
+    config = SpeculativeConfig(method="ngram", num_tokens=16, ngram_max=3, ngram_min=1)
+    speculator = Speculator(config, Sampler())
+    nine_in_ten = SpecState(
+        hits=9.0, misses=1.0, probing=False
+    )  # p = 0.9: the j-th pays while 0.9**j > bar
+    half = SpecState(hits=1.0, misses=1.0, probing=False)
+    # Batch 1, memory-bound: a token adds 2 % of a step, ~1 token per step: bar 0.02.
+    steps_costing(speculator, 0.01, 0.0002, 100.0)
+    assert speculator.num_proposals(nine_in_ten) == 16  # 0.9**16 = 0.185 > 0.02
+    assert speculator.num_proposals(half) == 5  # 0.5**5 = 0.031 > 0.02 > 0.5**6
+    # A compute-bound batch: a token adds as much as a step costs, 2 tokens per step each.
+    speculator = Speculator(config, Sampler())
+    steps_costing(speculator, 0.001, 0.001, 400.0)  # bar 0.001 * 400 = 0.4
+    assert speculator.num_proposals(nine_in_ten) == 8  # 0.9**8 = 0.43 > 0.4 > 0.9**9
+    assert speculator.num_proposals(half) == 1
+    assert (
+        speculator.num_proposals(SpecState(hits=1.0, misses=2.0, probing=False)) == 0
+    )  # 1/3 < 0.4: paused
+
+
+def test_what_verifying_costs_besides_its_tokens_is_fitted_and_weighed():
     from llmctl.engine.sampler import Sampler
     from llmctl.engine.speculative import SpecState, Speculator
 
     speculator = Speculator(NGRAM, Sampler())
-    half = SpecState(steps=8, proposed=16, accepted=8)
-    for tokens in (1, 5, 2, 6):
-        speculator.step_seconds(tokens, 0.00075 + 0.00025 * tokens)
-    speculator.step_seconds(1, 0.001)  # the latest step: one token, a quarter of it per token
-    assert speculator.pays(half)
-    speculator.step_seconds(40, 0.00075 + 0.00025 * 40)  # 93 % of it grows with its tokens
-    assert not speculator.pays(half)
-    assert speculator.pays(SpecState(steps=8, proposed=16, accepted=16))
+    # 10 ms a step, 0.2 ms a token, 4 ms more for a verification; one token a step.
+    steps_costing(speculator, 0.01, 0.0002, 100.0, verifying=0.004)
+    assert speculator.cost.fit == pytest.approx((0.01, 0.0002, 0.004))
+    rate = speculator.cost.rate
+    assert 80 < rate < 130
+    # One in five accepted: 0.2 and 0.04 beat the bar (0.0002 x rate < 0.02) for two
+    # tokens, but 0.24 tokens do not make up for the 4.4 ms (about 0.5 tokens) they and
+    # the verification add: it pauses. One in two: 4 tokens (0.94) pay for 4.8 ms.
+    assert speculator.num_proposals(SpecState(hits=1.0, misses=4.0, probing=False)) == 0
+    assert speculator.num_proposals(SpecState(hits=1.0, misses=1.0, probing=False)) == 4

@@ -120,6 +120,8 @@ def test_gguf_runs_on_turbo_and_torch_refuses_it(builtins):
         assert turbo.option_errors({**gguf, "dtype": dtype}, HOPPER) == {}
     directory = {**gguf, "model": "/models/some-hf-checkpoint"}
     assert "is not one" in turbo.option_errors(directory, CPU)["quantization"]
+    # The default model's name stands for its file (SmolLM2's Q4_1 GGUF).
+    assert turbo.option_errors({**gguf, "model": "smollm2-135m"}, CPU) == {}
     assert "no kernels for GGUF blocks" in torch_backend.option_errors(gguf, CPU)["quantization"]
 
 

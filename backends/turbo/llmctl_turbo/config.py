@@ -100,9 +100,11 @@ def quantization_problem(value: str, options: Mapping[str, Any], hardware: Hardw
         return int8_weights_problem(device, dtype)
     if value == "gguf":
         from llmctl.model.gguf import gguf_file  # numpy: not at import (llmctl --help)
+        from llmctl.model.info import DEFAULT_MODEL
 
         model = options.get("model")
-        if model and gguf_file(model) is None:
+        # The default model's name stands for its GGUF file (SmolLM2's Q4_1).
+        if model and model != DEFAULT_MODEL and gguf_file(model) is None:
             return (
                 f"quantization=gguf runs the blocks of a GGUF file, and {model} is not one; "
                 "use quantization none or int8 for a Hugging Face checkpoint"

@@ -52,6 +52,36 @@ struct QuantizedRows {
   int64_t K, blocks;
 };
 
+#ifdef TURBO_CPU_X86
+// One row's blocks quantized as quantize_activations' portable loop does, 16 inputs per
+// vector: the same max, scale and round-to-nearest-even (the default rounding mode of
+// vcvtps2dq, as of nearbyint), so the same bytes. A scalar loop cost about 8 % of a
+// 5-token verification step on SmolLM2 Q4_1; this takes a few instructions per block.
+// A template, so that only the AVX-512 namespaces, which call it, compile it.
+template <int Lanes>
+inline void quantize_row_blocks_avx512(const float* x, int64_t blocks, int8_t* q, float* dx,
+                                       float* sx, int32_t* half_sums) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const __m512 low = _mm512_loadu_ps(x + b * kQuantBlock);
+    const __m512 high = _mm512_loadu_ps(x + b * kQuantBlock + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(low), _mm512_abs_ps(high)));
+    const float d = amax / 127.f;
+    const __m512 inverse = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+    const __m512i q_low = _mm512_cvtps_epi32(_mm512_mul_ps(low, inverse));
+    const __m512i q_high = _mm512_cvtps_epi32(_mm512_mul_ps(high, inverse));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kQuantBlock), _mm512_cvtepi32_epi8(q_low));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kQuantBlock + 16),
+                     _mm512_cvtepi32_epi8(q_high));
+    const int32_t sum_low = _mm512_reduce_add_epi32(q_low);
+    const int32_t sum_high = _mm512_reduce_add_epi32(q_high);
+    dx[b] = d;
+    sx[b] = d * static_cast<float>(sum_low + sum_high);
+    half_sums[2 * b] = sum_low;
+    half_sums[2 * b + 1] = sum_high;
+  }
+}
+#endif
+
 inline QuantizedRows quantize_activations(const float* x, int64_t x_stride, int64_t M,
                                           int64_t K) {
   thread_local std::vector<int8_t> q;
@@ -67,6 +97,13 @@ inline QuantizedRows quantize_activations(const float* x, int64_t x_stride, int6
   int32_t* half_sums = halves.data();
   parallel_for(0, M, grain_for(4 * K), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
+#ifdef TURBO_CPU_X86
+      if constexpr (kVectorWidth == 16) {  // the same values, a block per two vectors
+        quantize_row_blocks_avx512<kVectorWidth>(x + r * x_stride, blocks, qs + r * K, dx + r * blocks,
+                                   sx + r * blocks, half_sums + r * blocks * 2);
+        continue;
+      }
+#endif
       for (int64_t b = 0; b < blocks; ++b) {
         const float* xb = x + r * x_stride + b * kQuantBlock;
         float amax = 0.f;

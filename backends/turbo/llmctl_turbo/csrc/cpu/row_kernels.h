@@ -147,8 +147,9 @@ inline scalar_t round_to(float value) {
 // exp(x) for the softmax numerators (x <= 0), written so the compiler vectorises the
 // loop around it (libm's expf is a call per element): x = n ln2 + r with |r| <= ln2 / 2,
 // exp(r) by Cephes' degree-6 polynomial, 2^n put straight into the exponent bits.
-// Relative error below 2e-7, the size of fp32 rounding.
-inline float exp_nonpositive(float x) {
+// Relative error below 2e-7, the size of fp32 rounding. Always inlined: called out of line
+// (as GCC chose for the MLP's silu epilogues) it costs a call per element, unvectorised.
+__attribute__((always_inline)) inline float exp_nonpositive(float x) {
   x = std::max(x, -87.f);  // below this 2^n leaves the normal range; exp is ~0 anyway
   constexpr float kRoundingShift = 12582912.f;  // 1.5 * 2^23: adding it rounds to integer
   const float shifted = x * 1.44269504088896341f + kRoundingShift;
@@ -172,7 +173,7 @@ inline float exp_nonpositive(float x) {
 // silu(x) = x * sigmoid(x), with e = exp(-|x|) <= 1 so that it never overflows:
 // sigmoid(x) = 1 / (1 + e) for x >= 0, e / (1 + e) below. Branch-free, so a loop of
 // silu vectorises (libm's expf is a call per element).
-inline float silu(float x) {
+__attribute__((always_inline)) inline float silu(float x) {
   const float e = exp_nonpositive(-std::fabs(x));
   return x * ((x >= 0.f ? 1.f : e) / (1.f + e));
 }
