@@ -273,10 +273,13 @@ inline void block_scales_x86(const uint8_t* panel, int64_t b, int lane0, typenam
   }
 }
 
-// Features [lane0, lane0 + V::kLanes) of one panel against MR rows: sums[r][lane0 + ..].
-template <typename V, int MR, int Layout>
-inline void block_tile_x86(const QuantizedRows& x, int64_t m0, const uint8_t* panel, int lane0,
-                           float (&sums)[MR][kPanelWidth]) {
+// Features [lane0, lane0 + V::kLanes) of NP panels (panel, panel + panel_stride, ...)
+// against MR rows: sums[p][r][lane0 + ..]. NP = 2 (many rows) loads each 4 activation
+// bytes once for two panels: the broadcasts are a third of the tile's vector instructions.
+template <typename V, int MR, int NP, int Layout>
+inline void block_tile_x86(const QuantizedRows& x, int64_t m0, const uint8_t* panel,
+                           int64_t panel_stride, int lane0,
+                           float (&sums)[NP][MR][kPanelWidth]) {
   constexpr bool kWide = Layout == kLayoutQ8;
   constexpr bool kHalves = Layout == kLayoutQ6K;
   // Q6_K's two 16-input halves each finish their integer sums before the next starts, so
@@ -285,62 +288,82 @@ inline void block_tile_x86(const QuantizedRows& x, int64_t m0, const uint8_t* pa
   constexpr int kPartGroups = 8 / kParts;  // groups of 4 inputs per part
   // Several integer accumulators per row when there are few rows (decode): each dot4
   // waits for the previous one into the same register.
-  constexpr int kChains = MR >= 4 ? 1 : (MR >= 2 ? 2 : 4);
-  typename V::F acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = V::zerof();
+  constexpr int kChains = MR * NP >= 4 ? 1 : (MR * NP >= 2 ? 2 : 4);
+  typename V::F acc[NP][MR];
+  for (int p = 0; p < NP; ++p) {
+    for (int r = 0; r < MR; ++r) acc[p][r] = V::zerof();
+  }
   const int byte0 = lane0 * 4;  // this half's features in each 64-byte group
   for (int64_t b = 0; b < x.blocks; ++b) {
-    typename V::F d0, d1 = V::zerof(), c = V::zerof();
-    block_scales_x86<V, Layout>(panel, b, lane0, d0, d1, c);
-    const uint8_t* q = block_quants<Layout>(panel, b) + byte0;
+    typename V::F d0[NP], d1[NP], c[NP];
+    const uint8_t* q[NP];
+    for (int p = 0; p < NP; ++p) {
+      d1[p] = c[p] = V::zerof();
+      block_scales_x86<V, Layout>(panel + p * panel_stride, b, lane0, d0[p], d1[p], c[p]);
+      q[p] = block_quants<Layout>(panel + p * panel_stride, b) + byte0;
+    }
     for (int part = 0; part < kParts; ++part) {
-      typename V::I isum[kChains][MR];
+      typename V::I isum[kChains][NP][MR];
       for (int h = 0; h < kChains; ++h) {
-        for (int r = 0; r < MR; ++r) isum[h][r] = V::zero();
+        for (int p = 0; p < NP; ++p) {
+          for (int r = 0; r < MR; ++r) isum[h][p][r] = V::zero();
+        }
       }
-      auto multiply = [&](int g, typename V::I w) __attribute__((always_inline)) {
+      auto multiply = [&](int g, const typename V::I (&w)[NP]) __attribute__((always_inline)) {
         for (int r = 0; r < MR; ++r) {
           int32_t four;
           __builtin_memcpy(&four, x.q + (m0 + r) * x.K + b * kQuantBlock + 4 * g, 4);
-          isum[g % kChains][r] =
-              V::template dot4<kWide>(isum[g % kChains][r], w, V::broadcast(four));
+          const typename V::I xb = V::broadcast(four);
+          for (int p = 0; p < NP; ++p) {
+            typename V::I& sum = isum[g % kChains][p][r];
+            sum = V::template dot4<kWide>(sum, w[p], xb);
+          }
         }
       };
       if constexpr (layout_quant_bits(Layout) == 8) {
         for (int g = part * kPartGroups; g < (part + 1) * kPartGroups; ++g) {
-          multiply(g, V::load(q + g * kGridBytes));
+          typename V::I w[NP];
+          for (int p = 0; p < NP; ++p) w[p] = V::load(q[p] + g * kGridBytes);
+          multiply(g, w);
         }
       } else {
         for (int j = 0; j < 4; ++j) {
-          const typename V::I raw = V::load(q + j * kGridBytes);
-          multiply(j, V::nibbles(raw));
-          multiply(j + 4, V::high_nibbles(raw));
+          typename V::I raw[NP], w[NP];
+          for (int p = 0; p < NP; ++p) raw[p] = V::load(q[p] + j * kGridBytes);
+          for (int p = 0; p < NP; ++p) w[p] = V::nibbles(raw[p]);
+          multiply(j, w);
+          for (int p = 0; p < NP; ++p) w[p] = V::high_nibbles(raw[p]);
+          multiply(j + 4, w);
         }
       }
       for (int r = 0; r < MR; ++r) {
         const int64_t at = (m0 + r) * x.blocks + b;
-        typename V::I total = isum[0][r];
-        for (int h = 1; h < kChains; ++h) total = V::add(total, isum[h][r]);
         const typename V::F dx = V::broadcastf(x.dx[at]);
-        if constexpr (kHalves) {  // sum (q - 32) xq = sum q xq - 32 sum xq
-          total = V::sub(total, V::broadcast(32 * x.half_sums[2 * at + part]));
-          acc[r] = V::fma(V::tofloat(total), V::mul(part ? d1 : d0, dx), acc[r]);
-        } else {
-          acc[r] = V::fma(V::tofloat(total), V::mul(d0, dx), acc[r]);
-          acc[r] = V::fma(c, V::broadcastf(x.sx[at]), acc[r]);
+        for (int p = 0; p < NP; ++p) {
+          typename V::I total = isum[0][p][r];
+          for (int h = 1; h < kChains; ++h) total = V::add(total, isum[h][p][r]);
+          if constexpr (kHalves) {  // sum (q - 32) xq = sum q xq - 32 sum xq
+            total = V::sub(total, V::broadcast(32 * x.half_sums[2 * at + part]));
+            acc[p][r] = V::fma(V::tofloat(total), V::mul(part ? d1[p] : d0[p], dx), acc[p][r]);
+          } else {
+            acc[p][r] = V::fma(V::tofloat(total), V::mul(d0[p], dx), acc[p][r]);
+            acc[p][r] = V::fma(c[p], V::broadcastf(x.sx[at]), acc[p][r]);
+          }
         }
       }
     }
   }
-  for (int r = 0; r < MR; ++r) V::store(sums[r] + lane0, acc[r]);
+  for (int p = 0; p < NP; ++p) {
+    for (int r = 0; r < MR; ++r) V::store(sums[p][r] + lane0, acc[p][r]);
+  }
 }
 
-// A panel's 16 features, V::kLanes at a time.
-template <int Lanes, int MR, int Layout>
+// NP panels' 16 features, V::kLanes at a time.
+template <int Lanes, int MR, int NP, int Layout>
 inline void block_tile_lanes(const QuantizedRows& x, int64_t m0, const uint8_t* panel,
-                             float (&sums)[MR][kPanelWidth]) {
+                             int64_t panel_stride, float (&sums)[NP][MR][kPanelWidth]) {
   for (int lane0 = 0; lane0 < kPanelWidth; lane0 += Lanes) {
-    block_tile_x86<BlockOps<Lanes>, MR, Layout>(x, m0, panel, lane0, sums);
+    block_tile_x86<BlockOps<Lanes>, MR, NP, Layout>(x, m0, panel, panel_stride, lane0, sums);
   }
 }
 #endif
@@ -376,17 +399,10 @@ inline void block_scales_portable(const uint8_t* panel, int64_t b, float (&d0)[k
   }
 }
 
-// sums[r][f] = x[m0 + r] . w[f] for the 16 features of one panel, MR rows.
+// The portable form of block_tile's sums, one panel, for any CPU (the baseline build).
 template <int MR, int Layout>
-inline void block_tile(const QuantizedRows& x, int64_t m0, const uint8_t* panel,
-                       float (&sums)[MR][kPanelWidth]) {
-#ifdef TURBO_CPU_X86
-  if constexpr (kVectorWidth >= 8) {  // AVX2 and AVX-512 (with or without VNNI)
-    block_tile_lanes<kVectorWidth, MR, Layout>(x, m0, panel, sums);
-    return;
-  }
-#endif
-  // Portable form of the same sums, for any CPU (the baseline build).
+inline void block_tile_portable(const QuantizedRows& x, int64_t m0, const uint8_t* panel,
+                                float (&sums)[MR][kPanelWidth]) {
   constexpr int kBits = layout_quant_bits(Layout);
   for (int r = 0; r < MR; ++r) {
     for (int f = 0; f < kPanelWidth; ++f) sums[r][f] = 0.f;
@@ -423,22 +439,68 @@ inline void block_tile(const QuantizedRows& x, int64_t m0, const uint8_t* panel,
   }
 }
 
+// sums[p][r][f] = x[m0 + r] . w[f] of panel p (at panel + p * panel_stride) for the 16
+// features of NP panels, MR rows.
+template <int MR, int NP, int Layout>
+inline void block_tile(const QuantizedRows& x, int64_t m0, const uint8_t* panel,
+                       int64_t panel_stride, float (&sums)[NP][MR][kPanelWidth]) {
+#ifdef TURBO_CPU_X86
+  if constexpr (kVectorWidth >= 8) {  // AVX2 and AVX-512 (with or without VNNI)
+    block_tile_lanes<kVectorWidth, MR, NP, Layout>(x, m0, panel, panel_stride, sums);
+    return;
+  }
+#endif
+  for (int p = 0; p < NP; ++p) {
+    block_tile_portable<MR, Layout>(x, m0, panel + p * panel_stride, sums[p]);
+  }
+}
+
 // Rows per block tile: 8 fill AVX-512's registers (8 float + 8 int accumulators).
 constexpr int kBlockTileRows = kVectorWidth == 16 ? 8 : 4;
+// From kWideTileRows rows on, AVX-512 runs two panels per tile, 6 rows at a time
+// (24 accumulators, the two panels' weights and one broadcast in its 32 registers):
+// 6 rows x 2 panels take 12 activation broadcasts per group of 4 inputs where two
+// 8 x 1 tiles take 16, and the rows of a decode batch (16) tile evenly.
+constexpr int kWideTileRows = kVectorWidth == 16 ? 6 : 0;
 
-// Every row of x against one panel, kBlockTileRows at a time (then fewer):
-// store(m, sums) per row.
-template <int MR, int Layout, typename Store>
+// Every row of x against NP panels, MR rows at a time (then fewer):
+// store(p, m, sums) per panel p < NP and row m.
+template <int MR, int NP, int Layout, typename Store>
 inline void block_rows(const QuantizedRows& x, int64_t m_begin, int64_t m_end,
-                       const uint8_t* panel, const Store& store) {
+                       const uint8_t* panel, int64_t panel_stride, const Store& store) {
   int64_t m = m_begin;
   for (; m + MR <= m_end; m += MR) {
-    float sums[MR][kPanelWidth];
-    block_tile<MR, Layout>(x, m, panel, sums);
-    for (int r = 0; r < MR; ++r) store(m + r, sums[r]);
+    float sums[NP][MR][kPanelWidth];
+    block_tile<MR, NP, Layout>(x, m, panel, panel_stride, sums);
+    for (int p = 0; p < NP; ++p) {
+      for (int r = 0; r < MR; ++r) store(p, m + r, sums[p][r]);
+    }
   }
   if constexpr (MR > 1) {
-    if (m < m_end) block_rows<MR - 1, Layout>(x, m, m_end, panel, store);
+    if (m < m_end) block_rows<MR - 1, NP, Layout>(x, m, m_end, panel, panel_stride, store);
+  }
+}
+
+// Panels [begin, end) against rows [m_begin, m_end): two panels per tile where there are
+// kWideTileRows rows or more (AVX-512), else one. store(panel, m, sums).
+template <int Layout, typename Store>
+inline void block_panel_rows(const QuantizedRows& x, int64_t m_begin, int64_t m_end,
+                             const uint8_t* packed, int64_t panel_stride, int64_t begin,
+                             int64_t end, const Store& store) {
+  const bool wide = kWideTileRows > 0 && m_end - m_begin >= kWideTileRows;
+  for (int64_t p = begin; p < end;) {
+    auto at = [&](int q, int64_t m, const float(&sums)[kPanelWidth]) { store(p + q, m, sums); };
+    if constexpr (kWideTileRows > 0) {
+      if (wide && p + 1 < end) {
+        block_rows<kWideTileRows, 2, Layout>(x, m_begin, m_end, packed + p * panel_stride,
+                                             panel_stride, at);
+        p += 2;
+        continue;
+      }
+    }
+    block_rows<kBlockTileRows, 1, Layout>(x, m_begin, m_end, packed + p * panel_stride,
+                                          panel_stride, at);
+    p += 1;
   }
 }
 
@@ -458,12 +520,7 @@ inline void for_block_panels(const QuantizedRows& x, int64_t M, const uint8_t* p
                [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += row_block) {
       const int64_t m1 = std::min(M, m0 + row_block);
-      for (int64_t p = begin; p < end; ++p) {
-        block_rows<kBlockTileRows, Layout>(x, m0, m1, packed + p * panel_stride,
-                                         [&](int64_t m, const float(&sums)[kPanelWidth]) {
-                                           fn(p, m, sums);
-                                         });
-      }
+      block_panel_rows<Layout>(x, m0, m1, packed, panel_stride, begin, end, fn);
     }
   });
 }
@@ -499,21 +556,26 @@ void block_linear_silu_mul_rows(Out* out, int64_t out_stride, const float* x,
   const int64_t row_block = std::max<int64_t>(64, (256 * 1024) / std::max<int64_t>(1, K));
   parallel_for(0, group_panels, block_panels_grain(2 * panel_stride, M),
                [&](int64_t begin, int64_t end) {
-    std::vector<float> gate(std::min(M, row_block) * kPanelWidth);
+    // Two panels' gate sums at a time (block_panel_rows' wide tile), then their up sums.
+    const int64_t rows = std::min(M, row_block);
+    std::vector<float> gate(2 * rows * kPanelWidth);
     for (int64_t m0 = 0; m0 < M; m0 += row_block) {
       const int64_t m1 = std::min(M, m0 + row_block);
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t j0 = p * kPanelWidth;
-        const int64_t count = std::min<int64_t>(kPanelWidth, I - j0);
-        block_rows<kBlockTileRows, Layout>(
-            xq, m0, m1, packed + p * panel_stride,
-            [&](int64_t m, const float(&sums)[kPanelWidth]) {
-              std::copy(sums, sums + kPanelWidth, gate.data() + (m - m0) * kPanelWidth);
+      for (int64_t p = begin; p < end; p += 2) {
+        const int64_t p_end = std::min(end, p + 2);
+        block_panel_rows<Layout>(
+            xq, m0, m1, packed, panel_stride, p, p_end,
+            [&](int64_t panel, int64_t m, const float(&sums)[kPanelWidth]) {
+              std::copy(sums, sums + kPanelWidth,
+                        gate.data() + ((panel - p) * rows + m - m0) * kPanelWidth);
             });
-        block_rows<kBlockTileRows, Layout>(
-            xq, m0, m1, packed + (group_panels + p) * panel_stride,
-            [&](int64_t m, const float(&up_sums)[kPanelWidth]) {
-              const float* gate_sums = gate.data() + (m - m0) * kPanelWidth;
+        block_panel_rows<Layout>(
+            xq, m0, m1, packed, panel_stride, group_panels + p, group_panels + p_end,
+            [&](int64_t panel, int64_t m, const float(&up_sums)[kPanelWidth]) {
+              const int64_t j0 = (panel - group_panels) * kPanelWidth;
+              const int64_t count = std::min<int64_t>(kPanelWidth, I - j0);
+              const float* gate_sums =
+                  gate.data() + ((panel - group_panels - p) * rows + m - m0) * kPanelWidth;
               Out* o = out + m * out_stride + j0;
               for (int64_t c = 0; c < count; ++c) {
                 // As linear_silu_mul_rows: gate and up rounded, silu(gate) rounded.
