@@ -224,7 +224,9 @@ class Speculator:
         p = state.acceptance
         bar = b * rate  # the chance of acceptance above which one more token pays
         count = self.config.num_tokens
-        if bar > 0.0:
+        # p reaches 1.0 in floating point after a few hundred steps with nothing rejected
+        # (a draft that is the model itself): then every proposal pays.
+        if bar > 0.0 and p < 1.0:
             count = min(count, int(math.log(bar) / math.log(p))) if p > bar else 0
         if count and sum(p**j for j in range(1, count + 1)) > rate * (c + b * count):
             state.next_pause = 1

@@ -336,6 +336,11 @@ def test_how_many_tokens_pay_follows_acceptance_and_the_cost_of_a_token():
     assert (
         speculator.num_proposals(SpecState(hits=1.0, misses=2.0, probing=False)) == 0
     )  # 1/3 < 0.4: paused
+    # Nothing rejected for hundreds of steps: the misses underflow to nothing and p is
+    # exactly 1.0 (a draft that is the target itself); every proposal pays.
+    always = SpecState(hits=40.0, misses=0.5 * 0.9**400, probing=False)
+    assert always.acceptance == 1.0
+    assert speculator.num_proposals(always) == 16
 
 
 def test_what_verifying_costs_besides_its_tokens_is_fitted_and_weighed():
