@@ -364,7 +364,9 @@ class TorchModelRunner(PagedRunner):
 
     def allocate_lora_slots(self) -> None:
         if self.loras is None:
-            kernel = "triton" if self.device.type == "cuda" else "torch"
+            # On the CPU turbo's LoRA kernel where its ops serve attention too.
+            native = self.ops.name == "native"
+            kernel = "triton" if self.device.type == "cuda" else "native" if native else "torch"
             self.loras = ModelLoras(
                 self.model, self.max_loras, self.max_lora_rank, self.dtype, kernel
             )

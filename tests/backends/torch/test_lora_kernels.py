@@ -1,5 +1,5 @@
-"""The batched LoRA products (``llmctl_torch.lora``): the grouped torch path and the
-Triton kernels (run by Triton's interpreter without a GPU) against a plain per-token
+"""The batched LoRA products (``llmctl_torch.lora``): the grouped torch path, turbo's CPU
+kernel (``native``) and the Triton kernels (run by Triton's interpreter without a GPU) against a plain per-token
 reference in float64, on random inputs, several shapes and ranks, with rows of mixed
 slots, rows without an adapter, and fused layers (several parts in one output)."""
 
@@ -17,6 +17,8 @@ from llmctl_torch import triton_lora  # first: it switches Triton's interpreter 
 from llmctl_torch.lora import LoraContext, LoraLayer
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# turbo's lora_add serves the torch backend's CPU steps (as its attention ops do)
+KERNELS = ["torch", "triton", *(["native"] if DEVICE.type == "cpu" else [])]
 
 
 def reference(x, out, layer: LoraLayer, token_slots):
@@ -58,7 +60,7 @@ SHAPES = [
 ]
 
 
-@pytest.mark.parametrize("kernel", ["torch", "triton"])
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"shape{i}" for i in range(len(SHAPES))])
 def test_batched_lora_matches_the_per_token_reference(kernel, shape):
     in_features, part_sizes, slots, rank, query_lens = shape
@@ -77,7 +79,7 @@ def test_batched_lora_matches_the_per_token_reference(kernel, shape):
     assert torch.allclose(out.double().cpu(), want, atol=1e-4 * float(magnitude), rtol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", ["torch", "triton"])
+@pytest.mark.parametrize("kernel", KERNELS)
 def test_rows_without_an_adapter_are_untouched(kernel):
     layer, g = random_layer(kernel, 32, [32, 16], 2, 8, torch.float32, 2)
     x = torch.randn(6, 32, generator=g).to(DEVICE)
@@ -114,9 +116,10 @@ def test_a_graphs_per_token_slots_match_the_reference(kernel, shape):
     assert torch.equal(out.cpu()[base].double(), want[base])
 
 
-def test_triton_kernels_take_bfloat16():
+@pytest.mark.parametrize("kernel", [k for k in KERNELS if k != "torch"])
+def test_kernels_take_bfloat16(kernel):
     """bf16 weights and activations (the GPU's dtype): within bf16's rounding of the output."""
-    layer, g = random_layer("triton", 64, [64, 32], 3, 16, torch.bfloat16, 3)
+    layer, g = random_layer(kernel, 64, [64, 32], 3, 16, torch.bfloat16, 3)
     seq_slots, query_lens = np.array([0, 2, 1, 2]), np.array([1, 4, 1, 18])
     x = torch.randn(24, 64, generator=g).to(torch.bfloat16).to(DEVICE)
     out = torch.randn(24, 96, generator=g).to(torch.bfloat16).to(DEVICE)
