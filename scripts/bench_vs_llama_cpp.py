@@ -4,6 +4,7 @@
     python scripts/bench_vs_llama_cpp.py --threads 2 --tokens 128 --rounds 5
     python scripts/bench_vs_llama_cpp.py --quantization int8   # turbo int8 vs a Q8_0 GGUF
     python scripts/bench_vs_llama_cpp.py --quantization gguf   # the same GGUF file, both sides
+    python scripts/bench_vs_llama_cpp.py --quantization gguf --parallel 1,4,16  # and batched
 
 llama.cpp is built with ``GGML_NATIVE=OFF``, each x86 extension (AVX2, AVX-512 F / VNNI /
 BF16 / VBMI, AVX-VNNI) on only where /proc/cpuinfo lists it, and AMX off: a CPU may
@@ -26,6 +27,12 @@ fp32: its model calls alone (``runner.execute`` per token, greedy token fed back
 llama-bench times) and the whole engine (``LLM.generate`` of TOKENS tokens, with
 scheduling and sampling). Each column is its best round; one table, ratios from the same
 run.
+
+With ``--parallel``, each round also runs ``llama-batched-bench -npp PP -ntg TG -npl
+LIST`` (PP prompt and TG generated tokens for each of N sequences at once) beside turbo
+decoding the same N sequences: its model calls (N x TG tokens over the TG decode
+steps' time, what llama-batched-bench's ``S_TG`` counts) and the whole engine
+(``LLM.generate`` of N prompts, prefill included, against llama.cpp's total ``S``).
 """
 
 from __future__ import annotations
@@ -68,6 +75,13 @@ def parse_args() -> argparse.Namespace:
         "gguf: the same GGUF file on both sides (turbo's block kernels)",
     )
     parser.add_argument("--prompt", type=int, default=512, help="prompt tokens (gguf)")
+    parser.add_argument(
+        "--parallel",
+        help="comma-separated sequence counts for batched decode against "
+        "llama-batched-bench (gguf; e.g. 1,4,16)",
+    )
+    parser.add_argument("--parallel-prompt", type=int, default=32, help="-npp of batched decode")
+    parser.add_argument("--parallel-tokens", type=int, default=64, help="-ntg of batched decode")
     args = parser.parse_args()
     if args.models is None:
         gguf = args.quantization == "gguf"
@@ -179,6 +193,37 @@ def llama_bench_tokens_per_s(
     return float(result["avg_ts"])
 
 
+def llama_batched_bench(
+    binary: Path, gguf: Path, parallel: list[int], prompt: int, tokens: int, threads: int
+) -> dict[int, tuple[float, float]]:
+    """Per sequence count: llama-batched-bench's (decode tok/s ``S_TG``, total tok/s ``S``)."""
+    context = max(parallel) * (prompt + tokens) + 64
+    output = run([binary, "-m", gguf, "-c", context, "-b", 2048, "-ub", 512, "-npp", prompt,
+                  "-ntg", tokens, "-npl", ",".join(map(str, parallel)), "-t", threads,
+                  "--output-format", "jsonl"])  # fmt: skip
+    results = [json.loads(line) for line in output.splitlines() if line.startswith("{")]
+    return {int(r["pl"]): (float(r["speed_tg"]), float(r["speed"])) for r in results}
+
+
+def turbo_batched(llm, runner, sequences: int, prompt: int, tokens: int) -> tuple[float, float]:
+    """turbo on ``sequences`` prompts of ``prompt`` tokens, ``tokens`` new each: (decode
+    tok/s of the model calls, total tok/s of ``LLM.generate``, prefill included)."""
+    from llmctl import SamplingParams
+
+    times = decode_step_times(runner, batch=sequences, prompt_len=prompt, steps=tokens)
+    decode = sequences * len(times) / sum(times)
+    vocab = runner.config.vocab_size
+    prompts = [
+        [(11 * s + 5 * i) % (vocab - 3) + 3 for i in range(prompt)] for s in range(sequences)
+    ]
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - started
+    assert all(len(output.token_ids) == tokens for output in outputs)
+    return decode, sequences * (prompt + tokens) / elapsed
+
+
 def turbo_model_calls_tokens_per_s(runner, tokens: int) -> float:
     times = decode_step_times(runner, batch=1, prompt_len=1, steps=tokens)
     return len(times) / sum(times)
@@ -201,6 +246,15 @@ def main() -> None:
     source = llama_cpp_source(args.work_dir)
     binary = llama_cpp_binary(source, "llama-bench", args.threads)
     gguf_mode = args.quantization == "gguf"
+    parallel = [int(n) for n in args.parallel.split(",")] if args.parallel else []
+    if parallel and not gguf_mode:
+        raise SystemExit(
+            "--parallel runs the same GGUF file on both sides: add --quantization gguf"
+        )
+    batched_binary = (
+        llama_cpp_binary(source, "llama-batched-bench", args.threads) if parallel else None
+    )
+    batched_tokens = args.parallel_prompt + args.parallel_tokens + 1
     rows = []
     for name in args.models.split(","):
         if gguf_mode:  # the same file on both sides
@@ -212,7 +266,10 @@ def main() -> None:
         runner = load_runner(
             "turbo",
             model,
-            blocks_needed(1, max(args.prompt, args.tokens) + 1),
+            max(
+                blocks_needed(1, max(args.prompt, args.tokens) + 1),
+                blocks_needed(max(parallel, default=0), batched_tokens),
+            ),
             args.threads,
             args.quantization,
         )
@@ -221,6 +278,8 @@ def main() -> None:
         turbo_model_calls_tokens_per_s(runner, 8)  # warm-up
         turbo_generate_tokens_per_s(llm, 8)
         best = {"llama": 0.0, "calls": 0.0, "generate": 0.0, "llama_pp": 0.0, "turbo_pp": 0.0}
+        # sequences -> best (llama S_TG, llama S, turbo model calls, turbo LLM.generate)
+        batched = {n: [0.0, 0.0, 0.0, 0.0] for n in parallel}
         for _ in range(args.rounds):
             best["llama"] = max(
                 best["llama"], llama_bench_tokens_per_s(binary, gguf, args.tokens, args.threads)
@@ -232,6 +291,15 @@ def main() -> None:
                 best["llama_pp"] = max(best["llama_pp"], pp)
                 turbo_pp = args.prompt / prefill_seconds(runner, args.prompt)
                 best["turbo_pp"] = max(best["turbo_pp"], turbo_pp)
+            if parallel:
+                llama = llama_batched_bench(batched_binary, gguf, parallel, args.parallel_prompt,
+                                            args.parallel_tokens, args.threads)  # fmt: skip
+                for n in parallel:
+                    turbo = turbo_batched(
+                        llm, runner, n, args.parallel_prompt, args.parallel_tokens
+                    )
+                    batched[n] = [max(a, b) for a, b in zip(batched[n], (*llama[n], *turbo))]
+        best["batched"] = batched
         llm.shutdown()
         best["file_bytes"] = Path(gguf).stat().st_size
         best["weight_bytes"] = runner.weight_bytes()
@@ -274,6 +342,25 @@ def main() -> None:
                 f"{best['turbo_pp'] / best['llama_pp']:.2f}x | "
                 f"{best['file_bytes'] / 2**20:,.1f} | {best['weight_bytes'] / 2**20:,.1f} |"
             )
+
+    if parallel:
+        print(
+            f"\nBatched decode: N sequences of {args.parallel_prompt} prompt and "
+            f"{args.parallel_tokens} new tokens each (llama-batched-bench -npp "
+            f"{args.parallel_prompt} -ntg {args.parallel_tokens}: S_TG decode tok/s, S total "
+            "tok/s; turbo: model calls of the decode steps, LLM.generate prefill included)\n"
+        )
+        print(
+            "| model | N | llama.cpp S_TG | turbo decode | ratio | llama.cpp S | "
+            "turbo LLM.generate | ratio |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
+        for name, best in rows:
+            for n, (llama_tg, llama_all, decode, generate) in best["batched"].items():
+                print(
+                    f"| {name} | {n} | {llama_tg:,.0f} | {decode:,.0f} | {decode / llama_tg:.2f}x "
+                    f"| {llama_all:,.0f} | {generate:,.0f} | {generate / llama_all:.2f}x |"
+                )
 
 
 if __name__ == "__main__":
