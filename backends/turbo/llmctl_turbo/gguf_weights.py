@@ -3,11 +3,12 @@
 Matrices stored as Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 or the K-quants Q4_K, Q5_K, Q6_K are read
 as the file's bytes (``GGUFModel.iter_weights(keep_types=...)``) and repacked once,
 exactly, by ``pack_gguf_weight`` (``csrc/cpu/block_layout.h``, ``block_kernels.h``) for
-turbo's CPU block kernels. Resident bits per weight (the file's): Q4_0 5 (4.5), Q4_1 5
-(5), Q4_K 4.625 (4.5), Q8_0 9 (8.5); Q5_0 / Q5_1 9 (5.5 / 6), Q5_K 8.625 (5.5), Q6_K
+turbo's CPU block kernels. Resident bits per weight (the file's): Q4_0 4.5 (4.5), Q4_1 5
+(5), Q4_K 4.625 (4.5), Q8_0 8.5 (8.5); Q5_0 / Q5_1 9 (5.5 / 6), Q5_K 8.625 (5.5), Q6_K
 8.5625 (6.5625): their quants a byte each, which the 8-bit kernels multiply without
 unpacking. A fused matrix (q/k/v, gate/up) runs as blocks when its parts share one type
-or one packed layout (Q8_0 with Q5_0 or Q5_1); otherwise, and for every type with no
+or one packed layout (Q8_0 with Q5_0 or Q5_1, Q4_0 with Q4_1: the symmetric types then
+keep their offsets, 9 and 5 bits per weight); otherwise, and for every type with no
 kernel (Q2_K, Q3_K, IQ types, F16...), it is dequantized to the model dtype as
 ``quantization=none`` does, and the log line says how many. The embedding table stays
 the file's rows for Q8_0 / Q4_0 / Q4_1 (a tied Q8_0 embedding: its bytes twice, as rows
@@ -64,6 +65,8 @@ def mixed_blocks(parts: list[GGUFBlocks], groups: int) -> torch.Tensor | None:
     part is one of ``groups``); else None."""
     ops = load_ops()
     packed = [ops.pack_gguf_weight(p.data, BLOCK_TYPES[p.tensor_type], 1) for p in parts]
+    if len({p.shape[2] for p in packed}) > 1:  # Q8_0 / Q4_0 then store their offsets too
+        packed = [ops.pack_gguf_weight(p.data, BLOCK_TYPES[p.tensor_type], 1, True) for p in parts]
     same_layout = len({p.shape[2] for p in packed}) == 1
     whole_panels = groups == len(parts) or (
         groups == 1 and all(p.shape[0] % PANEL_WIDTH == 0 for p in parts[:-1])

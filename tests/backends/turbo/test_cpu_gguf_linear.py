@@ -168,9 +168,17 @@ def test_k_quant_bad_inputs_are_named(turbo_ops):
 
 @pytest.mark.parametrize(
     ("name", "file_bits", "resident_bits"),
-    [("Q4_K", 4.5, 4.625), ("Q5_K", 5.5, 8.625), ("Q6_K", 6.5625, 8.5625)],
+    [
+        ("Q8_0", 8.5, 8.5),  # d alone: the zero point 128 is the layout's
+        ("Q4_0", 4.5, 4.5),
+        ("Q4_1", 5.0, 5.0),
+        ("Q5_0", 5.5, 9.0),  # 5-bit quants a byte each
+        ("Q4_K", 4.5, 4.625),
+        ("Q5_K", 5.5, 8.625),
+        ("Q6_K", 6.5625, 8.5625),
+    ],
 )
-def test_k_quant_resident_bytes(turbo_ops, name, file_bits, resident_bits):
+def test_resident_bytes(turbo_ops, name, file_bits, resident_bits):
     """Packed bytes per weight against the file's (docs/quantization.md states them)."""
     raw, _ = random_blocks(name, 64, 512, seed=4)
     packed = turbo_ops.pack_gguf_weight(torch.from_numpy(raw), ggml_type(name))
@@ -178,30 +186,49 @@ def test_k_quant_resident_bytes(turbo_ops, name, file_bits, resident_bits):
     assert packed.numel() * 8 / (64 * 512) == resident_bits
 
 
-def test_fused_parts_of_types_that_pack_alike(turbo_ops):
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_0"])
+def test_symmetric_types_with_stored_offsets_give_the_same_outputs(turbo_ops, block_isa, name):
+    """Q8_0 and Q4_0 packed with their offsets (to join parts of Q5_0 or Q4_1) and without
+    (the zero point made in registers) give the same bits."""
+    raw, weights = random_blocks(name, 37, 224, seed=8)
+    implied = turbo_ops.pack_gguf_weight(torch.from_numpy(raw), ggml_type(name))
+    stored = turbo_ops.pack_gguf_weight(torch.from_numpy(raw), ggml_type(name), 1, True)
+    assert stored.shape[2] > implied.shape[2]
+    x = torch.from_numpy(np.random.default_rng(2).standard_normal((9, 224)).astype(np.float32))
+    outs = []
+    for packed in (implied, stored):
+        outs.append(torch.full((9, 37), float("nan")))
+        turbo_ops.linear(outs[-1], x, packed, None, None)
+    assert torch.equal(outs[0], outs[1])
+    check(outs[0], x.numpy(), weights)
+
+
+@pytest.mark.parametrize("types", [("Q5_0", "Q5_0", "Q8_0"), ("Q4_1", "Q4_1", "Q4_0")])
+def test_fused_parts_of_types_that_pack_alike(turbo_ops, types):
     """A q/k/v of Q5_0, Q5_0 and Q8_0 (llama.cpp's Q4_K_M does that) runs as blocks, joined
-    panel by panel; parts that would leave a panel half full fall back to a float matrix."""
+    panel by panel (Q8_0, or Q4_0 beside Q4_1, then keeps its offsets); parts that would
+    leave a panel half full fall back to a float matrix."""
     from llmctl_turbo.gguf_weights import BlockPacker
 
     from llmctl.model.gguf import GGUFBlocks
 
     def parts(rows):
-        made = [random_blocks(t, n, 96, seed=n) for t, n in zip(("Q5_0", "Q5_0", "Q8_0"), rows)]
+        made = [random_blocks(t, n, 96, seed=n) for t, n in zip(types, rows)]
         blocks = [
             GGUFBlocks(torch.from_numpy(raw), t, (n, 96))
-            for (raw, _), t, n in zip(made, ("Q5_0", "Q5_0", "Q8_0"), rows)
+            for (raw, _), t, n in zip(made, types, rows)
         ]
         return blocks, np.concatenate([w for _, w in made])
 
     x = np.random.default_rng(3).standard_normal((5, 96)).astype(np.float32)
-    for rows, kind in (((64, 32, 32), "Q5_0+Q5_0+Q8_0"), ((40, 32, 32), "dequantized to float32")):
+    for rows, kind in (((64, 32, 32), "+".join(types)), ((40, 32, 32), "dequantized to float32")):
         blocks, weights = parts(rows)
         packer = BlockPacker(torch.float32)
         packed = packer.pack(blocks)
         assert dict(packer.kinds) == {kind: 1}
         out = torch.full((5, sum(rows)), float("nan"))
         turbo_ops.linear(out, torch.from_numpy(x), packed, None, None)
-        if kind.startswith("Q5_0"):
+        if kind.startswith(types[0]):
             check(out, x, weights)
         else:  # float weights: no activation rounding
             ref = x.astype(np.float64) @ weights.T

@@ -131,10 +131,12 @@ namespace {
 
 // One GGUF block of 32 weights (ggml's block_q8_0 / block_q4_0 / block_q4_1) as
 // w = d * q + c with unsigned q (cpu/block_kernels.h); d and c as fp16 bits, exactly
-// (the file's d and m are fp16; -8d and -128d only move the exponent).
+// (the file's d and m are fp16; -8d and -128d only move the exponent). Without `offsets`
+// a symmetric type's c is left 0: its layout implies it (layout_zero_point).
 void decode_gguf_block(const uint8_t* block, int64_t ggml_type, uint16_t& d, uint16_t& c,
-                       uint8_t (&q)[kGgufBlock]) {
+                       uint8_t (&q)[kGgufBlock], bool offsets = true) {
   std::memcpy(&d, block, sizeof(d));
+  c = 0;
   auto times = [&](float factor) {
     const float value = static_cast<float>(c10::Half(d, c10::Half::from_bits())) * factor;
     TORCH_CHECK(std::fabs(value) <= 65504.f, "a GGUF block's scale ", value / factor,
@@ -142,7 +144,7 @@ void decode_gguf_block(const uint8_t* block, int64_t ggml_type, uint16_t& d, uin
     return c10::Half(value).x;
   };
   if (ggml_type == kGgmlQ8_0) {  // fp16 d, int8 q[32]
-    c = times(-128.f);
+    if (offsets) c = times(-128.f);
     for (int i = 0; i < kGgufBlock; ++i) {
       q[i] = static_cast<uint8_t>(static_cast<int8_t>(block[2 + i]) + 128);
     }
@@ -156,7 +158,7 @@ void decode_gguf_block(const uint8_t* block, int64_t ggml_type, uint16_t& d, uin
   const uint8_t* nibbles = block + (with_min ? 4 : 2) + (five ? 4 : 0);
   if (with_min) {
     std::memcpy(&c, block + 2, sizeof(c));
-  } else {
+  } else if (five || offsets) {
     c = times(five ? -16.f : -8.f);
   }
   uint32_t high = 0;
@@ -258,8 +260,9 @@ int64_t gguf_block_bytes(int64_t ggml_type) {
   return 0;
 }
 
-at::Tensor pack_gguf_weight(const at::Tensor& raw, int64_t ggml_type, int64_t groups) {
-  const int layout = layout_of_ggml_type(ggml_type);
+at::Tensor pack_gguf_weight(const at::Tensor& raw, int64_t ggml_type, int64_t groups,
+                            bool offsets) {
+  const int layout = layout_of_ggml_type(ggml_type, offsets);
   const int bits = layout_quant_bits(layout);
   const bool super = is_super_layout(layout);
   const int64_t in_block = gguf_block_bytes(ggml_type);
@@ -299,11 +302,13 @@ at::Tensor pack_gguf_weight(const at::Tensor& raw, int64_t ggml_type, int64_t gr
         }
         uint16_t d, c;
         uint8_t q[kGgufBlock];
-        decode_gguf_block(row_in + b * in_block, ggml_type, d, c, q);
+        const bool stores_c = layout_zero_point(layout) == 0;
+        decode_gguf_block(row_in + b * in_block, ggml_type, d, c, q, stores_c);
         uint8_t* block = panel_out + b * out_block;
         std::memcpy(block + f * sizeof(d), &d, sizeof(d));
-        std::memcpy(block + (kPanelWidth + f) * sizeof(c), &c, sizeof(c));
-        for (int k = 0; k < kGgufBlock; ++k) put_quant(block + kGgufScaleBytes, bits, f, k, q[k]);
+        if (stores_c) std::memcpy(block + (kPanelWidth + f) * sizeof(c), &c, sizeof(c));
+        uint8_t* quants = block + layout_scale_bytes(layout);
+        for (int k = 0; k < kGgufBlock; ++k) put_quant(quants, bits, f, k, q[k]);
       }
     }
   }
@@ -322,7 +327,7 @@ void embedding_gguf(at::Tensor& out, const at::Tensor& raw, const at::Tensor& id
       for (int64_t b = 0; b < blocks; ++b) {
         uint16_t d, c;
         uint8_t q[kGgufBlock];
-        decode_gguf_block(table + id[t] * row_bytes + b * block_bytes, ggml_type, d, c, q);
+        decode_gguf_block(table + id[t] * row_bytes + b * block_bytes, ggml_type, d, c, q, false);
         const float df = static_cast<float>(c10::Half(d, c10::Half::from_bits()));
         const float cf = static_cast<float>(c10::Half(c, c10::Half::from_bits()));
         // As gguf.quants dequantizes: d * (q - zero), or Q4_1's d * q + m.

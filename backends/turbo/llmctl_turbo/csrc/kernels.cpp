@@ -45,8 +45,9 @@ int64_t gguf_block_weights(int64_t ggml_type) {
   return layout < 0 ? 0 : (is_super_layout(layout) ? kGgufSuperBlock : kGgufBlock);
 }
 
-at::Tensor pack_gguf_weight(const at::Tensor& raw, int64_t ggml_type, int64_t groups) {
-  return cpu::pack_gguf_weight(raw, ggml_type, groups);
+at::Tensor pack_gguf_weight(const at::Tensor& raw, int64_t ggml_type, int64_t groups,
+                            bool offsets) {
+  return cpu::pack_gguf_weight(raw, ggml_type, groups, offsets);
 }
 
 int64_t gguf_row_type(int64_t row_bytes, int64_t features) {

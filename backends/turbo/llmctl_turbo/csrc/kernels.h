@@ -50,7 +50,9 @@ at::Tensor pack_linear_weight(const at::Tensor& weight, int64_t groups);
 // the K-quants Q4_K, Q5_K, Q6_K; ggml's type ids below), repacked by pack_gguf_weight from the
 // file's rows (`raw`: uint8 [N, row bytes], K a multiple of 32, of 256 for K-quants) into
 // uint8 [panels, K / 32, bytes per 32 inputs] (layouts in cpu/block_layout.h and
-// cpu/block_kernels.h), `groups` as for pack_linear_weight; no `scale`. CPU only.
+// cpu/block_kernels.h), `groups` as for pack_linear_weight; no `scale`. CPU only. With
+// `offsets`, Q4_0 and Q8_0 keep their blocks' offsets c (the layouts of Q4_1 and Q5_0),
+// so that they join parts of those types in one fused matrix.
 constexpr int64_t kGgmlQ4_0 = 2, kGgmlQ4_1 = 3, kGgmlQ5_0 = 6, kGgmlQ5_1 = 7, kGgmlQ8_0 = 8;
 constexpr int64_t kGgmlQ4_K = 12, kGgmlQ5_K = 13, kGgmlQ6_K = 14;
 constexpr int kGgufBlock = 32;  // weights per GGUF block (a K-quant's sub-block)
@@ -60,7 +62,8 @@ constexpr int64_t kGgufScaleBytes = 2 * kPanelWidth * 2;
 // type turbo has no kernel for; gguf_block_weights: the weights it holds.
 int64_t gguf_block_bytes(int64_t ggml_type);
 int64_t gguf_block_weights(int64_t ggml_type);
-at::Tensor pack_gguf_weight(const at::Tensor& raw, int64_t ggml_type, int64_t groups);
+at::Tensor pack_gguf_weight(const at::Tensor& raw, int64_t ggml_type, int64_t groups,
+                            bool offsets = false);
 // The type of GGUF rows of `row_bytes` for `features` values (-1: none turbo reads).
 int64_t gguf_row_type(int64_t row_bytes, int64_t features);
 // out[t] = the dequantized row ids[t] of a GGUF file's rows `raw` (uint8 [vocab, row
@@ -144,7 +147,8 @@ void lora_add(at::Tensor& out, const at::Tensor& x, const at::Tensor& a, const a
               at::IntArrayRef out_offsets, at::IntArrayRef sizes, const at::Tensor& rows,
               const at::Tensor& tiles);
 int64_t gguf_block_bytes(int64_t ggml_type);
-at::Tensor pack_gguf_weight(const at::Tensor& raw, int64_t ggml_type, int64_t groups);
+at::Tensor pack_gguf_weight(const at::Tensor& raw, int64_t ggml_type, int64_t groups,
+                            bool offsets);
 void embedding_gguf(at::Tensor& out, const at::Tensor& raw, const at::Tensor& ids,
                     int64_t ggml_type);
 void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,

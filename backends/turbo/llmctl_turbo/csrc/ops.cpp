@@ -97,7 +97,8 @@ at::Tensor pack_linear_weight_op(const at::Tensor& weight, int64_t groups) {
   return pack_linear_weight(weight, groups);
 }
 
-at::Tensor pack_gguf_weight_op(const at::Tensor& raw, int64_t ggml_type, int64_t groups) {
+at::Tensor pack_gguf_weight_op(const at::Tensor& raw, int64_t ggml_type, int64_t groups,
+                               bool offsets) {
   const int64_t block = gguf_block_bytes(ggml_type);
   TORCH_CHECK(block != 0, "pack_gguf_weight packs GGML types ", kGgmlQ8_0, " (Q8_0), ",
               kGgmlQ4_0, " (Q4_0), ", kGgmlQ4_1, " (Q4_1), ", kGgmlQ5_0, " (Q5_0), ", kGgmlQ5_1,
@@ -110,7 +111,7 @@ at::Tensor pack_gguf_weight_op(const at::Tensor& raw, int64_t ggml_type, int64_t
               raw.scalar_type(), " ", raw.sizes(), " on ", raw.device());
   TORCH_CHECK(groups >= 1 && raw.size(0) % groups == 0, "groups (", groups,
               ") must divide the ", raw.size(0), " rows of raw");
-  return pack_gguf_weight(raw, ggml_type, groups);
+  return pack_gguf_weight(raw, ggml_type, groups, offsets);
 }
 
 // No scale: float weights or a float KV cache; int8 ones need their scales (kernels.h).
@@ -280,7 +281,7 @@ void paged_decode_attention_op(at::Tensor out, const at::Tensor& q, const at::Te
 
 TORCH_LIBRARY(llmctl_turbo, m) {
   m.def("pack_linear_weight(Tensor weight, int groups=1) -> Tensor");
-  m.def("pack_gguf_weight(Tensor raw, int ggml_type, int groups=1) -> Tensor");
+  m.def("pack_gguf_weight(Tensor raw, int ggml_type, int groups=1, bool offsets=False) -> Tensor");
   m.def("linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor bias, "
         "Tensor? weight_scale=None) -> ()");
   m.def("linear_silu_mul(Tensor(a!) out, Tensor x, Tensor gate_up, "

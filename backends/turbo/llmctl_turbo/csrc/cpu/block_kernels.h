@@ -9,7 +9,9 @@
 //   Q8_0: q = q8 + 128, c = -128 d;   Q4_0: q = nibble, c = -8 d;   Q4_1: q = nibble, c = m;
 //   Q5_0: q = 5 bits, c = -16 d;      Q5_1: q = 5 bits, c = m (in the 8-bit grid).
 // Packed layout: uint8 [panels][K / 32 blocks][block bytes]; one block of one panel is
-//   fp16 d[16], fp16 c[16]                         64 bytes
+//   fp16 d[16], fp16 c[16]                         64 bytes (Q8_0, Q4_0: d[16] alone,
+//                                                   32 bytes; c = -128 d or -8 d is made
+//                                                   in registers)
 //   8-bit: uint8 q[8 groups][16 features][4]       512 bytes (group g: inputs 4g .. 4g+3)
 //   4-bit: uint8 q[4 chunks][16 features][4]       256 bytes (chunk j: low nibbles are
 //                                                   group j, high nibbles group j + 4)
@@ -17,7 +19,7 @@
 // broadcast activation bytes sums each feature's 4 products into its own int32 lane: no
 // horizontal sums, and a panel's blocks stream from memory in order. d and c are fp16, as
 // in the file (exact: -8d and -128d only shift the exponent), so a packed Q4_1 matrix
-// takes the file's 5 bits per weight, Q8_0 9 (the file: 8.5).
+// takes the file's 5 bits per weight, Q8_0 8.5 and Q4_0 4.5 (the files' own).
 //
 // K-quants (Q4_K, Q5_K, Q6_K) keep their super-blocks of 256 (cpu/block_layout.h): per
 // super-block and feature fp16 D (and M = -Dmin), per 32-block one byte s0 and one s1, and
@@ -39,7 +41,6 @@
 // converts in registers). Its cost is the activations' 8-bit rounding, as in llama.cpp.
 
 constexpr int64_t kQuantBlock = 32;                                     // inputs per block
-constexpr int64_t kBlockScaleBytes = kGgufScaleBytes;  // fp16 d[16], c[16]
 constexpr int64_t kGridBytes = 64;  // one group of 4 inputs x 16 features in a grid
 
 // x's rows quantized per 32-block: q [M][K] int8, dx and sx [M][K / 32], and the integer
@@ -145,7 +146,7 @@ inline const uint8_t* block_quants(const uint8_t* panel, int64_t b) {
            super_header_bytes(Layout) + kSuperSubBlocks * kSubScaleBytes +
            (b % kSuperSubBlocks) * layout_quant_bytes(Layout);
   } else {
-    return panel + b * packed_block_bytes(Layout) + kBlockScaleBytes;
+    return panel + b * packed_block_bytes(Layout) + layout_scale_bytes(Layout);
   }
 }
 
@@ -269,7 +270,11 @@ inline void block_scales_x86(const uint8_t* panel, int64_t b, int lane0, typenam
   } else {
     const uint8_t* block = panel + b * packed_block_bytes(Layout);
     d0 = V::load_halves(block + lane0 * 2);
-    c = V::load_halves(block + (kPanelWidth + lane0) * 2);
+    if constexpr (layout_zero_point(Layout) != 0) {
+      c = V::mul(d0, V::broadcastf(-static_cast<float>(layout_zero_point(Layout))));
+    } else {
+      c = V::load_halves(block + (kPanelWidth + lane0) * 2);
+    }
   }
 }
 
@@ -280,7 +285,7 @@ template <typename V, int MR, int NP, int Layout>
 inline void block_tile_x86(const QuantizedRows& x, int64_t m0, const uint8_t* panel,
                            int64_t panel_stride, int lane0,
                            float (&sums)[NP][MR][kPanelWidth]) {
-  constexpr bool kWide = Layout == kLayoutQ8;
+  constexpr bool kWide = Layout == kLayoutQ8 || Layout == kLayoutQ8Z;  // quants up to 255
   constexpr bool kHalves = Layout == kLayoutQ6K;
   // Q6_K's two 16-input halves each finish their integer sums before the next starts, so
   // that a half takes no more registers than a whole block of the other layouts.
@@ -394,7 +399,8 @@ inline void block_scales_portable(const uint8_t* panel, int64_t b, float (&d0)[k
     } else {
       const uint8_t* block = panel + b * packed_block_bytes(Layout);
       d0[f] = half_at(block + 2 * f);
-      c[f] = half_at(block + 2 * (kPanelWidth + f));
+      c[f] = layout_zero_point(Layout) ? -static_cast<float>(layout_zero_point(Layout)) * d0[f]
+                                       : half_at(block + 2 * (kPanelWidth + f));
     }
   }
 }

@@ -40,6 +40,10 @@ inline void on_block_layout(const at::Tensor& packed, const Fn& fn) {
       return fn(std::integral_constant<int, kLayoutQ5K>{});
     case kLayoutQ6K:
       return fn(std::integral_constant<int, kLayoutQ6K>{});
+    case kLayoutQ4Z:
+      return fn(std::integral_constant<int, kLayoutQ4Z>{});
+    case kLayoutQ8Z:
+      return fn(std::integral_constant<int, kLayoutQ8Z>{});
   }
   TORCH_CHECK(false, "not a packed GGUF block weight: ", packed.size(2), " bytes per block");
 }
