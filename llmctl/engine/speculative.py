@@ -41,7 +41,7 @@ speculates only where proposals are nearly always accepted.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -84,42 +84,47 @@ class StepCost:
     the engine's rate, tokens emitted per second, over the same window."""
 
     def __init__(self) -> None:
-        # Weighted sums of z z^T for z = (1, tokens, verifies, seconds); emitted, seconds.
-        self._moments = np.zeros((4, 4))
-        self._emitted = np.zeros(2)
+        # Exponentially weighted sums over the steps of 1, t, v, s and of the products the
+        # fit needs (t: tokens, v: verifies, 0 or 1, s: seconds), as plain floats: numpy's
+        # calls on arrays this small cost 100-200 µs a step beside a running model.
+        self._sums = [0.0] * 9  # 1, t, v, s, tt, tv, ts, vv, vs
+        self._emitted = self._seconds = 0.0
         self.fit: tuple[float, float, float] | None = None  # (a, b, c); None until known
 
     def add(self, tokens: int, seconds: float, emitted: int, verifies: bool) -> None:
-        z = np.array([1.0, tokens, float(verifies), seconds])
-        self._moments *= 1.0 - STEP_TIME_WEIGHT
-        self._moments += np.outer(z, z)
-        self._emitted *= 1.0 - STEP_TIME_WEIGHT
-        self._emitted += (emitted, seconds)
+        t, v, s = float(tokens), float(verifies), seconds
+        keep = 1.0 - STEP_TIME_WEIGHT
+        terms = (1.0, t, v, s, t * t, t * v, t * s, v * v, v * s)
+        self._sums = [keep * total + term for total, term in zip(self._sums, terms)]
+        self._emitted = keep * self._emitted + emitted
+        self._seconds = keep * self._seconds + seconds
         self.fit = self._solve()
 
     @property
     def rate(self) -> float:
         """Tokens emitted per second of step time."""
-        emitted, seconds = self._emitted
-        return emitted / seconds if seconds > 0.0 else 0.0
+        return self._emitted / self._seconds if self._seconds > 0.0 else 0.0
 
     def _solve(self) -> tuple[float, float, float] | None:
         """``(a, b, c)``; ``None`` until steps of different sizes have been measured. ``c``
         is 0 while every step verifies, or none does (it cannot be told from ``a``)."""
-        weight = self._moments[0, 0]
+        weight, t, v, s, tt, tv, ts, vv, vs = self._sums
         if weight < 2:
             return None
-        mean = self._moments[0] / weight
-        cov = self._moments / weight - np.outer(mean, mean)  # of (1, tokens, verifies, seconds)
-        if cov[1, 1] < 1e-6:
+        mean_t, mean_v, mean_s = t / weight, v / weight, s / weight
+        var_t = tt / weight - mean_t * mean_t  # the weighted (co)variances
+        if var_t < 1e-6:
             return None
-        b, c = cov[1, 3] / cov[1, 1], 0.0
-        if cov[2, 2] > 1e-3:
-            both = cov[1:3, 1:3]
-            if np.linalg.det(both) > 1e-9 * cov[1, 1]:
-                b, c = np.linalg.solve(both, cov[1:3, 3])
-        b, c = max(float(b), 0.0), max(float(c), 0.0)
-        return float(mean[3] - b * mean[1] - c * mean[2]), b, c
+        cov_tv, cov_ts = tv / weight - mean_t * mean_v, ts / weight - mean_t * mean_s
+        var_v, cov_vs = vv / weight - mean_v * mean_v, vs / weight - mean_v * mean_s
+        b, c = cov_ts / var_t, 0.0
+        if var_v > 1e-3:  # least squares on (t, v): the 2 x 2 normal equations
+            det = var_t * var_v - cov_tv * cov_tv
+            if det > 1e-9 * var_t:
+                b = (cov_ts * var_v - cov_tv * cov_vs) / det
+                c = (var_t * cov_vs - cov_tv * cov_ts) / det
+        b, c = max(b, 0.0), max(c, 0.0)
+        return mean_s - b * mean_t - c * mean_v, b, c
 
 
 def propose_ngram(
@@ -169,6 +174,11 @@ class SpecState:
     # (ngram_max tokens) occurs earlier. A repeat that long is what copying looks like, so
     # a prompt with nothing to repeat costs almost no verification at all.
     probing: bool = True
+    # The text's windows of ``ngram_max`` tokens, each to the end of its latest place, for
+    # that check: kept as the text grows (``repeats_suffix``), so a paused request's probe
+    # costs a look-up, not a search of its whole text each step.
+    windows: dict[tuple[int, ...], int] = field(default_factory=dict)
+    indexed: int = 0  # the next window end to put in ``windows``
 
     @property
     def acceptance(self) -> float:
@@ -177,6 +187,16 @@ class SpecState:
     def observe(self, num_proposed: int, num_accepted: int) -> None:
         self.hits = self.hits * ACCEPTANCE_DECAY + num_accepted
         self.misses = self.misses * ACCEPTANCE_DECAY + (num_accepted < num_proposed)
+
+    def repeats_suffix(self, token_ids: list[int], n: int) -> bool:
+        """Whether the text's last ``n`` tokens occur earlier in it (the text only grows:
+        rejected proposals never enter it)."""
+        last = len(token_ids)
+        windows = self.windows
+        for end in range(max(self.indexed, n), last):  # the windows before the last one
+            windows[tuple(token_ids[end - n : end])] = end
+        self.indexed = max(self.indexed, last)
+        return last > n and tuple(token_ids[last - n :]) in windows
 
 
 class Speculator:
@@ -262,9 +282,12 @@ class Speculator:
                 continue
             if self.draft is not None:  # room for the draft's tokens (fill_proposals)
                 proposal = [seq.token_ids[-1]] * room
+            elif state.probing and state.stopped:  # only a repeat of ngram_max tokens probes
+                if not state.repeats_suffix(seq.token_ids, config.ngram_max):
+                    continue
+                proposal = propose_ngram(seq.token_ids, config.ngram_max, config.ngram_max, room)
             else:
-                shortest = config.ngram_max if state.probing and state.stopped else config.ngram_min
-                proposal = propose_ngram(seq.token_ids, shortest, config.ngram_max, room)
+                proposal = propose_ngram(seq.token_ids, config.ngram_min, config.ngram_max, room)
             if proposal:
                 seq.proposal = proposal
                 any_proposed = True

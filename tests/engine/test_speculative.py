@@ -16,7 +16,7 @@ from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.config import SpeculativeConfig
 from llmctl.engine.sampling_params import SamplingParams
 from llmctl.engine.sequence import Sequence
-from llmctl.engine.speculative import propose_ngram
+from llmctl.engine.speculative import SpecState, propose_ngram
 from tests.helpers.paged_toy_model import make_engine, run
 
 NGRAM = SpeculativeConfig(method="ngram", num_tokens=4, ngram_max=3, ngram_min=1)
@@ -41,6 +41,18 @@ def test_ngram_proposer_matches_a_brute_force_lookup():
         high = rng.randrange(low, 6)
         k = rng.randrange(1, 6)
         assert propose_ngram(tokens, low, high, k) == reference_lookup(tokens, low, high, k)
+
+
+def test_a_probes_repeat_check_kept_as_the_text_grows_matches_a_search():
+    """``SpecState.repeats_suffix``, asked as tokens arrive one or several at a time, says
+    what a search of the whole text says: whether its last n tokens occur earlier."""
+    rng = random.Random(5)
+    for n in (1, 2, 4):
+        state, text = SpecState(), []
+        while len(text) < 300:
+            text += [rng.randrange(6) for _ in range(rng.choice((1, 1, 3)))]
+            earlier = any(text[i : i + n] == text[-n:] for i in range(len(text) - n))
+            assert state.repeats_suffix(text, n) == (len(text) > n and earlier)
 
 
 def test_ngram_proposer_prefers_the_longest_suffix():
