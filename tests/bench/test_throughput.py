@@ -156,5 +156,8 @@ def test_step_profile_shows_speculation(stories_dir: Path, tmp_path: Path) -> No
     spec = read_json(out)["engine"]["step_profile"]["speculation"]
     assert spec["proposed"] > 0 and 0 <= spec["accepted"] <= spec["proposed"]
     assert spec["acceptance_rate"] == pytest.approx(spec["accepted"] / spec["proposed"])
-    assert len(spec["acceptance_by_position"]) == 4  # num_speculative_tokens
+    # One rate per position proposed: up to num_speculative_tokens (4), as many as the
+    # adaptive rule chose at most, which follows the measured step times.
+    by_position = spec["acceptance_by_position"]
+    assert 1 <= len(by_position) <= 4 and all(0.0 <= rate <= 1.0 for rate in by_position)
     assert f"{spec['proposed']} / {spec['accepted']}" in result.output

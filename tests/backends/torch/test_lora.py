@@ -16,8 +16,8 @@ from llmctl.hardware import Hardware
 from tests.helpers.lora_adapters import ATTENTION, MLP, make_adapter
 from tests.helpers.tiny_models import hf_greedy, load_hf_model
 
-# Both backends that serve adapters: torch (matmuls on the CPU, Triton on CUDA) and turbo
-# (its native LoRA kernels inside its one-call step).
+# Both backends that serve adapters: torch (turbo's lora_add on the CPU, Triton on CUDA) and
+# turbo (its native LoRA kernels inside its one-call step).
 BACKENDS = ["torch", "turbo"]
 
 MAX_TOKENS = 12

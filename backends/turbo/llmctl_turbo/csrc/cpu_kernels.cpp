@@ -132,9 +132,9 @@ namespace {
 // One GGUF block of 32 weights (ggml's block_q8_0 / block_q4_0 / block_q4_1) as
 // w = d * q + c with unsigned q (cpu/block_kernels.h); d and c as fp16 bits, exactly
 // (the file's d and m are fp16; -8d and -128d only move the exponent). Without `offsets`
-// a symmetric type's c is left 0: its layout implies it (layout_zero_point).
+// Q8_0's and Q4_0's c is left 0: their layouts imply it (layout_zero_point).
 void decode_gguf_block(const uint8_t* block, int64_t ggml_type, uint16_t& d, uint16_t& c,
-                       uint8_t (&q)[kGgufBlock], bool offsets = true) {
+                       uint8_t (&q)[kGgufBlock], bool offsets) {
   std::memcpy(&d, block, sizeof(d));
   c = 0;
   auto times = [&](float factor) {
