@@ -153,9 +153,12 @@ def throughput(
             _show(step_profile_table(profile), "Where a step's time goes", markdown, None, report)
     if report["ratio"] is not None:
         console.print(
-            f"llmctl ({report['backend']}) {report['engine']['output_tokens_per_s']:,.1f} vs "
-            f"transformers {report['baseline']['output_tokens_per_s']:,.1f} useful output "
-            f"tokens/s: [bold]{report['ratio']:.2f}x[/]"
+            styled(
+                f"llmctl ({report['backend']}) {report['engine']['output_tokens_per_s']:,.1f} vs "
+                f"transformers {report['baseline']['output_tokens_per_s']:,.1f} useful output "
+                "tokens/s: ",
+                (f"{report['ratio']:.2f}x", "bold"),
+            )
         )
 
 
