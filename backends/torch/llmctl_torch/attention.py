@@ -248,6 +248,9 @@ def native_kernels() -> AttentionOps:
     from llmctl_turbo.build import load_ops
 
     ops = load_ops()
+    # turbo's own threads, as many as torch's now (cpu_threads): left to start at the first
+    # call, they would take the count of whatever step made it (one, for a small step).
+    ops.set_cpu_threads(torch.get_num_threads())
 
     def write_kv(k, v, k_cache, v_cache, slot_mapping, *, kv_scales=None) -> None:
         scales = kv_scales or (None, None)

@@ -85,3 +85,35 @@ def test_checkpoint_that_does_not_fit_the_config_is_refused(tiny_model_dir, tmp_
     wrong_width = replace(config, intermediate_size=80)
     with pytest.raises(ModelError, match="shapes do not match"):
         TorchModelRunner(model_dir, wrong_width)
+
+
+def test_small_cpu_steps_run_on_one_thread(stories_dir, monkeypatch):
+    """A step under ONE_THREAD_STEP_MACS runs with one torch thread, a larger one with the
+    process's count, and the count is the same after either (it is the process's)."""
+    import llmctl_torch.model as model_module
+
+    runner = TorchModelRunner(
+        stories_dir, ModelConfig.from_dir(stories_dir), block_size=16, num_blocks=16
+    )
+    seen: list[int] = []
+    forward = runner.forward
+
+    def counting_forward(inputs, is_decode):
+        seen.append(torch.get_num_threads())
+        return forward(inputs, is_decode)
+
+    monkeypatch.setattr(runner, "forward", counting_forward)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tokens = 8
+        small = StepBatch(list(range(1, tokens + 1)), list(range(tokens)), [tokens], [tokens],
+                          [[0]], list(range(tokens)))  # fmt: skip
+        reference = runner.execute(small)
+        # The same step counted as large: the same logits (up to summation order), on two.
+        monkeypatch.setattr(model_module, "ONE_THREAD_STEP_MACS", tokens * runner.num_weights)
+        torch.testing.assert_close(runner.execute(small), reference)
+        assert seen == [1, 2]
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
