@@ -74,6 +74,9 @@ class AttentionOps:
     write_kv: Callable[..., None]
     paged_decode_attention: Callable[..., torch.Tensor]
     paged_prefill_attention: Callable[..., torch.Tensor]
+    # Starts the kernels' own threads, if they keep any, as many as torch's thread count in
+    # the calling thread (turbo's start at their first use otherwise, with the count then).
+    start_threads: Callable[[], object] = lambda: None
 
 
 class LayerCache(NamedTuple):
@@ -248,9 +251,6 @@ def native_kernels() -> AttentionOps:
     from llmctl_turbo.build import load_ops
 
     ops = load_ops()
-    # turbo's own threads, as many as torch's now (cpu_threads): left to start at the first
-    # call, they would take the count of whatever step made it (one, for a small step).
-    ops.set_cpu_threads(torch.get_num_threads())
 
     def write_kv(k, v, k_cache, v_cache, slot_mapping, *, kv_scales=None) -> None:
         scales = kv_scales or (None, None)
@@ -271,6 +271,7 @@ def native_kernels() -> AttentionOps:
         write_kv=write_kv,
         paged_decode_attention=into_new_output(ops.paged_decode_attention),
         paged_prefill_attention=into_new_output(ops.paged_prefill_attention),
+        start_threads=ops.cpu_threads,
     )
 
 

@@ -407,6 +407,7 @@ class TorchModelRunner(PagedRunner):
         if self.device.type != "cpu" or threads == 1 or not small:
             yield
             return
+        self.ops.start_threads()  # at the full count, not this step's one
         torch.set_num_threads(1)
         try:
             yield

@@ -4,6 +4,8 @@ dtypes run and stay close to fp32, and misuse fails clearly."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -117,3 +119,31 @@ def test_small_cpu_steps_run_on_one_thread(stories_dir, monkeypatch):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+SMALL_FIRST_STEP = """
+import torch
+from llmctl_torch.model import TorchModelRunner
+from llmctl_turbo.build import load_ops
+from llmctl.engine.runner import StepBatch
+from llmctl.model.config import ModelConfig
+torch.set_num_threads(2)
+runner = TorchModelRunner({model!r}, ModelConfig.from_dir({model!r}), block_size=16, num_blocks=4)
+runner.execute(StepBatch([1, 2], [0, 1], [2], [2], [[0]], [0, 1]))
+print(runner.ops.name, load_ops().cpu_threads(), torch.get_num_threads())
+"""
+
+
+def test_turbo_threads_start_at_the_full_count_under_a_small_first_step(stories_dir):
+    """turbo's attention threads start at their first use; a first step on one torch
+    thread must not leave them at one for good."""
+    if problem := native_problem():
+        pytest.skip(f"turbo's native ops do not build here: {problem}")
+    result = subprocess.run(
+        [sys.executable, "-c", SMALL_FIRST_STEP.format(model=str(stories_dir))],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["native", "2", "2"]
