@@ -400,8 +400,8 @@ class TorchModelRunner(PagedRunner):
 
     @contextmanager
     def _step_threads(self, tokens: int) -> Iterator[None]:
-        """One torch thread for a small CPU step (ONE_THREAD_STEP_MACS), the count before
-        it again after: the setting is the process's."""
+        """One torch thread for a small CPU step (ONE_THREAD_STEP_MACS); the count before
+        it is set back after, for whatever else runs torch in this thread."""
         threads = torch.get_num_threads()
         small = tokens * self.num_weights < ONE_THREAD_STEP_MACS
         if self.device.type != "cpu" or threads == 1 or not small:

@@ -91,7 +91,7 @@ def test_checkpoint_that_does_not_fit_the_config_is_refused(tiny_model_dir, tmp_
 
 def test_small_cpu_steps_run_on_one_thread(stories_dir, monkeypatch):
     """A step under ONE_THREAD_STEP_MACS runs with one torch thread, a larger one with the
-    process's count, and the count is the same after either (it is the process's)."""
+    count the caller set, and that count is the same after either."""
     import llmctl_torch.model as model_module
 
     runner = TorchModelRunner(
