@@ -62,11 +62,10 @@ def mixed_blocks(parts: list[GGUFBlocks], groups: int) -> torch.Tensor | None:
     """Parts of different types packed one by one and joined, where their packed blocks
     share a layout (Q8_0 with Q5_0 / Q5_1: llama.cpp's Q4_K_M often stores v that way
     beside q and k) and every part but the last fills whole 16-feature panels (or each
-    part is one of ``groups``); else None."""
+    part is one of ``groups``); else None. Q8_0 and Q4_0 parts store their offsets, as Q5_0
+    and Q4_1 blocks do (``offsets``: the other types pack the same either way)."""
     ops = load_ops()
-    packed = [ops.pack_gguf_weight(p.data, BLOCK_TYPES[p.tensor_type], 1) for p in parts]
-    if len({p.shape[2] for p in packed}) > 1:  # Q8_0 / Q4_0 then store their offsets too
-        packed = [ops.pack_gguf_weight(p.data, BLOCK_TYPES[p.tensor_type], 1, True) for p in parts]
+    packed = [ops.pack_gguf_weight(p.data, BLOCK_TYPES[p.tensor_type], 1, True) for p in parts]
     same_layout = len({p.shape[2] for p in packed}) == 1
     whole_panels = groups == len(parts) or (
         groups == 1 and all(p.shape[0] % PANEL_WIDTH == 0 for p in parts[:-1])

@@ -321,6 +321,7 @@ void embedding_gguf(at::Tensor& out, const at::Tensor& raw, const at::Tensor& id
   const int64_t block_bytes = gguf_block_bytes(ggml_type), row_bytes = raw.size(1);
   const uint8_t* table = raw.data_ptr<uint8_t>();
   const int32_t* id = ids.data_ptr<int32_t>();
+  const int zero = layout_zero_point(layout_of_ggml_type(ggml_type));  // Q8_0 128, Q4_0 8
   TURBO_DISPATCH_FLOAT_TYPES(out.scalar_type(), "embedding_gguf", [&] {
     scalar_t* rows = out.data_ptr<scalar_t>();
     for (int64_t t = 0; t < ids.size(0); ++t) {
@@ -331,7 +332,6 @@ void embedding_gguf(at::Tensor& out, const at::Tensor& raw, const at::Tensor& id
         const float df = static_cast<float>(c10::Half(d, c10::Half::from_bits()));
         const float cf = static_cast<float>(c10::Half(c, c10::Half::from_bits()));
         // As gguf.quants dequantizes: d * (q - zero), or Q4_1's d * q + m.
-        const int zero = ggml_type == kGgmlQ8_0 ? 128 : (ggml_type == kGgmlQ4_0 ? 8 : 0);
         scalar_t* row = rows + t * out.stride(0) + b * kGgufBlock;
         for (int k = 0; k < kGgufBlock; ++k) {
           const float value = ggml_type == kGgmlQ4_1 ? df * q[k] + cf : df * (q[k] - zero);
