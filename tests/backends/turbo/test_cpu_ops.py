@@ -138,6 +138,26 @@ def test_paged_decode_attention(turbo_ops, block_size, dtype, heads, kv_heads):
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("head_dim", [4, 8, 12, 24, 40, 80, 96, 256, 6])
+def test_paged_decode_attention_head_dims(turbo_ops, isa, head_dim):
+    """Every width the value sums are tiled for (1-8 vectors of 16, 8 or 4 floats, and
+    more in slices of 8) and the plain-float fallback (6), on each instruction set."""
+    torch.manual_seed(head_dim)
+    heads, kv_heads, block_size = 6, 2, 16
+    context_lens = [1, 3, block_size, 2 * block_size + 7, 61]
+    cache = PagedCache(block_size, context_lens, kv_heads, head_dim, torch.float32, seed=head_dim)
+    q = torch.randn(len(context_lens), heads, head_dim)
+    out = poisoned(*q.shape, dtype=torch.float32)
+    scale = head_dim**-0.5
+    turbo_ops.paged_decode_attention(
+        out, q, cache.k, cache.v, cache.padded_tables(), int32(context_lens), scale
+    )
+    expected = ref_paged_attention(
+        q, cache.k, cache.v, cache.tables, [1] * len(context_lens), context_lens, scale
+    )
+    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+
+
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_prefill_attention_ragged_chunks(turbo_ops, block_size, dtype):

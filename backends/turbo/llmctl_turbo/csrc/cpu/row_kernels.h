@@ -558,8 +558,10 @@ const float* rows_as_float(const scalar_t* rows, int64_t stride, int64_t count, 
   }
 }
 
-// Attention reads rows of head_dim floats. head_dim is usually a multiple of the vector
-// width; smaller heads (8 in stories260K) use 4-float vectors, other sizes plain floats.
+// Attention reads rows of head_dim floats: in vectors of the target's width where
+// head_dim is a multiple of it, else of 8 or 4 floats (8 in stories260K), else plain
+// floats.
+typedef float Float8Vec __attribute__((vector_size(8 * sizeof(float))));
 typedef float Float4Vec __attribute__((vector_size(4 * sizeof(float))));
 
 template <typename Vec>
@@ -601,6 +603,8 @@ inline void score_keys(const float* q, const float* keys, int64_t stride, int64_
                        int64_t D, float* scores) {
   if (D % kVectorWidth == 0) {
     score_keys_with<FloatVec>(q, keys, stride, count, D, scores);
+  } else if (D % 8 == 0) {
+    score_keys_with<Float8Vec>(q, keys, stride, count, D, scores);
   } else if (D % 4 == 0) {
     score_keys_with<Float4Vec>(q, keys, stride, count, D, scores);
   } else {
@@ -608,16 +612,53 @@ inline void score_keys(const float* q, const float* keys, int64_t stride, int64_
   }
 }
 
-// acc[0 .. D) += sum over j of weights[j] * values[j], the running sums kept in registers
-// over all `count` rows. D is a multiple of Vec's lanes.
+// acc[0 .. NV vectors) += sum over j of weights[j] * values[j]. The sums stay in registers
+// over all `count` rows, U rows at a time into U sets of sums: with one set, each row's
+// multiply-adds wait for the previous row's (the FMA latency), and a small head (one or
+// two vectors) ran at a fraction of the FMA throughput.
+template <typename Vec, int NV, int U>
+inline void accumulate_values_tile(float* acc, const float* weights, const float* values,
+                                   int64_t stride, int64_t count) {
+  constexpr int64_t kLanes = sizeof(Vec) / sizeof(float);
+  Vec sums[U][NV] = {};
+  int64_t j = 0;
+  for (; j + U <= count; j += U) {
+    for (int u = 0; u < U; ++u) {
+      const float* row = values + (j + u) * stride;
+      for (int n = 0; n < NV; ++n) sums[u][n] += load_as<Vec>(row + n * kLanes) * weights[j + u];
+    }
+  }
+  for (; j < count; ++j) {
+    for (int n = 0; n < NV; ++n) {
+      sums[0][n] += load_as<Vec>(values + j * stride + n * kLanes) * weights[j];
+    }
+  }
+  for (int n = 0; n < NV; ++n) {
+    Vec total = load_as<Vec>(acc + n * kLanes);
+    for (int u = 0; u < U; ++u) total += sums[u][n];
+    __builtin_memcpy(acc + n * kLanes, &total, sizeof(total));
+  }
+}
+
+// The same for any D that is a multiple of Vec's lanes: up to 8 vectors at a time, with
+// about 8 sums in flight whatever the head's width.
 template <typename Vec>
 inline void accumulate_values_with(float* acc, const float* weights, const float* values,
                                    int64_t stride, int64_t count, int64_t D) {
   constexpr int64_t kLanes = sizeof(Vec) / sizeof(float);
-  for (int64_t d = 0; d < D; d += kLanes) {
-    Vec sum = load_as<Vec>(acc + d);
-    for (int64_t j = 0; j < count; ++j) sum += load_as<Vec>(values + j * stride + d) * weights[j];
-    __builtin_memcpy(acc + d, &sum, sizeof(sum));
+  for (int64_t d = 0; d < D; d += 8 * kLanes) {
+    float* a = acc + d;
+    const float* v = values + d;
+    switch (std::min<int64_t>(8, (D - d) / kLanes)) {
+      case 1: accumulate_values_tile<Vec, 1, 8>(a, weights, v, stride, count); break;
+      case 2: accumulate_values_tile<Vec, 2, 4>(a, weights, v, stride, count); break;
+      case 3: accumulate_values_tile<Vec, 3, 2>(a, weights, v, stride, count); break;
+      case 4: accumulate_values_tile<Vec, 4, 2>(a, weights, v, stride, count); break;
+      case 5: accumulate_values_tile<Vec, 5, 1>(a, weights, v, stride, count); break;
+      case 6: accumulate_values_tile<Vec, 6, 1>(a, weights, v, stride, count); break;
+      case 7: accumulate_values_tile<Vec, 7, 1>(a, weights, v, stride, count); break;
+      default: accumulate_values_tile<Vec, 8, 1>(a, weights, v, stride, count); break;
+    }
   }
 }
 
@@ -625,6 +666,8 @@ inline void accumulate_values(float* acc, const float* weights, const float* val
                               int64_t stride, int64_t count, int64_t D) {
   if (D % kVectorWidth == 0) {
     accumulate_values_with<FloatVec>(acc, weights, values, stride, count, D);
+  } else if (D % 8 == 0) {
+    accumulate_values_with<Float8Vec>(acc, weights, values, stride, count, D);
   } else if (D % 4 == 0) {
     accumulate_values_with<Float4Vec>(acc, weights, values, stride, count, D);
   } else {
