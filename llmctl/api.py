@@ -34,6 +34,10 @@ from llmctl.engine.sampling_params import SamplingParams
 
 Message = dict[str, Any]
 
+# generate returns whole answers, so its requests' outputs come at the first token and
+# the last only (GenerationRequest.stream_interval): no output object per token.
+WHOLE_ANSWER = 1 << 30
+
 
 @dataclass
 class CompletionOutput:
@@ -173,7 +177,11 @@ class LLM:
             results.append(result)
             for j, choice in enumerate(choices):
                 rid = request_id if len(choices) == 1 else f"{request_id}-{j}"
-                requests.append(GenerationRequest(request_id=rid, sampling=choice, **prompt))
+                requests.append(
+                    GenerationRequest(
+                        request_id=rid, sampling=choice, stream_interval=WHOLE_ANSWER, **prompt
+                    )
+                )
                 slots.append((result, result.outputs[j]))
         if not requests:
             return results

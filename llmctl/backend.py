@@ -54,11 +54,18 @@ class GenerationRequest:
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     lora: str | None = None  # the LoRA adapter it runs with (its name); None: the base model
+    # Outputs at the first token, then every this many tokens and at the end, each with
+    # the tokens since the one before: a consumer that only wants the whole answer
+    # (``LLM.generate``) asks for few, and the engine builds no output per token. An
+    # engine may always hand out more often.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
         if sum(given) != 1:
             raise ValueError("give exactly one of prompt, prompt_token_ids or messages")
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, not {self.stream_interval}")
 
 
 @dataclass

@@ -103,6 +103,11 @@ async def run_engine_throughput(
     return result
 
 
+# Outputs (for the progress bar) every this many tokens, besides the first token (its
+# time) and the last: the engine then builds no output per token, as for LLM.generate.
+PROGRESS_INTERVAL = 16
+
+
 async def _generate(
     engine: Engine,
     requests: list[tuple[str, BenchRequest]],
@@ -118,6 +123,7 @@ async def _generate(
             sampling=SamplingParams(
                 max_tokens=request.output_len, temperature=0.0, ignore_eos=True
             ),
+            stream_interval=PROGRESS_INTERVAL,
         )
         for request_id, request in requests
     ]

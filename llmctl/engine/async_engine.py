@@ -210,6 +210,7 @@ class _Add:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     lora: str | None = None
+    stream_interval: int = 1
 
 
 @dataclass
@@ -344,7 +345,13 @@ class AsyncEngine(EngineCapabilities):
             for request, prompt_ids in zip(requests, prompts):
                 self._streams[request.request_id] = target
                 self._commands.append(
-                    _Add(request.request_id, prompt_ids, request.sampling, request.lora)
+                    _Add(
+                        request.request_id,
+                        prompt_ids,
+                        request.sampling,
+                        request.lora,
+                        request.stream_interval,
+                    )
                 )
             self._lock.notify()
 
@@ -578,7 +585,11 @@ class AsyncEngine(EngineCapabilities):
             return []
         try:
             self.engine.add_request(
-                command.request_id, command.prompt_token_ids, command.sampling, command.lora
+                command.request_id,
+                command.prompt_token_ids,
+                command.sampling,
+                command.lora,
+                stream_interval=command.stream_interval,
             )
         except InvalidRequest as exc:
             return [(command.request_id, exc)]

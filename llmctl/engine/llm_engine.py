@@ -162,9 +162,11 @@ class LLMEngine:
         prompt_token_ids: list[int],
         sampling: SamplingParams,
         lora: str | None = None,
+        stream_interval: int = 1,
     ) -> None:
         """Queue a request; ``lora`` names the LoRA adapter it runs with (None: the base
-        model)."""
+        model). Its outputs come at the first token, every ``stream_interval``-th and the
+        last (``GenerationRequest.stream_interval``)."""
         if request_id in self._seqs:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         self.validate(prompt_token_ids, sampling)
@@ -181,6 +183,7 @@ class LLMEngine:
         seq = Sequence(
             request_id, prompt_token_ids, sampling, detokenizer, self.eos_token_ids, grammar
         )
+        seq.stream_interval = stream_interval
         if sampling.prompt_logprobs is not None:  # the first token has nothing before it
             first = prompt_token_ids[0]
             seq.prompt_logprobs = [TokenLogprob(first, self.tokenizer.token_text(first), None)]
@@ -212,12 +215,15 @@ class LLMEngine:
         if seq is None:
             return None
         self._finish(seq, "abort")
-        return GenerationOutput.aborted(
+        output = GenerationOutput.aborted(
             request_id,
             seq.num_prompt_tokens,
             seq.num_output_tokens,
             prompt_token_ids=seq.prompt_token_ids if seq.num_output_tokens == 0 else None,
         )
+        if seq.unsent_texts:  # what a stream_interval held back still goes out
+            output.text, output.token_ids, output.logprobs = self._with_unsent(seq, "", 0, None)
+        return output
 
     def has_unfinished(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_unfinished()
@@ -447,18 +453,30 @@ class LLMEngine:
                 text = detokenizer.take_new_text(reason is not None)
             done = reason is not None
             sampled_token = logprobs.get(row)
+            token_logprobs = None if sampled_token is None else [self._token_logprob(sampled_token)]
+            new_token_ids = [token_id]
+            if seq.stream_interval > 1:
+                if not done and num_output > 1 and num_output % seq.stream_interval:
+                    seq.unsent_texts.append(text)  # no output object for this token
+                    if token_logprobs is not None:
+                        seq.unsent_logprobs += token_logprobs
+                    continue
+                if seq.unsent_texts:
+                    text, new_token_ids, token_logprobs = self._with_unsent(
+                        seq, text, 1, token_logprobs
+                    )
             # Positional: keyword arguments make this dataclass' __init__ three times
             # slower, and this runs once per sequence per step.
             outputs.append(
                 GenerationOutput(
                     seq.request_id,
                     text,
-                    [token_id],
+                    new_token_ids,
                     num_prompt,
                     num_output,
                     done,
                     reason,
-                    None if sampled_token is None else [self._token_logprob(sampled_token)],
+                    token_logprobs,
                     seq.prompt_token_ids if num_output == 1 else None,
                     seq.num_cached_tokens if num_output == 1 else None,
                     seq.prompt_logprobs if num_output == 1 else None,
@@ -510,11 +528,14 @@ class LLMEngine:
                 if self.block_manager.enable_prefix_caching:
                     self.scheduler.cache_full_blocks(seq)
             wanted = [self._token_logprob(lp) for lp in logprobs[:taken] if lp is not None]
+            text, new_token_ids = seq.detokenizer.take_new_text(done), tokens[:taken]
+            if seq.unsent_texts:  # a verification step always hands its tokens out
+                text, new_token_ids, wanted = self._with_unsent(seq, text, taken, wanted)
             outputs.append(
                 GenerationOutput(
                     seq.request_id,
-                    seq.detokenizer.take_new_text(done),
-                    tokens[:taken],
+                    text,
+                    new_token_ids,
                     num_prompt,
                     num_output,
                     done,
@@ -526,6 +547,20 @@ class LLMEngine:
             if done:
                 self._finish(seq, reason)
         return outputs
+
+    @staticmethod
+    def _with_unsent(
+        seq: Sequence, text: str, num_new: int, logprobs: list[TokenLogprob] | None
+    ) -> tuple[str, list[int], list[TokenLogprob] | None]:
+        """One output's text, token ids and logprobs: the tokens a stream_interval held
+        back, then the ``num_new`` newest (``text``, ``logprobs``: theirs)."""
+        unsent = seq.unsent_texts
+        token_ids = seq.token_ids[len(seq.token_ids) - len(unsent) - num_new :]
+        if seq.unsent_logprobs:
+            logprobs = seq.unsent_logprobs + (logprobs or [])
+        text = "".join(unsent) + text
+        seq.unsent_texts, seq.unsent_logprobs = [], []
+        return text, token_ids, logprobs
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)

@@ -68,6 +68,9 @@ class Sequence:
         "lora",
         "lora_slot",
         "cache_salt",
+        "stream_interval",
+        "unsent_texts",
+        "unsent_logprobs",
     )
 
     def __init__(
@@ -126,6 +129,11 @@ class Sequence:
         self.lora: Any = None
         self.lora_slot = -1
         self.cache_salt = b""
+        # Outputs go out at the first token, every stream_interval-th and the last; the
+        # tokens between wait here, one text (maybe "") per token, and their logprobs.
+        self.stream_interval = 1
+        self.unsent_texts: list[str] = []
+        self.unsent_logprobs: list[Any] = []
 
     @property
     def num_tokens(self) -> int:
