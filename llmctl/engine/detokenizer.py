@@ -29,6 +29,26 @@ class IncrementalDetokenizer:
     """``use_pieces=False`` decodes windows even where the byte table would do (tests
     compare the two)."""
 
+    # Slots: the engine reads ``plain_texts`` once per request per step, right after the
+    # model call, when a dictionary of attributes is one more cache miss.
+    __slots__ = (
+        "_tokenizer",
+        "_skip_special",
+        "_stops",
+        "_include_stop",
+        "_text",
+        "_emitted",
+        "stopped",
+        "plain_texts",
+        "_pieces",
+        "_token_ids",
+        "_prefix_offset",
+        "_read_offset",
+        "_first",
+        "_pending",
+        "_strip_left",
+    )
+
     def __init__(
         self,
         tokenizer: Tokenizer,

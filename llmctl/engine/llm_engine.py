@@ -452,11 +452,12 @@ class LLMEngine:
                     reason = self._advance_grammar(seq, token_id, reason)
                 text = detokenizer.take_new_text(reason is not None)
             done = reason is not None
-            sampled_token = logprobs.get(row)
+            sampled_token = logprobs.get(row) if logprobs else None
             token_logprobs = None if sampled_token is None else [self._token_logprob(sampled_token)]
-            new_token_ids = [token_id]
-            if seq.stream_interval > 1:
-                if not done and num_output > 1 and num_output % seq.stream_interval:
+            new_token_ids = None
+            interval = seq.stream_interval
+            if interval > 1:
+                if not done and num_output > 1 and num_output % interval:
                     seq.unsent_texts.append(text)  # no output object for this token
                     if token_logprobs is not None:
                         seq.unsent_logprobs += token_logprobs
@@ -471,7 +472,7 @@ class LLMEngine:
                 GenerationOutput(
                     seq.request_id,
                     text,
-                    new_token_ids,
+                    new_token_ids or [token_id],
                     num_prompt,
                     num_output,
                     done,
@@ -484,6 +485,7 @@ class LLMEngine:
             )
             if done:
                 self._finish(seq, reason)
+        self.scheduler.tokens_sampled(step, token_ids)
         profile.wait += received - started
         profile.outputs += perf_counter() - received
         return outputs

@@ -209,6 +209,9 @@ class Scheduler:
         # how many more steps may repeat it before a request nears its max_tokens.
         self._repeatable: ScheduledStep | None = None
         self._repeats_left = 0
+        # The tokens a repeatable step sampled, in its order, once on the host: the next
+        # repeat feeds them (``tokens_sampled``) instead of reading each sequence's last.
+        self._sampled: tuple[ScheduledStep, list[int]] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -331,13 +334,23 @@ class Scheduler:
             rows=previous.rows,
             ready=previous.ready,
         )
+        sampled = self._sampled
         if seqs[0].num_pending_tokens:  # all are: the step in flight samples them
             step.input_ids = [-1] * len(seqs)
             step.pending = list(enumerate(seqs))
+        elif sampled is not None and sampled[0] is previous:
+            step.input_ids = sampled[1]
         else:
             step.input_ids = [seq.token_ids[-1] for seq in seqs]
         self._repeatable = step
         return step
+
+    def tokens_sampled(self, step: ScheduledStep, token_ids: list[int]) -> None:
+        """``step``'s sampled tokens reached the host and were appended (one per row, in
+        order). Kept only while ``step`` may repeat: a sequence that finished or changed
+        ends that."""
+        if step is self._repeatable:
+            self._sampled = (step, token_ids)
 
     def forget_repeatable(self) -> None:
         """The next step is not a repeat of the last (sequences propose tokens)."""
