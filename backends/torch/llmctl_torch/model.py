@@ -41,7 +41,7 @@ from llmctl.model.config import ModelConfig
 from llmctl.model.lora import AdapterSpec
 from llmctl.model.weights import load_weights
 from llmctl_torch.attention import AttentionOps, LayerCache, attention_ops
-from llmctl_torch.linear import Linear, quantize_linears
+from llmctl_torch.linear import Linear, dense_linear, quantize_linears
 from llmctl_torch.lora import ModelLoras
 
 # A CPU step with fewer multiply-adds than this (its tokens x the model's weights: about a
@@ -257,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 logits of the final hidden states ``x``."""
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, head).float()
+        return dense_linear(x, head).float()
 
 
 def to_model_state(
