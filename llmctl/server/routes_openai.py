@@ -63,6 +63,9 @@ log = logging.getLogger("llmctl.server")
 router = APIRouter(prefix="/v1")
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client left first"
+# A response sent whole needs no output per token: the engine hands this many at once
+# (GenerationRequest.stream_interval), often enough that /metrics' token counts stay live.
+WHOLE_RESPONSE_INTERVAL = 16
 
 Formatter = CompletionFormatter | ChatFormatter
 
@@ -99,7 +102,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     _check_session_bounds(state, body)
     prompts = body.prompts()
     response_id = f"cmpl-{uuid.uuid4().hex}"
-    requests = _engine_requests(response_id, prompts, body.sampling_params(), body.n, lora)
+    requests = _engine_requests(
+        response_id, prompts, body.sampling_params(), body.n, lora, body.stream
+    )
     echoes = [_prompt_text(state, p) for p in prompts for _ in range(body.n)] if body.echo else None
     formatter = CompletionFormatter(
         response_id,
@@ -136,7 +141,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         if family == "auto":
             family = family_for_template(template)
         sampling = body.tool_sampling(sampling, family)
-    requests = _engine_requests(response_id, [prompt], sampling, body.n, lora)
+    requests = _engine_requests(response_id, [prompt], sampling, body.n, lora, body.stream)
     reasoning = template is not None and REASONING_CLOSE in template
     formatter = ChatFormatter(
         response_id,
@@ -196,10 +201,11 @@ def _engine_requests(
     sampling: SamplingParams,
     n: int,
     lora: str | None = None,
+    stream: bool = True,
 ) -> list[GenerationRequest]:
     """``n`` engine requests per prompt (``SamplingParams.choices``: choice ``j`` of a
     seeded request uses seed + j), with the LoRA adapter ``lora`` if any, ids in choice
-    order."""
+    order; a response not streamed takes its outputs in fewer, larger pieces."""
     choices = dataclasses.replace(sampling, n=n).choices()
     requests = []
     for prompt in prompts:
@@ -207,7 +213,11 @@ def _engine_requests(
             index = len(requests)
             requests.append(
                 GenerationRequest(
-                    request_id=f"{response_id}-{index}", sampling=params, lora=lora, **prompt
+                    request_id=f"{response_id}-{index}",
+                    sampling=params,
+                    lora=lora,
+                    stream_interval=1 if stream else WHOLE_RESPONSE_INTERVAL,
+                    **prompt,
                 )
             )
     return requests

@@ -88,6 +88,24 @@ def test_streamed_completion_equals_whole_one(
     assert usage_chunk.usage.prompt_tokens == len(case["prompt_ids"])
 
 
+def test_whole_response_is_the_stream_joined_past_its_output_interval(
+    server: Server, model: str, reference: list[dict]
+) -> None:
+    """A response not streamed takes the engine's outputs 16 tokens at a time
+    (WHOLE_RESPONSE_INTERVAL); over 45 tokens its text and logprobs are the stream's."""
+    case, client = reference[0], sync_client(server)
+    asked = dict(model=model, prompt=case["prompt"], max_tokens=45, temperature=0, logprobs=2)
+    whole = client.completions.create(**asked).choices[0]
+    chunks = [c for c in client.completions.create(**asked, stream=True) if c.choices]
+    streamed = [c.choices[0] for c in chunks]
+    assert whole.text == "".join(choice.text for choice in streamed)
+    tokens = [t for choice in streamed for t in choice.logprobs.tokens]
+    values = [v for choice in streamed for v in choice.logprobs.token_logprobs]
+    assert whole.logprobs.tokens == tokens and len(tokens) == 45
+    assert whole.logprobs.token_logprobs == pytest.approx(values)
+    assert whole.finish_reason == streamed[-1].finish_reason == "length"
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(
     server: Server, model: str, reference: list[dict], n: int
