@@ -426,7 +426,7 @@ class LLMEngine:
             if caching and seq.num_computed_tokens // block_size > len(seq.block_hashes):
                 self.scheduler.cache_full_blocks(seq)
             detokenizer = seq.detokenizer
-            num_prompt = len(seq.prompt_token_ids)
+            num_prompt = seq.num_prompt_tokens
             num_output = len(all_token_ids) - num_prompt
             texts = detokenizer.plain_texts
             if (
@@ -437,13 +437,12 @@ class LLMEngine:
             ):
                 # The common case, inline (``finish_reason`` without stop strings): the
                 # token's text is its table entry, nothing held back.
-                sampling = seq.sampling
                 if token_id in seq.stop_token_ids:
                     reason = "stop"
-                    if not sampling.include_stop_str_in_output:
+                    if not seq.sampling.include_stop_str_in_output:
                         text = ""
                 else:
-                    reason = "length" if num_output >= sampling.max_tokens else None
+                    reason = "length" if num_output >= seq.max_tokens else None
             else:
                 reason = finish_reason(
                     token_id, num_output, seq.sampling, seq.stop_token_ids, detokenizer

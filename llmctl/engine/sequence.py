@@ -45,6 +45,8 @@ class Sequence:
     __slots__ = (
         "request_id",
         "prompt_token_ids",
+        "num_prompt_tokens",
+        "max_tokens",
         "token_ids",
         "sampling",
         "status",
@@ -86,6 +88,9 @@ class Sequence:
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
         self.sampling = sampling
+        # Copies the step loop reads without touching the prompt list or the params.
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.max_tokens = sampling.max_tokens
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.block_table: list[int] = []
@@ -138,10 +143,6 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:
