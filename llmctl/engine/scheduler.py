@@ -59,6 +59,10 @@ class ScheduledStep:
     # row -> (tokens, logprobs) of a verified row, filled once its logits are in
     verified: dict[int, tuple[list[int], list]] = field(default_factory=dict)
     scored: set[int] = field(default_factory=set)
+    # A step that repeats ``repeats`` one position on (the scheduler's steady decode):
+    # its batch and its bookkeeping follow from that step's, with numpy over the rows.
+    repeats: ScheduledStep | None = None
+    opens_blocks: bool = False  # a repeat where some sequence's token opens a block
 
     def add(self, seq: Sequence, count: int) -> None:
         start = seq.num_computed_tokens
@@ -105,6 +109,7 @@ class StepBatchBuilder:
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.lora_slots = np.full(max_num_seqs, NO_SLOT, dtype=np.int32)  # each row's adapter
         self._num_lora_rows = 0
+        self._built: tuple[ScheduledStep, StepBatch] | None = None  # the last step's
 
     def admit(self, seq: Sequence) -> None:
         """Give a sequence that starts running a row, with its block table."""
@@ -135,6 +140,39 @@ class StepBatchBuilder:
         self._table_lens[seq.row] = min(self._table_lens[seq.row], len(seq.block_table))
 
     def build(self, step: ScheduledStep) -> StepBatch:
+        built = self._built
+        if built is not None and step.repeats is built[0] and not step.pending:
+            batch = self._build_repeat(step, built[1])
+        else:
+            batch = self._build(step)
+        self._built = (step, batch)
+        return batch
+
+    def _build_repeat(self, step: ScheduledStep, before: StepBatch) -> StepBatch:
+        """The batch of the step before, every sequence one token on: only a sequence
+        whose token opens a block changes its table (and then the step's tables are
+        taken again); every other slot is the next one of its block."""
+        size = self.block_size
+        positions = before.positions + 1
+        context_lens = before.context_lens + 1
+        if step.opens_blocks:
+            rows = np.array(step.rows, dtype=np.intp)
+            width = int(context_lens.max() + size - 1) // size
+            block_tables = self.block_tables[rows, :width]
+            slots = self.block_tables[rows, positions // size] * size + positions % size
+        else:
+            block_tables, slots = before.block_tables, before.slot_mapping + 1
+        return StepBatch(
+            input_ids=np.array(step.input_ids, dtype=np.int32),
+            positions=positions,
+            query_lens=before.query_lens,
+            context_lens=context_lens,
+            block_tables=block_tables,
+            slot_mapping=slots,
+            lora_slots=before.lora_slots,
+        )
+
+    def _build(self, step: ScheduledStep) -> StepBatch:
         rows = np.array(step.rows, dtype=np.intp)
         starts = np.array(step.starts, dtype=np.int32)
         counts = np.array(step.num_new_tokens, dtype=np.int32)
@@ -318,9 +356,12 @@ class Scheduler:
         if self._repeats_left <= 0:
             return None
         seqs = previous.seqs
+        # Plain Python over the rows: right after a model call, each numpy call on arrays
+        # this small costs more than a list comprehension does.
         starts = [start + 1 for start in previous.starts]
         block_size = self.block_manager.block_size
-        for index in np.flatnonzero(np.array(starts) % block_size == 0).tolist():
+        opening = [i for i, start in enumerate(starts) if not start % block_size]
+        for index in opening:
             seq = seqs[index]  # its next token opens a block
             if not self.block_manager.can_append(seq, 1):
                 return None  # preemption: the full path decides
@@ -333,6 +374,8 @@ class Scheduler:
             starts=starts,
             rows=previous.rows,
             ready=previous.ready,
+            repeats=previous,
+            opens_blocks=bool(opening),
         )
         sampled = self._sampled
         if seqs[0].num_pending_tokens:  # all are: the step in flight samples them
@@ -367,6 +410,12 @@ class Scheduler:
         later step reads it) and key the blocks that became full."""
         caching = self.block_manager.enable_prefix_caching
         size = self.block_manager.block_size
+        if step.repeats is not None:  # one token each, and every full block keyed before
+            for seq, start in zip(step.seqs, step.starts):
+                seq.num_computed_tokens = computed = start + 1
+                if caching and not computed % size:
+                    self.cache_full_blocks(seq)
+            return
         for seq, start, count in zip(step.seqs, step.starts, step.num_new_tokens):
             seq.num_computed_tokens = start + count
             if caching and (start + count) // size > len(seq.block_hashes):
