@@ -410,7 +410,9 @@ class Scheduler:
         later step reads it) and key the blocks that became full."""
         caching = self.block_manager.enable_prefix_caching
         size = self.block_manager.block_size
-        if step.repeats is not None:  # one token each, and every full block keyed before
+        # A repeat feeds one token each, and the blocks before it are keyed (one whose
+        # last token was on the device at its mark is keyed by LLMEngine._process).
+        if step.repeats is not None:
             for seq, start in zip(step.seqs, step.starts):
                 seq.num_computed_tokens = computed = start + 1
                 if caching and not computed % size:
