@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from llmctl.engine.runner import StepBatch
@@ -57,7 +56,3 @@ def greedy(runner, prompt: list[int], steps: int) -> list[int]:
         next_id = int(logits.argmax(-1)[0])
         out.append(next_id)
     return out
-
-
-def agreement(a: list[int], b: list[int]) -> float:
-    return float(np.mean([x == y for x, y in zip(a, b, strict=True)]))

@@ -3,9 +3,9 @@ blocks (turbo's CPU block kernels, int8 activations per 32-block as llama.cpp), 
 the same file dequantized to float32 (``quantization=none``) on the same runner.
 
 - SmolLM2-135M-Instruct Q4_1 (the default model's file): each position's logits over a
-  real prompt within LOGITS_TOLERANCE of the dequantized float32 ones, and free-running
-  greedy tokens agree with float32 at least as often as the same file dequantized to
-  bfloat16 does (the precision the project already ships);
+  real prompt within LOGITS_TOLERANCE of the dequantized float32 ones, and greedy choices
+  along float32's greedy answers agree with float32's about as often as the same file
+  dequantized to bfloat16 does (the precision the project already ships);
 - a tiny random Llama written as Q8_0 here with the ``gguf`` package: the same logits
   check, and a whole engine run (``LLM.generate``);
 - the same tiny Llama written as each K-quant (Q4_K, Q5_K, Q6_K: its weights quantized by
@@ -25,7 +25,7 @@ import torch
 from llmctl import LLM, SamplingParams
 from llmctl.model.tokenizer import Tokenizer
 from tests.gguf.gguf_files import write_gguf
-from tests.gguf.native_runs import agreement, greedy, prompt_logits, turbo_runner
+from tests.gguf.native_runs import greedy, prompt_logits, turbo_runner
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -63,18 +63,44 @@ def test_smollm2_q4_1_logits_close_to_dequantized_float32(smollm2, smollm2_runne
     assert (native.argmax(-1) == reference.argmax(-1)).double().mean() >= 0.9
 
 
+# More prompts for the greedy comparison: code, recipes, arithmetic, history, prose.
+GREEDY_PROMPTS = PROMPTS + (
+    "Water boils at",
+    "Here is a recipe for pancakes:",
+    "The best way to learn a new language is",
+    "import numpy as np\n\ndef normalize(x):",
+    "In 1492, Columbus",
+    "Photosynthesis is the process by which",
+    "My favourite season is autumn because",
+    "Q: What is 12 times 7?\nA:",
+)
+
+
 @pytest.mark.slow
 def test_smollm2_q4_1_greedy_as_faithful_as_bfloat16(smollm2, smollm2_runners):
+    """Greedy choices along float32's own greedy answers (each step fed float32's
+    tokens): native Q4_1 picks float32's next token about as often as the file
+    dequantized to bfloat16 does. Free-running agreement (each runner fed its own
+    tokens) is not compared: one near-tie flipped by float rounding sends a run down
+    another path, so a prompt's figure jumps between 0.1 and 1.0 when the attention's
+    summation order changes, for either runner (measured on these 12 prompts)."""
     tokenizer = Tokenizer.from_dir(smollm2)
-    bfloat16 = turbo_runner(smollm2, "none", 256, dtype="bfloat16")
-    native = dequantized_bf16 = 0.0
-    for text in PROMPTS:
+    runners = {
+        "native": smollm2_runners["gguf"],
+        "bfloat16": turbo_runner(smollm2, "none", 256, dtype="bfloat16"),
+    }
+    agreed = dict.fromkeys(runners, 0)
+    steps = 0
+    for text in GREEDY_PROMPTS:
         prompt = tokenizer.encode(text)
         reference = greedy(smollm2_runners["float32"], prompt, STEPS)
-        native += agreement(greedy(smollm2_runners["gguf"], prompt, STEPS), reference)
-        dequantized_bf16 += agreement(greedy(bfloat16, prompt, STEPS), reference)
-    # Measured: 0.61 (native Q4_1) against 0.55 (bfloat16), over the 4 prompts.
-    assert native >= dequantized_bf16 - 0.05 * len(PROMPTS)
+        for name, runner in runners.items():
+            choices = prompt_logits(runner, prompt + reference)[len(prompt) - 1 : -1].argmax(-1)
+            agreed[name] += int((choices == torch.tensor(reference)).sum())
+        steps += len(reference)
+    native, bfloat16 = agreed["native"] / steps, agreed["bfloat16"] / steps
+    # Measured: 0.978 (native Q4_1) against 0.987 (bfloat16), over 12 x 64 steps.
+    assert native >= bfloat16 - 0.02 and native >= 0.95
 
 
 def test_tiny_q8_0_file_runs_natively(tiny_gguf):
