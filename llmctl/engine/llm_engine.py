@@ -94,6 +94,9 @@ class LLMEngine:
         if draft_runner is not None and draft_runner.num_blocks != runner.num_blocks:
             raise ValueError("the draft model's KV cache must have the target's blocks")
         self.runner = runner
+        # A runner that can hand back each row's argmax with the logits (PagedRunner's
+        # execute_greedy; optional in ModelRunner): steps whose every row is greedy use it.
+        self._execute_greedy = getattr(runner, "execute_greedy", None)
         self.tokenizer = tokenizer
         self.block_size = runner.block_size
         self.num_blocks = runner.num_blocks
@@ -265,11 +268,15 @@ class LLMEngine:
         launched = perf_counter()
         try:
             self._faults.before_model_call()
-            logits = self.runner.execute(batch)
+            greedy_ids = None
+            if self._execute_greedy is not None and self._plain_argmax(step):
+                logits, greedy_ids = self._execute_greedy(batch)
+            else:
+                logits = self.runner.execute(batch)
             ran = perf_counter()
             self.scheduler.mark_computed(step)
             marked = perf_counter()
-            sampled = self._sample(step, logits, masks)
+            sampled = self._sample(step, logits, masks, greedy_ids)
         except Exception as exc:
             raise StepFailed([seq.request_id for seq in step.seqs], outputs) from exc
         # A draft model's calls (speculative_method=draft; 0 otherwise) are model time,
@@ -298,11 +305,23 @@ class LLMEngine:
             return None
         return self._grammar_masks.start([step.seqs[i].grammar for i in step.sampled_rows()])
 
+    def _plain_argmax(self, step: ScheduledStep) -> bool:
+        """Whether every row of ``step``'s logits samples its argmax: then the runner may
+        find those with the logits (``execute_greedy``)."""
+        # Counted, not asked of each row: right after the model call every row's object
+        # is out of the cache, and a look at each costs more than the argmax.
+        return not self._num_not_plain_greedy and not step.scored and not step.proposed
+
     def _sample(
-        self, step: ScheduledStep, logits: torch.Tensor, masks: Future | None = None
+        self,
+        step: ScheduledStep,
+        logits: torch.Tensor,
+        masks: Future | None = None,
+        greedy_ids: torch.Tensor | None = None,
     ) -> SampledBatch | None:
         """Sample the ready rows; their tokens are pending until ``_process``. Rows that
-        verify proposals are verified here, their tokens kept in ``step.verified``."""
+        verify proposals are verified here, their tokens kept in ``step.verified``.
+        ``greedy_ids``: each row's argmax, when the runner found it (``_plain_argmax``)."""
         if step.scored:
             logits = self._score_prompts(step, logits)
         if step.proposed:
@@ -313,10 +332,13 @@ class LLMEngine:
         if len(ready) < len(seqs):
             logits = take_rows(logits, ready)
             seqs = [seqs[i] for i in ready]
-        # Counted, not asked of each row: right after the model call every row's object
-        # is out of the cache, and a look at each costs more than the argmax.
-        plain_greedy = not self._num_not_plain_greedy
-        sampled = self.sampler.sample(logits, seqs, masks, plain_greedy=plain_greedy)
+            if greedy_ids is not None:
+                greedy_ids = take_rows(greedy_ids, ready)
+        if greedy_ids is not None:
+            sampled = SampledBatch(greedy_ids)
+        else:
+            plain_greedy = not self._num_not_plain_greedy  # as in _plain_argmax
+            sampled = self.sampler.sample(logits, seqs, masks, plain_greedy=plain_greedy)
         if self.overlap:  # else ``_process`` takes the tokens before anything reads these
             for row, seq in enumerate(seqs):
                 seq.num_pending_tokens += 1

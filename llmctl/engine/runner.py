@@ -85,6 +85,7 @@ import numpy as np
 import torch
 
 from llmctl.engine.quant import kv_cache_torch_dtype
+from llmctl.engine.sampler import argmax_rows
 from llmctl.model.config import ModelConfig
 
 logger = logging.getLogger("llmctl")
@@ -707,6 +708,10 @@ class ModelRunner(Protocol):
         for the last new token of each sequence."""
         ...
 
+    # Optional: ``execute_greedy(batch) -> (logits, token_ids)``, ``execute`` with each
+    # row's argmax (int64, on the logits' device), which the engine uses for steps whose
+    # every row is greedy (PagedRunner has one; a runner without it gets argmax_rows).
+
     def close(self) -> None:
         """Release what the runner holds beyond memory (worker processes); called once,
         at shutdown."""
@@ -826,6 +831,14 @@ class PagedRunner:
             if shape is not None:
                 return graphs.run(batch, shape)
         return self.eager_step(batch)
+
+    def execute_greedy(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``execute``, and each row's greedy token (its first largest logit; int64 on the
+        logits' device), for a step whose every row is greedy. A runner whose model finds
+        those while it writes the logits overrides this (turbo's CPU LM head): read
+        afterwards, logits just written by other cores cost more than the argmax itself."""
+        logits = self.execute(batch)
+        return logits, argmax_rows(logits)
 
     def _capture_lora_graphs(self, graphs: DecodeGraphs) -> None:
         """Capture the graphs with LoRA slots, once, where the runner's ``forward`` takes

@@ -147,11 +147,13 @@ class PagedSequences:
         new_counts: dict[int, int],
         logits_indices: list[int] | None = None,
         lora_slots: list[int] | None = None,
+        greedy: bool = False,
     ) -> torch.Tensor:
         """Run ``new_counts[seq]`` not-yet-cached tokens of each listed sequence at once;
         return the runner's logits, one row per listed sequence (or per token
         ``logits_indices`` names, as a speculative step asks); ``lora_slots``: each listed
-        sequence's adapter slot (-1: none)."""
+        sequence's adapter slot (-1: none). ``greedy``: through ``execute_greedy``, which
+        returns each row's argmax beside the logits."""
         bs = self.runner.block_size
         batch = StepBatch([], [], [], [], [], [], logits_indices=logits_indices)
         if lora_slots is not None:
@@ -169,7 +171,7 @@ class PagedSequences:
                 self.blocks[seq][p // bs] * bs + p % bs for p in range(start, end)
             ]
             self.cached[seq] = end
-        return self.runner.execute(batch)
+        return self.runner.execute_greedy(batch) if greedy else self.runner.execute(batch)
 
 
 def greedy(runner, prompts: list[list[int]], steps: int, seed: int = 0) -> list[list[int]]:

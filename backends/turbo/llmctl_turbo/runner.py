@@ -312,6 +312,8 @@ class TurboModelRunner(PagedRunner):
         # This step's adapter inputs (llama_step's lora_rows, lora_tiles, lora_slots): the
         # tiles on the CPU, each token's slot on CUDA; None: no adapter in the step.
         self._lora_step: tuple[torch.Tensor | None, ...] | None = None
+        # Where this step's LM head writes each row's argmax (execute_greedy); None: not.
+        self._argmax: torch.Tensor | None = None
         if num_blocks is not None:
             self.allocate_kv_cache(num_blocks)
 
@@ -339,6 +341,18 @@ class TurboModelRunner(PagedRunner):
             return super().eager_step(batch)
         finally:
             self._lora_step = None
+
+    def execute_greedy(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """On the CPU the LM head finds each row's argmax as it writes the row's logits
+        (no graphs there: every step is ``forward``); on CUDA the argmax follows."""
+        if self.device.type != "cpu":
+            return super().execute_greedy(batch)
+        rows = batch.num_seqs if batch.logits_indices is None else len(batch.logits_indices)
+        self._argmax = torch.empty(rows, dtype=torch.int64)
+        try:
+            return self.execute(batch), self._argmax
+        finally:
+            self._argmax = None
 
     def graphs_take_lora(self) -> bool:
         # On CUDA the step reads each token's slot on the device: a graph's fixed
@@ -386,4 +400,5 @@ class TurboModelRunner(PagedRunner):
             lora_tiles,
             lora_slots,
             self.kv_rotation,
+            self._argmax,
         )

@@ -53,6 +53,38 @@ def test_step_refuses_inconsistent_batch(turbo_ops, stories_dir):
         runner.execute(bad)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_greedy_step_hands_back_the_argmax_of_its_logits(turbo_ops, stories_dir, dtype):
+    """execute_greedy: the logits of a plain execute (a twin runner over the same blocks)
+    and each row's torch.argmax of them, over prefill chunks, decodes and a speculative
+    step's logits indices. fp16 goes through ATen's matmul, the others find the argmax in
+    the LM head."""
+    config = ModelConfig.from_dir(stories_dir)
+    drivers = [
+        PagedSequences(
+            TurboModelRunner(stories_dir, config, dtype=dtype, block_size=16, num_blocks=16),
+            seed=5,
+        )
+        for _ in range(2)
+    ]
+    generator = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, config.vocab_size, (n,), generator=generator) for n in (20, 7, 33)]
+    for driver in drivers:
+        for prompt in prompts:
+            driver.add(prompt.tolist())
+    steps = [({0: 12, 1: 7, 2: 20}, None), ({0: 9, 1: 1, 2: 14}, None), ({0: 1, 2: 1}, None)]
+    steps.append(({0: 1, 1: 2, 2: 1}, [0, 1, 3]))  # a speculative step's rows
+    for counts, logits_indices in steps:
+        logits, ids = drivers[0].step(counts, logits_indices, greedy=True)
+        plain = drivers[1].step(counts, logits_indices)
+        assert torch.equal(logits, plain)
+        assert ids.dtype == torch.int64 and torch.equal(ids, logits.argmax(dim=1))
+        fed = torch.randint(3, config.vocab_size, (3,), generator=generator).tolist()
+        for driver in drivers:  # every sequence decodes on: one more token to feed each
+            for seq, token in enumerate(fed):
+                driver.tokens[seq].append(token)
+
+
 @pytest.mark.parametrize("dtype,atol", [("bfloat16", 0.5), ("float16", 0.06)])
 def test_half_precision_step_stays_close_to_fp32_transformers(turbo_ops, stories_dir, dtype, atol):
     """bf16 / fp16 weights, cache and kernels: logits within the dtype's rounding."""

@@ -218,6 +218,13 @@ void check_token_indices(const at::Tensor& indices, int64_t num_tokens) {
                     num_tokens, " tokens");
 }
 
+void check_argmax_out(const at::Tensor& argmax, int64_t rows, const at::Tensor& like) {
+  check_tensor(argmax, "argmax", at::kLong, 1, like);
+  TORCH_CHECK(argmax.size(0) == rows && argmax.is_contiguous(), "argmax must be a "
+              "contiguous [", rows, "] tensor (one index per row of logits), got shape ",
+              argmax.sizes());
+}
+
 void check_lora_weights(const at::Tensor& a, const at::Tensor& bt, WeightName name,
                         int64_t in_features, at::IntArrayRef sizes, const at::Tensor& like) {
   int64_t features = 0;

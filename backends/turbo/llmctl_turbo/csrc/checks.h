@@ -79,6 +79,9 @@ void check_positions(const at::Tensor& positions, int64_t max_positions);
 // Every logits index names one of the step's num_tokens tokens (CPU tensors only).
 void check_token_indices(const at::Tensor& indices, int64_t num_tokens);
 
+// A linear's `argmax` output (kernels.h): contiguous int64 [rows], on like's device.
+void check_argmax_out(const at::Tensor& argmax, int64_t rows, const at::Tensor& like);
+
 // One layer's LoRA slots for lora_add / lora_add_slots (kernels.h): a float32 contiguous
 // [slots, parts * R, in_features], bt float32 contiguous [slots, R, sum of sizes], both on
 // like's device; at most 3 parts on CUDA.

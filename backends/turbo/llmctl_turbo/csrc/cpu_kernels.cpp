@@ -18,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -343,8 +344,8 @@ void embedding_gguf(at::Tensor& out, const at::Tensor& raw, const at::Tensor& id
 }
 
 void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-            const at::Tensor& bias, const at::Tensor& scale) {
-  TURBO_ON_ACTIVE_ISA(linear, out, x, packed, bias, scale);
+            const at::Tensor& bias, const at::Tensor& scale, int64_t* argmax) {
+  TURBO_ON_ACTIVE_ISA(linear, out, x, packed, bias, scale, argmax);
 }
 
 void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,

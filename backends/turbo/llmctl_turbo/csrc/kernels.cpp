@@ -3,6 +3,7 @@
 #include "kernels.h"
 
 #include <ATen/ops/addmm.h>
+#include <ATen/ops/argmax.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/index_select.h>
 #include <ATen/ops/mm.h>
@@ -64,24 +65,41 @@ void embedding_gguf(at::Tensor& out, const at::Tensor& raw, const at::Tensor& id
   cpu::embedding_gguf(out, raw, ids, ggml_type);
 }
 
-void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-            const at::Tensor& bias, const at::Tensor& scale) {
-#ifdef LLMCTL_TURBO_CUDA
-  if (weight.is_cuda() && weight.scalar_type() == at::kByte) {  // GGUF blocks (kernels.h)
-    cuda::gguf_linear(out, x, weight, bias);
-    return;
-  }
-#endif
-  if (weight.dim() == 3) {
-    cpu::linear(out, x, weight, bias, scale);
-#ifdef LLMCTL_TURBO_CUDA
-  } else if (weight.scalar_type() == at::kChar) {  // CUDA only (checks.h)
-    cuda::int8_linear(out, x, weight, bias, scale);
-#endif
-  } else if (!bias.defined() || bias.numel() == 0) {
+namespace {
+
+// A weight as the checkpoint stores it ([N, K]): ATen's matmul.
+void aten_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                 const at::Tensor& bias) {
+  if (!bias.defined() || bias.numel() == 0) {
     at::mm_out(out, x, weight.t());
   } else {
     at::addmm_out(out, bias, x, weight.t());
+  }
+}
+
+}  // namespace
+
+void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+            const at::Tensor& bias, const at::Tensor& scale, const at::Tensor& argmax) {
+  if (weight.dim() == 3 && !weight.is_cuda()) {  // packed for turbo's CPU kernels
+    cpu::linear(out, x, weight, bias, scale,
+                argmax.defined() ? argmax.data_ptr<int64_t>() : nullptr);
+    return;
+  }
+#ifdef LLMCTL_TURBO_CUDA
+  if (weight.is_cuda() && weight.scalar_type() == at::kByte) {  // GGUF blocks (kernels.h)
+    cuda::gguf_linear(out, x, weight, bias);
+  } else if (weight.scalar_type() == at::kChar) {  // CUDA only (checks.h)
+    cuda::int8_linear(out, x, weight, bias, scale);
+  } else {
+    aten_linear(out, x, weight, bias);
+  }
+#else
+  aten_linear(out, x, weight, bias);
+#endif
+  if (argmax.defined()) {
+    at::Tensor ids = argmax;  // the same storage: argmax_out takes a mutable reference
+    at::argmax_out(ids, out, 1);
   }
 }
 

@@ -73,8 +73,11 @@ void embedding_gguf(at::Tensor& out, const at::Tensor& raw, const at::Tensor& id
                     int64_t ggml_type);
 
 // out [T, N] = x [T, K] @ (weight * scale)^T (+ bias [N]; an empty bias is none).
+// `argmax` (int64 [T]; undefined: none) gets each row's first largest output, as
+// torch.argmax (a greedy step's LM head): turbo's CPU kernels find it while they write
+// the row (cpu/row_kernels.h, RowArgmax), other weights by an argmax after.
 void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-            const at::Tensor& bias, const at::Tensor& scale);
+            const at::Tensor& bias, const at::Tensor& scale, const at::Tensor& argmax = {});
 
 // out [T, I] = silu(x @ gate^T) * (x @ up^T) for gate_up = [gate; up] ([2I, K], or packed
 // with groups = 2). Unpacked, the product goes through `gate_up_buffer` ([T, 2I],
@@ -152,7 +155,7 @@ at::Tensor pack_gguf_weight(const at::Tensor& raw, int64_t ggml_type, int64_t gr
 void embedding_gguf(at::Tensor& out, const at::Tensor& raw, const at::Tensor& ids,
                     int64_t ggml_type);
 void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-            const at::Tensor& bias, const at::Tensor& scale);
+            const at::Tensor& bias, const at::Tensor& scale, int64_t* argmax);
 void linear_silu_mul(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                      const at::Tensor& scale);
 void embedding(at::Tensor& out, const at::Tensor& embed, const at::Tensor& ids);

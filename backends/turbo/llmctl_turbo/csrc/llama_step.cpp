@@ -103,6 +103,8 @@ void check_lora(at::TensorList lora, int64_t num_layers, int64_t hidden, int64_t
 // kv_rotation: with an int8 cache, the [D, D] Hadamard matrix (model dtype) that q, k and v
 // are multiplied by after RoPE, and the attention output after it
 // (llmctl.engine.quant.kv_rotation); none: nothing rotated.
+// argmax (int64 [rows of logits]): filled with each row's greedy token (the first largest
+// logit), found as the LM head writes the logits (kernels.h, linear).
 at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
                       const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                       const at::Tensor& query_start_loc, const at::Tensor& context_lens,
@@ -114,7 +116,8 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
                       const std::optional<at::Tensor>& lora_rows,
                       const std::optional<at::Tensor>& lora_tiles,
                       const std::optional<at::Tensor>& lora_slots,
-                      const std::optional<at::Tensor>& kv_rotation) {
+                      const std::optional<at::Tensor>& kv_rotation,
+                      const std::optional<at::Tensor>& argmax) {
   // No autograd bookkeeping for any ATen call below.
   c10::InferenceMode inference_mode;
 
@@ -308,7 +311,9 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
                     : at::index_select(normed, 0, query_start_loc.narrow(0, 1, num_seqs).sub(1));
   }
   at::Tensor logits = at::empty({last_rows.size(0), vocab}, options);
-  linear(logits, last_rows, weights[2], no_bias, no_bias);  // the LM head: never int8
+  if (argmax.has_value()) check_argmax_out(*argmax, last_rows.size(0), like);
+  // The LM head: never int8; with `argmax`, each row's greedy token too.
+  linear(logits, last_rows, weights[2], no_bias, no_bias, argmax.value_or(at::Tensor()));
   return logits.scalar_type() == at::kFloat ? logits : logits.to(at::kFloat);
 }
 

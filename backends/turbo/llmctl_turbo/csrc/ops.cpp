@@ -129,7 +129,8 @@ void check_linear_rows(const at::Tensor& out, const at::Tensor& x) {
 }
 
 void linear_op(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
-               const at::Tensor& bias, const std::optional<at::Tensor>& weight_scale) {
+               const at::Tensor& bias, const std::optional<at::Tensor>& weight_scale,
+               const std::optional<at::Tensor>& argmax) {
   const at::Tensor scale = scale_or_empty(weight_scale);
   check_linear_rows(out, x);
   check_linear_weight(weight, {"weight"}, x, x.size(1), out.size(1), 1, scale);
@@ -138,7 +139,8 @@ void linear_op(at::Tensor out, const at::Tensor& x, const at::Tensor& weight,
     TORCH_CHECK(bias.size(0) == out.size(1) && bias.is_contiguous(), "bias must be empty "
                 "or a contiguous [", out.size(1), "] tensor, got ", bias.sizes());
   }
-  linear(out, x, weight, bias, scale);
+  if (argmax.has_value()) check_argmax_out(*argmax, x.size(0), x);
+  linear(out, x, weight, bias, scale, argmax.value_or(at::Tensor()));
 }
 
 // The arguments lora_add and lora_add_slots share: x, out, the parts and the slots' weights.
@@ -283,7 +285,7 @@ TORCH_LIBRARY(llmctl_turbo, m) {
   m.def("pack_linear_weight(Tensor weight, int groups=1) -> Tensor");
   m.def("pack_gguf_weight(Tensor raw, int ggml_type, int groups=1, bool offsets=False) -> Tensor");
   m.def("linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor bias, "
-        "Tensor? weight_scale=None) -> ()");
+        "Tensor? weight_scale=None, Tensor(b!)? argmax=None) -> ()");
   m.def("linear_silu_mul(Tensor(a!) out, Tensor x, Tensor gate_up, "
         "Tensor? weight_scale=None) -> ()");
   m.def("lora_add(Tensor(a!) out, Tensor x, Tensor a, Tensor bt, int[] out_offsets, "
@@ -315,7 +317,7 @@ TORCH_LIBRARY(llmctl_turbo, m) {
         "Tensor(a!) kv_cache, Tensor cos_sin_cache, int num_heads, float rms_norm_eps, "
         "Tensor[] lora_weights, Tensor(b!)? kv_cache_scale=None, Tensor? logits_indices=None, "
         "Tensor? lora_rows=None, Tensor? lora_tiles=None, Tensor? lora_slots=None, "
-        "Tensor? kv_rotation=None) -> Tensor");
+        "Tensor? kv_rotation=None, Tensor(c!)? argmax=None) -> Tensor");
   // The CPU kernels' threads and instruction set (cpu/thread_pool.h, cpu/isa.h).
   m.def("cpu_threads() -> int", [] { return static_cast<int64_t>(cpu::num_threads()); });
   m.def("set_cpu_threads(int threads) -> ()", [](int64_t threads) {

@@ -516,38 +516,35 @@ inline int64_t block_panels_grain(int64_t panel_bytes, int64_t M) {
   return std::max<int64_t>(1, static_cast<int64_t>(8000 / ns));
 }
 
-// fn(panel, m, sums) for each panel in [0, num_panels) and row m of x, in parallel over
-// panels; the rows in blocks whose quantized activations stay in L2.
-template <int Layout, typename Fn>
-inline void for_block_panels(const QuantizedRows& x, int64_t M, const uint8_t* packed,
-                             int64_t num_panels, int64_t panel_stride, const Fn& fn) {
-  const int64_t row_block = std::max<int64_t>(64, (256 * 1024) / std::max<int64_t>(1, x.K));
+// out[m, n] = x[m] . w[n] (+ bias[n]) for n < N; K a multiple of 32. In parallel over
+// panels, the rows in blocks whose quantized activations stay in L2. argmax: as in
+// linear_rows.
+template <int Layout, typename Out>
+void block_linear_rows(Out* out, int64_t out_stride, const float* x, int64_t x_stride,
+                       int64_t M, int64_t K, const uint8_t* packed, int64_t N,
+                       const Out* bias, int64_t* argmax) {
+  const QuantizedRows xq = quantize_activations(x, x_stride, M, K);
+  const int64_t panel_stride = (K / kQuantBlock) * packed_block_bytes(Layout);
+  const int64_t num_panels = (N + kPanelWidth - 1) / kPanelWidth;
+  const int64_t row_block = std::max<int64_t>(64, (256 * 1024) / std::max<int64_t>(1, K));
+  RowArgmax row_argmax(argmax, M);
   parallel_for(0, num_panels, block_panels_grain(panel_stride, M),
                [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < M; m0 += row_block) {
       const int64_t m1 = std::min(M, m0 + row_block);
-      block_panel_rows<Layout>(x, m0, m1, packed, panel_stride, begin, end, fn);
+      block_panel_rows<Layout>(xq, m0, m1, packed, panel_stride, begin, end,
+                               [&](int64_t p, int64_t m, const float(&sums)[kPanelWidth]) {
+        const int64_t n0 = p * kPanelWidth;
+        const int64_t count = std::min<int64_t>(kPanelWidth, N - n0);
+        Out* o = out + m * out_stride + n0;
+        for (int64_t c = 0; c < count; ++c) {
+          o[c] = round_to<Out>(bias ? sums[c] + static_cast<float>(bias[n0 + c]) : sums[c]);
+        }
+      });
     }
+    row_argmax.scan(out, out_stride, begin * kPanelWidth, std::min(N, end * kPanelWidth));
   });
-}
-
-// out[m, n] = x[m] . w[n] (+ bias[n]) for n < N; K a multiple of 32.
-template <int Layout, typename Out>
-void block_linear_rows(Out* out, int64_t out_stride, const float* x, int64_t x_stride,
-                       int64_t M, int64_t K, const uint8_t* packed, int64_t N,
-                       const Out* bias) {
-  const QuantizedRows xq = quantize_activations(x, x_stride, M, K);
-  const int64_t panel_stride = (K / kQuantBlock) * packed_block_bytes(Layout);
-  const int64_t num_panels = (N + kPanelWidth - 1) / kPanelWidth;
-  for_block_panels<Layout>(xq, M, packed, num_panels, panel_stride,
-                         [&](int64_t p, int64_t m, const float(&sums)[kPanelWidth]) {
-    const int64_t n0 = p * kPanelWidth;
-    const int64_t count = std::min<int64_t>(kPanelWidth, N - n0);
-    Out* o = out + m * out_stride + n0;
-    for (int64_t c = 0; c < count; ++c) {
-      o[c] = round_to<Out>(bias ? sums[c] + static_cast<float>(bias[n0 + c]) : sums[c]);
-    }
-  });
+  if (argmax) row_argmax.finish();
 }
 
 // out[m, j] = silu(x[m] . gate[j]) * (x[m] . up[j]) for j < I, gate_up packed in two

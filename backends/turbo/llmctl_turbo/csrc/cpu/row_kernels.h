@@ -322,11 +322,127 @@ inline int64_t tiles_grain(int64_t K, int64_t M, int64_t panels_per_tile) {
   return std::max<int64_t>(1, static_cast<int64_t>(kMinChunkNs / tile_ns));
 }
 
+// Whether any lane of a comparison's result is set, by halving (as reduce_add; a
+// template for the same reason).
+template <typename Vec>
+inline bool any_lane(Vec v) {
+  constexpr int kWidth = sizeof(Vec) / sizeof(int32_t);
+  if constexpr (kWidth == 16) {
+    v |= __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v |= __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v |= __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v |= __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  } else if constexpr (kWidth == 8) {
+    v |= __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v |= __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+    v |= __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+  } else {
+    static_assert(kWidth == 4);
+    v |= __builtin_shufflevector(v, v, 2, 3, 0, 1);
+    v |= __builtin_shufflevector(v, v, 1, 0, 3, 2);
+  }
+  return v[0] != 0;
+}
+
+// Each row's first largest output of a linear (the LM head of a step whose every row is
+// greedy: kernels.h, linear with `argmax`), taken by each parallel chunk over the columns
+// it has just written, while they are in its core's cache: an argmax after the call would
+// read every row back from the caches of whichever cores wrote it, which cost more than
+// the argmax itself. Chunks merge their rows' bests under a lock (a loop has a few chunks
+// per thread). NaN counts as the largest, as in torch.argmax and numpy.argmax.
+class RowArgmax {
+  struct Best {
+    float value = -INFINITY;
+    int64_t index = -1;  // none yet
+  };
+
+ public:
+  // ids: int64 [rows] to fill (finish); null: no argmax wanted, and scan does nothing.
+  RowArgmax(int64_t* ids, int64_t rows) : ids_(ids), rows_(ids ? rows : 0), best_(rows_) {}
+
+  // Columns [n_begin, n_end) of every row of out were just written by this thread.
+  template <typename Out>
+  void scan(const Out* out, int64_t out_stride, int64_t n_begin, int64_t n_end) {
+    if (rows_ == 0 || n_begin >= n_end) return;
+    std::vector<Best> found(rows_);
+    for (int64_t m = 0; m < rows_; ++m) {
+      found[m] = segment_best(out + m * out_stride, n_begin, n_end);
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (int64_t m = 0; m < rows_; ++m) {
+      if (best_[m].index < 0 || better(found[m], best_[m])) best_[m] = found[m];
+    }
+  }
+
+  // Writes each row's index; after every chunk has scanned.
+  void finish() {
+    for (int64_t m = 0; m < rows_; ++m) ids_[m] = best_[m].index;
+  }
+
+ private:
+  // The first largest of row[n_begin, n_end), in one pass: each lane keeps its largest
+  // value and where it was (a strictly larger value moves it, so the first stays), NaN
+  // lanes are flagged apart (a compare skips them), then the lanes and the tail combine.
+  template <typename Out>
+  static Best segment_best(const Out* row, int64_t n_begin, int64_t n_end) {
+    Best best;
+    Int32Vec nan{};
+    int64_t n = n_begin;
+    if (n_end - n_begin >= kVectorWidth) {
+      Int32Vec index, where;
+      for (int lane = 0; lane < kVectorWidth; ++lane) index[lane] = static_cast<int32_t>(n + lane);
+      FloatVec top = FloatVec{} - INFINITY;
+      where = index;
+      for (; n + kVectorWidth <= n_end; n += kVectorWidth) {
+        const FloatVec v = load_vec(row + n);
+        const Int32Vec larger = v > top;
+        top = larger ? v : top;
+        where = larger ? index : where;
+        nan |= v != v;
+        index += kVectorWidth;
+      }
+      best = {top[0], where[0]};
+      for (int lane = 1; lane < kVectorWidth; ++lane) {
+        if (top[lane] > best.value || (top[lane] == best.value && where[lane] < best.index)) {
+          best = {top[lane], where[lane]};
+        }
+      }
+    }
+    bool has_nan = any_lane(nan);
+    for (; n < n_end; ++n) {
+      const float v = static_cast<float>(row[n]);
+      if (best.index < 0 || v > best.value) best = {v, n};
+      has_nan |= v != v;
+    }
+    if (has_nan) {  // rare: the first NaN is the answer
+      for (n = n_begin; n < n_end && row[n] == row[n]; ++n) {
+      }
+      best = {NAN, n};
+    }
+    return best;
+  }
+
+  // a before b: a NaN first, then the larger value, then the smaller index.
+  static bool better(const Best& a, const Best& b) {
+    const bool a_nan = a.value != a.value, b_nan = b.value != b.value;
+    if (a_nan != b_nan) return a_nan;
+    if (!a_nan && a.value != b.value) return a.value > b.value;
+    return a.index < b.index;
+  }
+
+  int64_t* ids_;
+  int64_t rows_;
+  std::vector<Best> best_;
+  std::mutex mutex_;
+};
+
 // out[m, n] = x[m] . w[n] * scale[n] (+ bias[n]) for n < N, rounded to the output type.
 // scale (int8 weights only, else null) is packed like the weight: one per panel column.
+// argmax (int64 [M], or null): each row's first largest output (RowArgmax).
 template <typename W, typename Out>
 void linear_rows(Out* out, int64_t out_stride, const float* x, int64_t x_stride, int64_t M,
-                 int64_t K, const W* packed, int64_t N, const Out* bias, const float* scale) {
+                 int64_t K, const W* packed, int64_t N, const Out* bias, const float* scale,
+                 int64_t* argmax) {
   const int64_t panel_elems = K * kPanelWidth;
   const int64_t num_panels = (N + kPanelWidth - 1) / kPanelWidth;
   auto store = [&](int64_t m, int64_t first_panel, const float* sums, int panels) {
@@ -338,6 +454,8 @@ void linear_rows(Out* out, int64_t out_stride, const float* x, int64_t x_stride,
       o[c] = round_to<Out>(bias ? sum + static_cast<float>(bias[n0 + c]) : sum);
     }
   };
+  RowArgmax row_argmax(argmax, M);
+  const int64_t tile_width = kTilePanels * kPanelWidth;
   const int64_t full_tiles = num_panels / kTilePanels;
   parallel_for(0, full_tiles, tiles_grain<W>(K, M, kTilePanels), [&](int64_t begin, int64_t end) {
     panel_tiles<kTilePanels, W>(
@@ -350,6 +468,7 @@ void linear_rows(Out* out, int64_t out_stride, const float* x, int64_t x_stride,
         [&](int64_t m, int64_t tile, const float(&sums)[kTilePanels * kPanelWidth]) {
           store(m, tile * kTilePanels, sums, kTilePanels);
         });
+    row_argmax.scan(out, out_stride, begin * tile_width, std::min(N, end * tile_width));
   });
   // The panels left over, one at a time.
   panel_tiles<1, W>(
@@ -358,6 +477,10 @@ void linear_rows(Out* out, int64_t out_stride, const float* x, int64_t x_stride,
       [&](int64_t m, int64_t panel, const float(&sums)[kPanelWidth]) {
         store(m, panel, sums, 1);
       });
+  if (argmax) {
+    row_argmax.scan(out, out_stride, std::min(N, full_tiles * tile_width), N);
+    row_argmax.finish();
+  }
 }
 
 // out[m, j] = silu(x[m] . gate[j]) * (x[m] . up[j]) for j < I, from gate_up packed in two

@@ -51,7 +51,7 @@ inline void on_block_layout(const at::Tensor& packed, const Fn& fn) {
 // The packed weight is the activations' type, int8 with float32 scales (else empty), or
 // GGUF blocks (uint8, no scales: they are inside the blocks).
 void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-            const at::Tensor& bias, const at::Tensor& scale) {
+            const at::Tensor& bias, const at::Tensor& scale, int64_t* argmax) {
   int64_t x_stride;
   const float* xf = float_rows(x, x_stride);
   TURBO_DISPATCH_LINEAR_TYPES(out.scalar_type(), "linear", [&] {
@@ -60,16 +60,16 @@ void linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
       on_block_layout(packed, [&](auto layout) {
         block_linear_rows<decltype(layout)::value, scalar_t>(
             out.data_ptr<scalar_t>(), out.stride(0), xf, x_stride, x.size(0), x.size(1),
-            packed.data_ptr<uint8_t>(), out.size(1), b);
+            packed.data_ptr<uint8_t>(), out.size(1), b, argmax);
       });
     } else if (packed.scalar_type() == at::kChar) {
       linear_rows<int8_t, scalar_t>(out.data_ptr<scalar_t>(), out.stride(0), xf, x_stride,
                                     x.size(0), x.size(1), packed.data_ptr<int8_t>(),
-                                    out.size(1), b, scale.data_ptr<float>());
+                                    out.size(1), b, scale.data_ptr<float>(), argmax);
     } else {
       linear_rows<scalar_t, scalar_t>(out.data_ptr<scalar_t>(), out.stride(0), xf, x_stride,
                                       x.size(0), x.size(1), packed.data_ptr<scalar_t>(),
-                                      out.size(1), b, nullptr);
+                                      out.size(1), b, nullptr, argmax);
     }
   });
 }
