@@ -536,10 +536,7 @@ void block_linear_rows(Out* out, int64_t out_stride, const float* x, int64_t x_s
                                [&](int64_t p, int64_t m, const float(&sums)[kPanelWidth]) {
         const int64_t n0 = p * kPanelWidth;
         const int64_t count = std::min<int64_t>(kPanelWidth, N - n0);
-        Out* o = out + m * out_stride + n0;
-        for (int64_t c = 0; c < count; ++c) {
-          o[c] = round_to<Out>(bias ? sums[c] + static_cast<float>(bias[n0 + c]) : sums[c]);
-        }
+        store_sums(out + m * out_stride + n0, sums, count, nullptr, bias ? bias + n0 : nullptr);
       });
     }
     row_argmax.scan(out, out_stride, begin * kPanelWidth, std::min(N, end * kPanelWidth));
