@@ -32,17 +32,6 @@ def threads(request, turbo_ops):
     turbo_ops.set_cpu_threads(before)
 
 
-@pytest.fixture(params=ISAS)
-def any_isa(request, turbo_ops):
-    best = turbo_ops.cpu_isa()
-    try:
-        turbo_ops.set_cpu_isa(request.param)
-    except RuntimeError as exc:
-        pytest.skip(str(exc))
-    yield request.param
-    turbo_ops.set_cpu_isa(best)
-
-
 def random_case(rows, in_features, vocab, seed):
     """x, a float32 weight and a bias. Two weight rows far apart are zero and their bias
     40, so those two outputs are exactly 40 whatever the order of the sums: the largest
@@ -87,10 +76,10 @@ def run_linear(turbo_ops, x, weight, bias, scale, with_argmax: bool):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_argmax_is_torch_argmax_of_the_same_outputs(turbo_ops, any_isa, threads, shape):
+def test_argmax_is_torch_argmax_of_the_same_outputs(turbo_ops, isa, threads, shape):
     x, weight, bias = random_case(*shape, seed=sum(shape))
     for name, dtype, packed, scale in weight_kinds(turbo_ops, weight):
-        if name == "float16-aten" and any_isa != ISAS[0]:
+        if name == "float16-aten" and isa != ISAS[0]:
             continue  # ATen's matmul: no instruction set of turbo's
         xs, b = x.to(dtype), bias.to(dtype)
         out, ids = run_linear(turbo_ops, xs, packed, b, scale, with_argmax=True)
