@@ -17,7 +17,6 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from llmctl.engine.quant import quantize_weight_int8
-from tests.backends.turbo.conftest import ISAS
 
 # (rows, in_features, vocab): one decode row, odd batches, a prefill, vocabularies with a
 # partial 16-wide panel and a partial vector.
@@ -79,8 +78,6 @@ def run_linear(turbo_ops, x, weight, bias, scale, with_argmax: bool):
 def test_argmax_is_torch_argmax_of_the_same_outputs(turbo_ops, isa, threads, shape):
     x, weight, bias = random_case(*shape, seed=sum(shape))
     for name, dtype, packed, scale in weight_kinds(turbo_ops, weight):
-        if name == "float16-aten" and isa != ISAS[0]:
-            continue  # ATen's matmul: no instruction set of turbo's
         xs, b = x.to(dtype), bias.to(dtype)
         out, ids = run_linear(turbo_ops, xs, packed, b, scale, with_argmax=True)
         plain, _ = run_linear(turbo_ops, xs, packed, b, scale, with_argmax=False)
