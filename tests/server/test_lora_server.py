@@ -19,7 +19,9 @@ from tests.helpers.server_process import running_server
 from tests.helpers.tiny_models import load_hf_model
 
 KEY = "lora-test-key"
-TOKENS = 120  # long enough that the streams still run while adapters load and unload
+# Long enough that the streams still run while adapters load and unload: 120 tokens
+# took 0.17 s on a quiet day, less than the test's first wait.
+TOKENS = 400
 PROMPTS = [[5, 77, 301, 42, 9, 250, 13, 404, 88, 61, 7, 199, 23, 310, 64, 3, 120, 11], [30, 31]]
 ADAPTERS = {"attn8": (8, ATTENTION), "mlp4": (4, MLP), "all16": (16, ATTENTION + MLP)}
 
@@ -123,7 +125,7 @@ def test_adapters_load_and_unload_while_streams_run(model):
                 asyncio.create_task(complete(client, name or str(model_dir), i, stream=True))
                 for name, i in jobs
             ]
-            await asyncio.sleep(0.2)  # the streams are under way
+            await asyncio.sleep(0.05)  # the streams are under way
             loaded = await http.post(
                 "/v1/load_lora_adapter", json={"lora_name": "mlp4", "lora_path": paths["mlp4"]}
             )
