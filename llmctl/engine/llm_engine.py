@@ -225,7 +225,7 @@ class LLMEngine:
             prompt_token_ids=seq.prompt_token_ids if seq.num_output_tokens == 0 else None,
         )
         if seq.unsent_texts:  # what a stream_interval held back still goes out
-            output.text, output.token_ids, output.logprobs = self._with_unsent(seq, "", 0, None)
+            output.text, output.token_ids, output.logprobs = seq.take_unsent("", 0, None)
         return output
 
     def has_unfinished(self) -> bool:
@@ -484,9 +484,7 @@ class LLMEngine:
                         seq.unsent_logprobs += token_logprobs
                     continue
                 if seq.unsent_texts:
-                    text, new_token_ids, token_logprobs = self._with_unsent(
-                        seq, text, 1, token_logprobs
-                    )
+                    text, new_token_ids, token_logprobs = seq.take_unsent(text, 1, token_logprobs)
             # Positional: keyword arguments make this dataclass' __init__ three times
             # slower, and this runs once per sequence per step.
             outputs.append(
@@ -553,7 +551,7 @@ class LLMEngine:
             wanted = [self._token_logprob(lp) for lp in logprobs[:taken] if lp is not None]
             text, new_token_ids = seq.detokenizer.take_new_text(done), tokens[:taken]
             if seq.unsent_texts:  # a verification step always hands its tokens out
-                text, new_token_ids, wanted = self._with_unsent(seq, text, taken, wanted)
+                text, new_token_ids, wanted = seq.take_unsent(text, taken, wanted)
             outputs.append(
                 GenerationOutput(
                     seq.request_id,
@@ -570,20 +568,6 @@ class LLMEngine:
             if done:
                 self._finish(seq, reason)
         return outputs
-
-    @staticmethod
-    def _with_unsent(
-        seq: Sequence, text: str, num_new: int, logprobs: list[TokenLogprob] | None
-    ) -> tuple[str, list[int], list[TokenLogprob] | None]:
-        """One output's text, token ids and logprobs: the tokens a stream_interval held
-        back, then the ``num_new`` newest (``text``, ``logprobs``: theirs)."""
-        unsent = seq.unsent_texts
-        token_ids = seq.token_ids[len(seq.token_ids) - len(unsent) - num_new :]
-        if seq.unsent_logprobs:
-            logprobs = seq.unsent_logprobs + (logprobs or [])
-        text = "".join(unsent) + text
-        seq.unsent_texts, seq.unsent_logprobs = [], []
-        return text, token_ids, logprobs
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)

@@ -60,7 +60,8 @@ class ScheduledStep:
     verified: dict[int, tuple[list[int], list]] = field(default_factory=dict)
     scored: set[int] = field(default_factory=set)
     # A step that repeats ``repeats`` one position on (the scheduler's steady decode):
-    # its batch and its bookkeeping follow from that step's, with numpy over the rows.
+    # its batch follows from that step's by array arithmetic (StepBatchBuilder._build_repeat),
+    # its bookkeeping by a plain loop over the rows (mark_computed).
     repeats: ScheduledStep | None = None
     opens_blocks: bool = False  # a repeat where some sequence's token opens a block
 

@@ -172,6 +172,20 @@ class Sequence:
             or self.grammar is not None
         )
 
+    def take_unsent(
+        self, text: str, num_new: int, logprobs: list[Any] | None
+    ) -> tuple[str, list[int], list[Any] | None]:
+        """One output's text, token ids and logprobs: the tokens a stream_interval held
+        back, then the ``num_new`` newest (``text``, ``logprobs``: theirs). Nothing is
+        held back afterwards."""
+        unsent = self.unsent_texts
+        token_ids = self.token_ids[len(self.token_ids) - len(unsent) - num_new :]
+        if self.unsent_logprobs:
+            logprobs = self.unsent_logprobs + (logprobs or [])
+        text = "".join(unsent) + text
+        self.unsent_texts, self.unsent_logprobs = [], []
+        return text, token_ids, logprobs
+
     def __repr__(self) -> str:
         return (
             f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
