@@ -463,11 +463,17 @@ inline void block_tile(const QuantizedRows& x, int64_t m0, const uint8_t* panel,
 
 // Rows per block tile: 8 fill AVX-512's registers (8 float + 8 int accumulators).
 constexpr int kBlockTileRows = kVectorWidth == 16 ? 8 : 4;
-// From kWideTileRows rows on, AVX-512 runs two panels per tile, 6 rows at a time
-// (24 accumulators, the two panels' weights and one broadcast in its 32 registers):
-// 6 rows x 2 panels take 12 activation broadcasts per group of 4 inputs where two
-// 8 x 1 tiles take 16, and the rows of a decode batch (16) tile evenly.
+// AVX-512 runs two panels per tile, kWideTileRows rows at a time (24 accumulators, the
+// two panels' weights and one broadcast in its 32 registers), from kWideFromRows rows on:
+// 6 rows x 2 panels take 12 activation broadcasts per group of 4 inputs where two 8 x 1
+// tiles take 16, and the rows of a decode batch (16) tile evenly. Below 9 rows one panel
+// per tile is faster: when the weights come from memory (every decode step), a 6 x 2 tile
+// at 6 rows took 37 us on a Q4_1 1536 x 576 matrix against 26 us for the 8 x 1 tile,
+// though both take 22 us on a matrix in cache (docs/benchmarks.md, 2026-12-03). The two
+// panels are two short streams read side by side, which the hardware prefetcher seems to
+// follow less well than one panel after another (not checked further).
 constexpr int kWideTileRows = kVectorWidth == 16 ? 6 : 0;
+constexpr int kWideFromRows = 9;
 
 // Every row of x against NP panels, MR rows at a time (then fewer):
 // store(p, m, sums) per panel p < NP and row m.
@@ -488,12 +494,12 @@ inline void block_rows(const QuantizedRows& x, int64_t m_begin, int64_t m_end,
 }
 
 // Panels [begin, end) against rows [m_begin, m_end): two panels per tile where there are
-// kWideTileRows rows or more (AVX-512), else one. store(panel, m, sums).
+// kWideFromRows rows or more (AVX-512), else one. store(panel, m, sums).
 template <int Layout, typename Store>
 inline void block_panel_rows(const QuantizedRows& x, int64_t m_begin, int64_t m_end,
                              const uint8_t* packed, int64_t panel_stride, int64_t begin,
                              int64_t end, const Store& store) {
-  const bool wide = kWideTileRows > 0 && m_end - m_begin >= kWideTileRows;
+  const bool wide = kWideTileRows > 0 && m_end - m_begin >= kWideFromRows;
   for (int64_t p = begin; p < end;) {
     auto at = [&](int q, int64_t m, const float(&sums)[kPanelWidth]) { store(p + q, m, sums); };
     if constexpr (kWideTileRows > 0) {
