@@ -187,6 +187,29 @@ def test_paged_prefill_attention_ragged_chunks(turbo_ops, block_size, dtype):
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_paged_attention_query_runs(turbo_ops, block_size):
+    """A work item attends for a run of one sequence's query rows: runs cut short where
+    their scores would outgrow L2 (16 query heads on one kv head, a long context), and a
+    single sequence's rows cut in two for the threads, give the reference's output."""
+    torch.manual_seed(11)
+    heads, kv_heads, head_dim = 16, 1, 32
+    query_lens = [9, 1, 5, 20]
+    context_lens = [1500, 700, 40, 20]
+    cache = PagedCache(block_size, context_lens, kv_heads, head_dim, torch.float32, seed=3)
+    for seqs in (slice(0, 4), slice(2, 3)):  # the batch; one sequence verifying 5 rows
+        lens, contexts = query_lens[seqs], context_lens[seqs]
+        tables = cache.padded_tables()[seqs].contiguous()
+        q = torch.randn(sum(lens), heads, head_dim)
+        out = poisoned(*q.shape, dtype=torch.float32)
+        query_start_loc = int32([0, *torch.tensor(lens).cumsum(0).tolist()])
+        turbo_ops.paged_prefill_attention(
+            out, q, cache.k, cache.v, tables, query_start_loc, int32(contexts), 0.2
+        )
+        expected = ref_paged_attention(q, cache.k, cache.v, cache.tables[seqs], lens, contexts, 0.2)
+        torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+
+
 # ------------------------------------------------------------------ bad input
 
 

@@ -687,10 +687,15 @@ void write_kv_rows_int8(const scalar_t* key, int64_t key_stride, const scalar_t*
 }
 
 // ---------------------------------------------------------------------------------
-// Paged attention. One work item is (query token, kv head): the `group` query heads that
-// share a kv head read each key and value row once, straight from the sequence's blocks,
-// so the cost follows each sequence's own context length. Scores are kept for the whole
-// context (two-pass softmax), which the context lengths served on a CPU afford.
+// Paged attention. One work item is (a run of query rows of one sequence, kv head): the
+// `group` query heads of each row that share the kv head read each key and value row
+// once for all the run's rows, straight from the sequence's blocks, so the cost follows
+// each sequence's own context length, and the rows a step verifies (or a prefill chunk's)
+// share those reads while the block is in L1. One item per row, which read every block
+// again for each row, took 1.2-1.3x as long for a 1,024-token prefill or 16 rows at 600
+// tokens of context (scripts/bench_attention.py, docs/benchmarks.md). Scores are kept
+// for the whole context (two-pass softmax), which the context lengths served on a CPU
+// afford.
 
 // Rows of a cache block as fp32 (rows `stride` apart): the block itself for fp32 storage,
 // else converted into `buffer` (rows D apart). An int8 block's rows come out unscaled:
@@ -829,6 +834,40 @@ inline void accumulate_values(float* acc, const float* weights, const float* val
   }
 }
 
+// The query rows of one work item: `count` consecutive rows of sequence `seq` from
+// `first` (an index into the step's tokens).
+struct QueryRun {
+  int64_t seq, first, count;
+};
+
+// Each sequence's query rows cut into runs: at most kMaxRunRows rows, and fewer where a
+// run's scores (rows x group x context floats) would outgrow L2 or where the batch has
+// too few (run, kv head) items to keep every thread busy (one sequence verifying
+// proposals: 5 rows x 3 kv heads on 2 threads run as 2 runs).
+constexpr int64_t kMaxRunRows = 8;
+constexpr int64_t kRunScoreFloats = 64 * 1024;
+
+inline std::vector<QueryRun> query_runs(const int32_t* query_start_loc, int64_t num_seqs,
+                                        int64_t num_kv_heads, int64_t group,
+                                        int64_t max_context) {
+  const int64_t fit = std::clamp<int64_t>(kRunScoreFloats / (group * max_context), 1,
+                                          kMaxRunRows);
+  const int64_t wanted = 2 * num_threads();  // items, for the pool to balance
+  const int64_t items = std::max<int64_t>(1, num_seqs * num_kv_heads);  // with one run each
+  const int64_t per_seq = (wanted + items - 1) / items;
+  std::vector<QueryRun> runs;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t first = query_start_loc[b], q_len = query_start_loc[b + 1] - first;
+    if (q_len == 0) continue;
+    const int64_t pieces = std::max((q_len + fit - 1) / fit, std::min(q_len, per_seq));
+    const int64_t rows = (q_len + pieces - 1) / pieces;
+    for (int64_t t = 0; t < q_len; t += rows) {
+      runs.push_back({b, first + t, std::min(rows, q_len - t)});
+    }
+  }
+  return runs;
+}
+
 // The cache is the queries' type, or int8 (kv_cache_dtype=int8) with k_scale / v_scale
 // its float32 scales [num_blocks, block_size, KVH] (else null). Dequantizing is one
 // multiply per key row: q . (k * ks) = (q . k) * ks on each score, and v * vs folded into
@@ -843,43 +882,54 @@ void paged_attention_rows(scalar_t* out, const scalar_t* q, const cache_t* k_cac
   const int64_t row_elems = s.num_kv_heads * D;  // one token of one block
   const int64_t block_elems = s.block_size * row_elems;
 
-  std::vector<int32_t> seq_of_token(s.num_tokens);
   int64_t total_keys = 0, max_context = 1;
   for (int64_t b = 0; b < s.num_seqs; ++b) {
     const int64_t q_len = query_start_loc[b + 1] - query_start_loc[b];
-    for (int32_t t = query_start_loc[b]; t < query_start_loc[b + 1]; ++t) seq_of_token[t] = b;
     total_keys += q_len * context_lens[b];
     max_context = std::max<int64_t>(max_context, context_lens[b]);
   }
+  const std::vector<QueryRun> runs =
+      query_runs(query_start_loc, s.num_seqs, s.num_kv_heads, group, max_context);
+  int64_t max_rows = 1;
+  for (const QueryRun& run : runs) max_rows = std::max(max_rows, run.count);
+  const int64_t max_vectors = max_rows * group;  // query vectors of one item, at most
 
   // Work per item on average, so that a batch of short contexts stays on one thread.
-  const int64_t work_per_item = std::max<int64_t>(1, total_keys / s.num_tokens) * group * D * 2;
-  parallel_for(0, s.num_tokens * s.num_kv_heads, grain_for(work_per_item),
-               [&](int64_t begin, int64_t end) {
+  const int64_t num_items = static_cast<int64_t>(runs.size()) * s.num_kv_heads;
+  const int64_t keys_per_item = total_keys * s.num_kv_heads / std::max<int64_t>(1, num_items);
+  const int64_t work_per_item = std::max<int64_t>(1, keys_per_item) * group * D * 2;
+  parallel_for(0, num_items, grain_for(work_per_item), [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch;
-    scratch.resize(group * (max_context + 2 * D + 1) + s.block_size * D);
-    float* scores = scratch.data();
-    float* q_scaled = scores + group * max_context;
-    float* acc = q_scaled + group * D;
-    float* sums = acc + group * D;
-    float* block_buffer = sums + group;
+    scratch.resize(max_vectors * (max_context + 2 * D + 1) + s.block_size * D);
+    float* scores = scratch.data();  // max_context apart, one row per query vector
+    float* q_scaled = scores + max_vectors * max_context;
+    float* acc = q_scaled + max_vectors * D;
+    float* sums = acc + max_vectors * D;
+    float* block_buffer = sums + max_vectors;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / s.num_kv_heads;
+      const QueryRun run = runs[item / s.num_kv_heads];
       const int64_t kv_head = item % s.num_kv_heads;
-      const int64_t b = seq_of_token[t];
+      const int64_t b = run.seq;
       const int64_t q_len = query_start_loc[b + 1] - query_start_loc[b];
-      const int64_t num_keys = context_lens[b] - q_len + (t - query_start_loc[b]) + 1;
+      // Query vector v = i * group + h (row run.first + i, head kv_head * group + h)
+      // sees the keys before its own position and itself, causally.
+      const int64_t first_keys = context_lens[b] - q_len + (run.first - query_start_loc[b]) + 1;
+      const int64_t num_keys = first_keys + run.count - 1;  // the run's last row's
+      const int64_t vectors = run.count * group;
+      auto keys_of = [&](int64_t v) { return first_keys + v / group; };
       const int32_t* table = block_tables + b * s.table_stride;
       const int64_t first_head = kv_head * group;
 
-      for (int64_t h = 0; h < group; ++h) {
-        const scalar_t* qh = q + t * s.q_stride + (first_head + h) * D;
-        for (int64_t d = 0; d < D; ++d) q_scaled[h * D + d] = static_cast<float>(qh[d]) * scale;
+      for (int64_t v = 0; v < vectors; ++v) {
+        const int64_t t = run.first + v / group, head = first_head + v % group;
+        const scalar_t* qv = q + t * s.q_stride + head * D;
+        for (int64_t d = 0; d < D; ++d) q_scaled[v * D + d] = static_cast<float>(qv[d]) * scale;
       }
 
       // fn(start, count, rows, stride, row_scales) for each block of this item's keys or
       // values, the block's rows as fp32 (no division per key) and, for an int8 cache, their
-      // scales (num_kv_heads apart; else null).
+      // scales (num_kv_heads apart; else null). Every query vector of the item uses a block
+      // while it is in L1.
       auto for_each_block = [&](const cache_t* cache, const float* cache_scales,
                                 const auto& fn) {
         for (int64_t start = 0; start < num_keys; start += s.block_size) {
@@ -898,40 +948,46 @@ void paged_attention_rows(scalar_t* out, const scalar_t* q, const cache_t* k_cac
       // Pass 1: scores.
       for_each_block(k_cache, k_scale, [&](int64_t start, int64_t count, const float* keys,
                                            int64_t stride, const float* key_scales) {
-        for (int64_t h = 0; h < group; ++h) {
-          float* sh = scores + h * max_context + start;
-          score_keys(q_scaled + h * D, keys, stride, count, D, sh);
+        for (int64_t v = 0; v < vectors; ++v) {
+          const int64_t seen = std::min(count, keys_of(v) - start);
+          if (seen <= 0) continue;
+          float* sv = scores + v * max_context + start;
+          score_keys(q_scaled + v * D, keys, stride, seen, D, sv);
           if (key_scales) {
-            for (int64_t j = 0; j < count; ++j) sh[j] *= key_scales[j * s.num_kv_heads];
+            for (int64_t j = 0; j < seen; ++j) sv[j] *= key_scales[j * s.num_kv_heads];
           }
         }
       });
 
       // Softmax numerators (normalised at the end).
-      for (int64_t h = 0; h < group; ++h) {
-        float* sh = scores + h * max_context;
-        const float max_score = max_of(sh, num_keys);
-        for (int64_t j = 0; j < num_keys; ++j) sh[j] = exp_nonpositive(sh[j] - max_score);
-        sums[h] = sum_of(sh, num_keys);
+      for (int64_t v = 0; v < vectors; ++v) {
+        float* sv = scores + v * max_context;
+        const int64_t n = keys_of(v);
+        const float max_score = max_of(sv, n);
+        for (int64_t j = 0; j < n; ++j) sv[j] = exp_nonpositive(sv[j] - max_score);
+        sums[v] = sum_of(sv, n);
       }
 
       // Pass 2: weighted sum of values.
-      std::fill(acc, acc + group * D, 0.f);
+      std::fill(acc, acc + vectors * D, 0.f);
       for_each_block(v_cache, v_scale, [&](int64_t start, int64_t count, const float* values,
                                            int64_t stride, const float* value_scales) {
-        for (int64_t h = 0; h < group; ++h) {
-          float* weights = scores + h * max_context + start;
+        for (int64_t v = 0; v < vectors; ++v) {
+          const int64_t seen = std::min(count, keys_of(v) - start);
+          if (seen <= 0) continue;
+          float* weights = scores + v * max_context + start;
           if (value_scales) {
-            for (int64_t j = 0; j < count; ++j) weights[j] *= value_scales[j * s.num_kv_heads];
+            for (int64_t j = 0; j < seen; ++j) weights[j] *= value_scales[j * s.num_kv_heads];
           }
-          accumulate_values(acc + h * D, weights, values, stride, count, D);
+          accumulate_values(acc + v * D, weights, values, stride, seen, D);
         }
       });
 
-      for (int64_t h = 0; h < group; ++h) {
-        const float inv_sum = 1.f / sums[h];
-        scalar_t* oh = out + t * s.out_stride + (first_head + h) * D;
-        for (int64_t d = 0; d < D; ++d) oh[d] = round_to<scalar_t>(acc[h * D + d] * inv_sum);
+      for (int64_t v = 0; v < vectors; ++v) {
+        const float inv_sum = 1.f / sums[v];
+        const int64_t t = run.first + v / group, head = first_head + v % group;
+        scalar_t* ov = out + t * s.out_stride + head * D;
+        for (int64_t d = 0; d < D; ++d) ov[d] = round_to<scalar_t>(acc[v * D + d] * inv_sum);
       }
     }
   });
