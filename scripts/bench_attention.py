@@ -43,7 +43,7 @@ class Case:
     """One case's inputs for ``layers`` layers: a paged cache and torch's view of it."""
 
     def __init__(self, seqs: int, rows: int, context: int, block_size: int, layers: int):
-        self.rows, self.context = rows, context
+        self.context = context
         per_seq = -(-context // block_size)
         num_blocks = seqs * per_seq
         order = torch.randperm(num_blocks, dtype=torch.int32)  # blocks out of order

@@ -191,7 +191,8 @@ def test_paged_prefill_attention_ragged_chunks(turbo_ops, block_size, dtype):
 def test_paged_attention_query_runs(turbo_ops, block_size):
     """A work item attends for a run of one sequence's query rows: runs cut short where
     their scores would outgrow L2 (16 query heads on one kv head, a long context), and a
-    single sequence's rows cut in two for the threads, give the reference's output."""
+    single sequence's rows cut into several runs to keep the threads busy, give the
+    reference's output."""
     torch.manual_seed(11)
     heads, kv_heads, head_dim = 16, 1, 32
     query_lens = [9, 1, 5, 20]
