@@ -309,8 +309,9 @@ class LLMEngine:
         """Whether every row of ``step``'s logits samples its argmax: then the runner may
         find those with the logits (``execute_greedy``)."""
         # Counted, not asked of each row: right after the model call every row's object
-        # is out of the cache, and a look at each costs more than the argmax.
-        return not self._num_not_plain_greedy and not step.scored and not step.proposed
+        # is out of the cache, and a look at each costs more than the argmax. Verified
+        # positions of plain greedy requests are accepted by their argmax too.
+        return not self._num_not_plain_greedy and not step.scored
 
     def _sample(
         self,
@@ -324,16 +325,23 @@ class LLMEngine:
         ``greedy_ids``: each row's argmax, when the runner found it (``_plain_argmax``)."""
         if step.scored:
             logits = self._score_prompts(step, logits)
+        # With greedy ids the logits are not read again: a copy of rows that other cores
+        # just wrote costs more than the argmax did (~80 µs for one SmolLM2 row).
         if step.proposed:
-            logits = self._verify(step, logits)
+            last_rows = self._verify(step, logits, greedy_ids)
+            if greedy_ids is not None:
+                greedy_ids = take_rows(greedy_ids, last_rows)
+            else:
+                logits = take_rows(logits, last_rows)
         ready, seqs = step.sampled_rows(), step.seqs
         if not ready:
             return None
         if len(ready) < len(seqs):
-            logits = take_rows(logits, ready)
             seqs = [seqs[i] for i in ready]
             if greedy_ids is not None:
                 greedy_ids = take_rows(greedy_ids, ready)
+            else:
+                logits = take_rows(logits, ready)
         if greedy_ids is not None:
             sampled = SampledBatch(greedy_ids)
         else:
@@ -393,10 +401,13 @@ class LLMEngine:
             top = [(i, text(i), v) for i, v in zip(ids, values)]
             scored.append(TokenLogprob(token_id, text(token_id), logprob, top, rank))
 
-    def _verify(self, step: ScheduledStep, logits: torch.Tensor) -> torch.Tensor:
+    def _verify(
+        self, step: ScheduledStep, logits: torch.Tensor, greedy_ids: torch.Tensor | None
+    ) -> list[int]:
         """Verify the proposing rows of a speculative step (``logits`` has a row per
-        position verified, and one per other sequence); the rows of every sequence's
-        last position, as a plain step's logits."""
+        position verified, and one per other sequence; ``greedy_ids`` their argmax, when
+        the runner found it); the rows of every sequence's last position, those a plain
+        step's logits would have."""
         speculator = self.speculator
         last_rows = []
         row = 0
@@ -404,14 +415,15 @@ class LLMEngine:
             proposal = step.proposed.get(index)
             if proposal:
                 end = row + len(proposal) + 1
-                tokens, logprobs = speculator.verify(seq, proposal, logits[row:end])
+                targets = None if greedy_ids is None else greedy_ids[row:end]
+                tokens, logprobs = speculator.verify(seq, proposal, logits[row:end], targets)
                 step.verified[index] = (tokens, logprobs)
                 self.profile.speculation.record(len(proposal), len(tokens) - 1)
                 row = end
             else:
                 row += 1
             last_rows.append(row - 1)
-        return take_rows(logits, last_rows)
+        return last_rows
 
     def _collect(self) -> list[GenerationOutput]:
         """Wait for the step in flight and turn its tokens into outputs."""

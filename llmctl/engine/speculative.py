@@ -308,15 +308,20 @@ class Speculator:
             step.input_ids[first : first + len(proposal)] = proposal
 
     def verify(
-        self, seq: Sequence, proposal: list[int], logits: torch.Tensor
+        self,
+        seq: Sequence,
+        proposal: list[int],
+        logits: torch.Tensor,
+        greedy_ids: torch.Tensor | None = None,
     ) -> tuple[list[int], list[SampledToken | None]]:
         """The tokens ``seq`` gets from one verification step (the accepted proposals and
         the bonus token) and, if it asked, their logprobs. ``logits`` are the model's
         ``[len(proposal) + 1, vocab]`` at the positions of the step's last token and each
-        proposal."""
+        proposal; ``greedy_ids`` their argmax, when the runner found it with the logits."""
         if seq.plain_greedy:  # no penalties, no logprobs: the argmax of the raw logits
-            targets = argmax_rows(logits).tolist()
-            tokens = _accept_greedy(proposal, targets)
+            if greedy_ids is None:
+                greedy_ids = argmax_rows(logits)
+            tokens = _accept_greedy(proposal, greedy_ids.tolist())
             logprobs: list[SampledToken | None] = [None] * len(tokens)
         else:
             tokens, logprobs = self._verify_processed(seq, proposal, logits)

@@ -131,6 +131,31 @@ def test_greedy_output_is_unchanged_by_speculation(stories_tokenizer, block_size
     assert any(max(lens) > 1 for lens in engine.runner.query_lens[1:])
 
 
+def test_plain_greedy_verification_takes_the_runners_argmax(stories_tokenizer):
+    """Steps that verify plain greedy requests' proposals go through a runner's
+    ``execute_greedy`` (turbo's CPU LM head finds each row's argmax as it writes it; the
+    toy runner has none, so the test gives it one), and the engine takes those ids
+    without reading the logits again: here poisoned with NaN after the argmax."""
+    from llmctl.engine.sampler import argmax_rows
+
+    requests = repetitive_workload(7, 16)
+    plain = run(make_engine(stories_tokenizer), requests)
+    engine = make_engine(stories_tokenizer, speculation=NGRAM)
+    verifications = []
+
+    def poisoned(batch):
+        logits = engine.runner.execute(batch)
+        greedy_ids = argmax_rows(logits)
+        rows = batch.logits_indices
+        verifications.append(rows is not None and len(rows) > batch.num_seqs)
+        return torch.full_like(logits, float("nan")), greedy_ids
+
+    engine._execute_greedy = poisoned
+    assert run(engine, requests) == plain
+    assert any(verifications)
+    assert engine.speculator.stats.accepted > 0
+
+
 def test_greedy_output_is_unchanged_under_preemption(stories_tokenizer):
     requests = repetitive_workload(1, 12)
     # 24 blocks of 4 tokens for 12 requests of up to ~50 tokens: they preempt each other.
