@@ -174,9 +174,10 @@ class SpecState:
     # (ngram_max tokens) occurs earlier. A repeat that long is what copying looks like, so
     # a prompt with nothing to repeat costs almost no verification at all.
     probing: bool = True
-    # The text's windows of ``ngram_max`` tokens, each to the end of its latest place, for
-    # that check: kept as the text grows (``repeats_suffix``), so a paused request's probe
-    # costs a look-up, not a search of its whole text each step.
+    # The text's windows of ``ngram_max`` tokens, each to the end of its latest place: kept
+    # as the text grows (``latest_repeat``), so that check, and a proposal wherever the
+    # text's last ngram_max tokens repeat (copying), cost a look-up, not a search of the
+    # whole text each step (propose_ngram: ~0.45 ms at 16 k tokens).
     windows: dict[tuple[int, ...], int] = field(default_factory=dict)
     indexed: int = 0  # the next window end to put in ``windows``
 
@@ -188,15 +189,16 @@ class SpecState:
         self.hits = self.hits * ACCEPTANCE_DECAY + num_accepted
         self.misses = self.misses * ACCEPTANCE_DECAY + (num_accepted < num_proposed)
 
-    def repeats_suffix(self, token_ids: list[int], n: int) -> bool:
-        """Whether the text's last ``n`` tokens occur earlier in it (the text only grows:
-        rejected proposals never enter it)."""
+    def latest_repeat(self, token_ids: list[int], n: int) -> int | None:
+        """Where the tokens after the latest earlier occurrence of the text's last ``n``
+        tokens start; ``None`` if they occur nowhere earlier. ``n`` is the same at every
+        call, and the text only grows (rejected proposals never enter it)."""
         last = len(token_ids)
         windows = self.windows
         for end in range(max(self.indexed, n), last):  # the windows before the last one
             windows[tuple(token_ids[end - n : end])] = end
         self.indexed = max(self.indexed, last)
-        return last > n and tuple(token_ids[last - n :]) in windows
+        return windows.get(tuple(token_ids[last - n :])) if last > n else None
 
 
 class Speculator:
@@ -282,10 +284,11 @@ class Speculator:
                 continue
             if self.draft is not None:  # room for the draft's tokens (fill_proposals)
                 proposal = [seq.token_ids[-1]] * room
+            elif (start := state.latest_repeat(seq.token_ids, config.ngram_max)) is not None:
+                # The longest match prompt lookup allows: propose_ngram's answer, unsearched.
+                proposal = seq.token_ids[start : start + room]
             elif state.probing and state.stopped:  # only a repeat of ngram_max tokens probes
-                if not state.repeats_suffix(seq.token_ids, config.ngram_max):
-                    continue
-                proposal = propose_ngram(seq.token_ids, config.ngram_max, config.ngram_max, room)
+                continue
             else:
                 proposal = propose_ngram(seq.token_ids, config.ngram_min, config.ngram_max, room)
             if proposal:

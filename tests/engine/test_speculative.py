@@ -43,16 +43,21 @@ def test_ngram_proposer_matches_a_brute_force_lookup():
         assert propose_ngram(tokens, low, high, k) == reference_lookup(tokens, low, high, k)
 
 
-def test_a_probes_repeat_check_kept_as_the_text_grows_matches_a_search():
-    """``SpecState.repeats_suffix``, asked as tokens arrive one or several at a time, says
-    what a search of the whole text says: whether its last n tokens occur earlier."""
+def test_the_latest_repeat_kept_as_the_text_grows_matches_a_search():
+    """``SpecState.latest_repeat``, asked as tokens arrive one or several at a time, says
+    what a search of the whole text says: where the tokens after the latest earlier
+    occurrence of its last n tokens start. Where there is one, its continuation is the
+    n-gram proposer's proposal with n as the longest match."""
     rng = random.Random(5)
     for n in (1, 2, 4):
         state, text = SpecState(), []
         while len(text) < 300:
             text += [rng.randrange(6) for _ in range(rng.choice((1, 1, 3)))]
-            earlier = any(text[i : i + n] == text[-n:] for i in range(len(text) - n))
-            assert state.repeats_suffix(text, n) == (len(text) > n and earlier)
+            places = [i for i in range(len(text) - n) if text[i : i + n] == text[-n:]]
+            start = places[-1] + n if places and len(text) > n else None
+            assert state.latest_repeat(text, n) == start
+            if start is not None:
+                assert text[start : start + 3] == propose_ngram(text, 1, n, 3)
 
 
 def test_ngram_proposer_prefers_the_longest_suffix():
