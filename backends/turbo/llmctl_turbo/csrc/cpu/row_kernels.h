@@ -130,6 +130,15 @@ inline void reduce_add4(Vec a, Vec b, Vec c, Vec d, float (&sums)[4]) {
   }
 }
 
+// Floats in a 64-byte cache line, and a float buffer whose start is on one.
+constexpr int64_t kLineFloats = 16;
+inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
+inline float* aligned_floats(std::vector<float>& buffer, int64_t count) {
+  buffer.resize(count + kLineFloats);
+  const auto address = reinterpret_cast<uintptr_t>(buffer.data());
+  return buffer.data() + (round_up(static_cast<int64_t>(address), 64) - address) / sizeof(float);
+}
+
 // Elements of work below which one thread does it all: waking a thread and handing it
 // work costs a few microseconds, as much as a thread computes in that time.
 constexpr int64_t kMinWorkPerThread = 1 << 16;
@@ -899,13 +908,19 @@ void paged_attention_rows(scalar_t* out, const scalar_t* q, const cache_t* k_cac
   const int64_t keys_per_item = total_keys * s.num_kv_heads / std::max<int64_t>(1, num_items);
   const int64_t work_per_item = std::max<int64_t>(1, keys_per_item) * group * D * 2;
   parallel_for(0, num_items, grain_for(work_per_item), [&](int64_t begin, int64_t end) {
+    // Each part starts on a cache line, and so does each query vector's row of it (for
+    // heads of 16 floats or more): a vector load that straddles two lines costs two, and
+    // the scores' dot products, which load their query vector once per four keys, ran
+    // 1.3x slower from the 16-byte-aligned memory of a plain vector.
     thread_local std::vector<float> scratch;
-    scratch.resize(max_vectors * (max_context + 2 * D + 1) + s.block_size * D);
-    float* scores = scratch.data();  // max_context apart, one row per query vector
-    float* q_scaled = scores + max_vectors * max_context;
+    const int64_t score_stride = round_up(max_context, kLineFloats);
+    float* scores = aligned_floats(scratch, max_vectors * (score_stride + 2 * D) +
+                                                round_up(max_vectors, kLineFloats) +
+                                                s.block_size * D);
+    float* q_scaled = scores + max_vectors * score_stride;  // one row per query vector
     float* acc = q_scaled + max_vectors * D;
     float* sums = acc + max_vectors * D;
-    float* block_buffer = sums + max_vectors;
+    float* block_buffer = sums + round_up(max_vectors, kLineFloats);
     for (int64_t item = begin; item < end; ++item) {
       const QueryRun run = runs[item / s.num_kv_heads];
       const int64_t kv_head = item % s.num_kv_heads;
@@ -951,7 +966,7 @@ void paged_attention_rows(scalar_t* out, const scalar_t* q, const cache_t* k_cac
         for (int64_t v = 0; v < vectors; ++v) {
           const int64_t seen = std::min(count, keys_of(v) - start);
           if (seen <= 0) continue;
-          float* sv = scores + v * max_context + start;
+          float* sv = scores + v * score_stride + start;
           score_keys(q_scaled + v * D, keys, stride, seen, D, sv);
           if (key_scales) {
             for (int64_t j = 0; j < seen; ++j) sv[j] *= key_scales[j * s.num_kv_heads];
@@ -961,7 +976,7 @@ void paged_attention_rows(scalar_t* out, const scalar_t* q, const cache_t* k_cac
 
       // Softmax numerators (normalised at the end).
       for (int64_t v = 0; v < vectors; ++v) {
-        float* sv = scores + v * max_context;
+        float* sv = scores + v * score_stride;
         const int64_t n = keys_of(v);
         const float max_score = max_of(sv, n);
         for (int64_t j = 0; j < n; ++j) sv[j] = exp_nonpositive(sv[j] - max_score);
@@ -975,7 +990,7 @@ void paged_attention_rows(scalar_t* out, const scalar_t* q, const cache_t* k_cac
         for (int64_t v = 0; v < vectors; ++v) {
           const int64_t seen = std::min(count, keys_of(v) - start);
           if (seen <= 0) continue;
-          float* weights = scores + v * max_context + start;
+          float* weights = scores + v * score_stride + start;
           if (value_scales) {
             for (int64_t j = 0; j < seen; ++j) weights[j] *= value_scales[j * s.num_kv_heads];
           }
