@@ -17,13 +17,17 @@ run eagerly. The adapter slots are allocated when the first adapter is put in on
 
 from __future__ import annotations
 
+import itertools
 import logging
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.progress import track
 
+from llmctl.engine.calibration import layer_input_moments, self_written_tokens
 from llmctl.engine.lora import LoraWeights, read_lora_weights
 from llmctl.engine.quant import (
     SCALE_DTYPE,
@@ -192,19 +196,35 @@ def quantize_to_blocks(
     """``weights`` with each layer's linear matrices quantized group-wise into GGUF block
     rows (``quantize_weight_groups``: Q8_0, Q4_0 or Q4_1), so that turbo's block kernels
     run them as they run a GGUF file's. A matrix whose inputs are not a multiple of the
-    group (stories260K's down_proj: 172) stays a float matrix."""
+    group (stories260K's down_proj: 172) stays a float matrix. 4-bit matrices are rounded
+    by GPTQ, with the moments of their inputs on text the model writes itself
+    (``llmctl.engine.calibration``)."""
     kind = group_block_type(bits, zero_point)
     quantized = dict(weights)
-    names = [
-        f"model.layers.{layer}.{part}.weight"
-        for layer in range(config.num_layers)
-        for part in LINEAR_PARTS
-    ]
-    for name in track(names, description=f"quantizing weights to int{bits}", transient=True):
-        weight = weights.get(name)
-        if weight is not None and weight.shape[1] % group_size == 0:
-            raw = quantize_weight_groups(weight, bits, group_size, zero_point)
-            quantized[name] = GGUFBlocks(raw, kind, tuple(weight.shape))
+    moments: Iterator[dict[str, torch.Tensor] | None] = itertools.repeat(None)
+    if bits == 4:
+        started = time.perf_counter()
+        tokens = self_written_tokens(
+            weights,
+            config,
+            progress=lambda r: track(r, description="writing calibration text", transient=True),
+        )
+        moments = layer_input_moments(weights, config, tokens)
+    description = f"quantizing weights to int{bits}" + (" (GPTQ)" if bits == 4 else "")
+    layers = track(range(config.num_layers), description=description, transient=True)
+    for layer, hessians in zip(layers, moments):
+        for part in LINEAR_PARTS:
+            name = f"model.layers.{layer}.{part}.weight"
+            weight = weights.get(name)
+            if weight is not None and weight.shape[1] % group_size == 0:
+                hessian = hessians[name] if hessians else None
+                raw = quantize_weight_groups(weight, bits, group_size, zero_point, hessian)
+                quantized[name] = GGUFBlocks(raw, kind, tuple(weight.shape))
+    if bits == 4:
+        logging.getLogger("llmctl").info(
+            "quantization: int4 weights rounded by GPTQ over %d tokens the model wrote "
+            "itself, in %.1f s", tokens.numel(), time.perf_counter() - started,
+        )  # fmt: skip
     return quantized
 
 

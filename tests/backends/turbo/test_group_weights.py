@@ -205,13 +205,15 @@ def stories_quality():
 
 
 def test_stories_int4_perplexity_and_agreement(stories_quality):
-    """int4 costs a 260K-parameter model (64-wide rows: 2 groups each) about 10 % of
-    perplexity (measured 10.0 % with a zero point, 10.4 % symmetric). Issue 31 asked for
-    5 %; that is not reached (docs/quantization.md)."""
+    """int4 rounded by GPTQ on text the model wrote itself: perplexity of the fixed text
+    +5.1 % with a zero point, +2.1 % symmetric (round-to-nearest groups: +10.0 % and
+    +10.4 %); teacher-forced top-1 agreement 92.6 % and 90.7 % (89.3 %, 89.1 %). Issue 31
+    asked for 5 %: docs/quantization.md."""
     zero_point, symmetric = stories_quality[0], stories_quality[1]
+    assert zero_point["ratios"]["perplexity"] < 1.06
+    assert symmetric["ratios"]["perplexity"] < 1.04
     for run in (zero_point, symmetric):
-        assert run["ratios"]["perplexity"] < 1.12
-        assert run["teacher_forced_agreement"] >= 0.87
+        assert run["teacher_forced_agreement"] >= 0.9
         # down_proj (172 inputs) stays float32; q/k/v, o, gate/up are 4-bit.
         assert run["ratios"]["weight_bytes"] < 0.55
 
@@ -233,6 +235,7 @@ def test_the_log_says_what_was_quantized_and_what_was_kept(caplog, monkeypatch):
             pass
     assert "15 linear layers quantized to int4 (Q4_1 blocks, group 32)" in caplog.text
     assert "5 matrices kept in float32 (inputs not a multiple of 32)" in caplog.text
+    assert "int4 weights rounded by GPTQ over 8192 tokens the model wrote itself" in caplog.text
 
 
 # ------------------------------------------------------------------ rules
