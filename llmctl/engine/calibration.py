@@ -101,7 +101,7 @@ class FloatModel:
             q = self._norm(q, prefix + "self_attn.q_norm.weight")
             k = self._norm(k, prefix + "self_attn.k_norm.weight")
         q, k = self._rotate(q, positions), self._rotate(k, positions)
-        if cache is not None:  # [K, V, their length]: room for every position, filled as it goes
+        if cache is not None:  # (K, V) with room for every position, filled as it goes
             filled = int(positions[-1]) + 1
             cache[0][:, :, positions] = k
             cache[1][:, :, positions] = v
@@ -161,19 +161,19 @@ def self_written_tokens(
     first = config.bos_token_id
     if first is None:
         first = config.eos_token_ids[0] if config.eos_token_ids else 0
-    tokens = torch.full((sequences, 1), first, dtype=torch.long)
+    tokens = torch.full((sequences, length), first, dtype=torch.long)
     caches = [model.new_cache(sequences, length) for _ in range(config.num_layers)]
     generator = torch.Generator().manual_seed(seed)
     banned = [t for t in config.eos_token_ids if t < config.vocab_size]
     for position in progress(range(length - 1)):
-        hidden = model.embed(tokens[:, -1:])
+        hidden = model.embed(tokens[:, position : position + 1])
         positions = torch.tensor([position])
         for index, cache in enumerate(caches):
             hidden = model.layer(index, hidden, positions, cache)
         logits = model.logits(hidden)[:, -1]
         logits[:, banned] = float("-inf")
         probs = torch.softmax(logits, -1)
-        tokens = torch.cat([tokens, torch.multinomial(probs, 1, generator=generator)], 1)
+        tokens[:, position + 1] = torch.multinomial(probs, 1, generator=generator)[:, 0]
     return tokens
 
 
