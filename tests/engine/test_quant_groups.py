@@ -144,11 +144,30 @@ def test_gptq_has_less_output_error_than_rounding_to_nearest(zero_point, group_s
 
 @pytest.mark.parametrize("zero_point", [True, False])
 def test_gptq_with_independent_unit_inputs_rounds_to_nearest(zero_point):
-    """H = I: no input's error can be taken up by another, so GPTQ gives round-to-nearest's
-    bytes exactly (its groups' scales searched on the same weights)."""
+    """H = I: no input's error can be taken up by another, so GPTQ rounds each weight to
+    its group's nearest level. Symmetric groups keep the scales searched on the same
+    weights: round-to-nearest's bytes exactly. A zero-point group's scale and minimum are
+    chosen by the error of its weights rounded against the stored float16 values (the
+    search ranks them by its least-squares fit): no group errs more than
+    round-to-nearest's."""
     weight = random_weight(16, 128, seed=5)
+    kind = group_block_type(4, zero_point)
     got = quantize_weight_groups(weight, 4, 32, zero_point, torch.eye(128))
-    assert torch.equal(got, quantize_weight_groups(weight, 4, 32, zero_point))
+    nearest = quantize_weight_groups(weight, 4, 32, zero_point)
+    if not zero_point:
+        assert torch.equal(got, nearest)
+        return
+    blocks = got.reshape(16, 4, 20)
+    d, m = (blocks[..., i : i + 2].contiguous().view(torch.float16).float() for i in (0, 2))
+    w = weight.reshape(16, 4, 32)
+    codes = ((w - m) / d).round().clamp(0, 15)
+    assert np.allclose(read_back(got, kind, (16, 128)), (codes * d + m).reshape(16, 128))
+    w = weight.double().numpy()
+    errors = [
+        np.square(read_back(r, kind, (16, 128)) - w).reshape(16, 4, 32).sum(-1)
+        for r in (got, nearest)
+    ]
+    assert (errors[0] <= errors[1] * (1 + 1e-6)).all()
 
 
 def test_gptq_survives_dead_and_repeated_inputs():

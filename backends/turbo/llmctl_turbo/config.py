@@ -69,8 +69,8 @@ def weight_groups(
     group size), run as GGUF blocks by the block kernels; ``None`` for none, per-channel
     int8 and gguf. int4's defaults: groups of 32 with a zero point (Q4_1). Rounded by
     GPTQ, it keeps more of stories260K's greedy and teacher-forced choices than symmetric
-    groups (30 % and 92.6 % of 64-step runs against 14 % and 90.7 %), though these cost
-    less perplexity on its fixed text (2.1 % against 5.1 %; docs/quantization.md)."""
+    groups (29 % and 92.0 % of 64-step runs against 14 % and 90.7 %), though these cost
+    less perplexity on its fixed text (2.1 % against 4.5 %; docs/quantization.md)."""
     if quantization == "int4":
         return 4, group_size or 32, zero_point is not False
     if quantization == "int8" and group_size is not None:
