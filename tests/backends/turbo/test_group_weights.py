@@ -210,11 +210,7 @@ def test_stories_int4_perplexity_and_agreement(stories_quality):
     +4.5 % with a zero point, +2.1 % symmetric, +2.3 % with a zero point in groups of 64
     (round-to-nearest groups: +10.0 %, +10.4 %, +9.6 %); teacher-forced top-1 agreement
     92.0 %, 90.7 % and 90.7 %. Issue 31 asked for 5 %: docs/quantization.md."""
-    zero_point, symmetric, zero_point_64 = (
-        stories_quality[0],
-        stories_quality[1],
-        stories_quality[2],
-    )
+    zero_point, symmetric, zero_point_64 = stories_quality[:3]
     for run in (zero_point, symmetric, zero_point_64):
         assert run["ratios"]["perplexity"] < 1.05
         assert run["teacher_forced_agreement"] >= 0.9
