@@ -289,7 +289,8 @@ def _gptq_group_scales(w: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, 
     cost = u.diagonal().square().reciprocal()
     cost /= cost.mean()
     chosen = [_gptq_rounding_choice(rows.float(), u, cost) for rows in w.split(_SEARCH_ROWS)]
-    return _stored_scales(torch.cat([d for d, _ in chosen])), torch.cat([m for _, m in chosen])
+    d, m = (torch.cat(parts) for parts in zip(*chosen))
+    return _stored_scales(d), m.half()
 
 
 def _gptq_rounding_choice(
@@ -301,12 +302,15 @@ def _gptq_rounding_choice(
     d, m = d[..., 0].half().float(), m[..., 0].half().float()
     step = torch.where(d != 0, d, 1)
     errors = w.new_zeros(w.shape[1], *d.shape)
+    # The rounding below is ``_codes`` then ``_dequantized`` (the same values, d = 0
+    # included), written out: through those two, with their conversions to and from
+    # bytes, the whole of GPTQ took 1.5x as long (1536 x 576: 0.65 s against 0.42 s).
     for column in range(w.shape[1]):
         value = w[:, column] - torch.tensordot(u[:column, column], errors[:column], dims=1)
         q = ((value - m) / step).round_().clamp_(0, 15)
         errors[column] = (value - (d * q + m)) / u[column, column]
     best = errors.square().sum(0).argmin(0, keepdim=True)
-    return d.gather(0, best)[0], m.gather(0, best)[0].half()
+    return d.gather(0, best)[0], m.gather(0, best)[0]
 
 
 def dequantize_weight_int8(
