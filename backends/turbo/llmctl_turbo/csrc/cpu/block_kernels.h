@@ -10,8 +10,8 @@
 //   Q5_0: q = 5 bits, c = -16 d;      Q5_1: q = 5 bits, c = m (in the 8-bit grid).
 // Packed layout: uint8 [panels][K / 32 blocks][block bytes]; one block of one panel is
 //   fp16 d[16], fp16 c[16]                         64 bytes (Q8_0, Q4_0: d[16] alone,
-//                                                   32 bytes; c = -128 d or -8 d is made
-//                                                   in registers)
+//                                                   32 bytes; their zero point 128 or 8
+//                                                   comes off the integer sums, below)
 //   8-bit: uint8 q[8 groups][16 features][4]       512 bytes (group g: inputs 4g .. 4g+3)
 //   4-bit: uint8 q[4 chunks][16 features][4]       256 bytes (chunk j: low nibbles are
 //                                                   group j, high nibbles group j + 4)
@@ -35,7 +35,11 @@
 // Activations are quantized per block of 32 to int8, as llama.cpp does:
 //   dx = max|x| / 127, xq = round(x * (1 / dx)), sx = dx * sum(xq), and then
 //   x . w over a block = d * dx * sum(q * xq) + c * sx,
-// the integer sum exact in int32. That is llama.cpp's choice over dequantizing weights to
+// the integer sum exact in int32. A symmetric type (Q8_0, Q4_0: c = -z d) takes its zero
+// point off the integer sum instead, d * dx * (sum(q * xq) - z * sum(xq)), as Q6_K's halves
+// do: exact, where c * sx would cancel most of the first term in floats, and one
+// multiply-add fewer per row, feature and block (the multiply-adds share their execution
+// ports with vpdpbusd). That is llama.cpp's choice over dequantizing weights to
 // float in registers: 64 multiply-adds per instruction instead of 16, and no int-to-float
 // conversion per weight (measured in docs/benchmarks.md against turbo's int8 kernel, which
 // converts in registers). Its cost is the activations' 8-bit rounding, as in llama.cpp.
@@ -252,7 +256,7 @@ struct BlockOps<8> {
 };
 
 // Features [lane0, lane0 + V::kLanes) of block b's scales: d0 (and Q6_K's second half's
-// d1) and c, per block_layout.h.
+// d1) and c (none for a symmetric layout), per block_layout.h.
 template <typename V, int Layout>
 inline void block_scales_x86(const uint8_t* panel, int64_t b, int lane0, typename V::F& d0,
                              typename V::F& d1, typename V::F& c) {
@@ -270,11 +274,8 @@ inline void block_scales_x86(const uint8_t* panel, int64_t b, int lane0, typenam
   } else {
     const uint8_t* block = panel + b * packed_block_bytes(Layout);
     d0 = V::load_halves(block + lane0 * 2);
-    if constexpr (layout_zero_point(Layout) != 0) {
-      c = V::mul(d0, V::broadcastf(-static_cast<float>(layout_zero_point(Layout))));
-    } else {
-      c = V::load_halves(block + (kPanelWidth + lane0) * 2);
-    }
+    // A symmetric layout has no c: its zero point comes off the integer sums.
+    if constexpr (layout_zero_point(Layout) == 0) c = V::load_halves(block + (kPanelWidth + lane0) * 2);
   }
 }
 
@@ -287,6 +288,7 @@ inline void block_tile_x86(const QuantizedRows& x, int64_t m0, const uint8_t* pa
                            float (&sums)[NP][MR][kPanelWidth]) {
   constexpr bool kWide = Layout == kLayoutQ8 || Layout == kLayoutQ8Z;  // quants up to 255
   constexpr bool kHalves = Layout == kLayoutQ6K;
+  constexpr int32_t kZero = layout_zero_point(Layout);
   // Q6_K's two 16-input halves each finish their integer sums before the next starts, so
   // that a half takes no more registers than a whole block of the other layouts.
   constexpr int kParts = kHalves ? 2 : 1;
@@ -344,11 +346,15 @@ inline void block_tile_x86(const QuantizedRows& x, int64_t m0, const uint8_t* pa
       for (int r = 0; r < MR; ++r) {
         const int64_t at = (m0 + r) * x.blocks + b;
         const typename V::F dx = V::broadcastf(x.dx[at]);
+        // sum (q - z) xq = sum q xq - z sum xq (Q6_K: z = 32, per half)
+        const typename V::I zero_sum = V::broadcast(
+            kHalves ? 32 * x.half_sums[2 * at + part]
+                    : kZero * (x.half_sums[2 * at] + x.half_sums[2 * at + 1]));
         for (int p = 0; p < NP; ++p) {
           typename V::I total = isum[0][p][r];
           for (int h = 1; h < kChains; ++h) total = V::add(total, isum[h][p][r]);
-          if constexpr (kHalves) {  // sum (q - 32) xq = sum q xq - 32 sum xq
-            total = V::sub(total, V::broadcast(32 * x.half_sums[2 * at + part]));
+          if constexpr (kHalves || kZero != 0) {
+            total = V::sub(total, zero_sum);
             acc[p][r] = V::fma(V::tofloat(total), V::mul(part ? d1[p] : d0[p], dx), acc[p][r]);
           } else {
             acc[p][r] = V::fma(V::tofloat(total), V::mul(d0[p], dx), acc[p][r]);
@@ -399,8 +405,7 @@ inline void block_scales_portable(const uint8_t* panel, int64_t b, float (&d0)[k
     } else {
       const uint8_t* block = panel + b * packed_block_bytes(Layout);
       d0[f] = half_at(block + 2 * f);
-      c[f] = layout_zero_point(Layout) ? -static_cast<float>(layout_zero_point(Layout)) * d0[f]
-                                       : half_at(block + 2 * (kPanelWidth + f));
+      if constexpr (layout_zero_point(Layout) == 0) c[f] = half_at(block + 2 * (kPanelWidth + f));
     }
   }
 }
@@ -436,6 +441,11 @@ inline void block_tile_portable(const QuantizedRows& x, int64_t m0, const uint8_
             const int32_t centred = isum[h][f] - 32 * x.half_sums[2 * at + h];
             sums[r][f] += static_cast<float>(centred) * ((h ? d1[f] : d0[f]) * dx);
           }
+        } else if constexpr (layout_zero_point(Layout) != 0) {
+          const int32_t centred = isum[0][f] + isum[1][f] -
+                                  layout_zero_point(Layout) *
+                                      (x.half_sums[2 * at] + x.half_sums[2 * at + 1]);
+          sums[r][f] += static_cast<float>(centred) * (d0[f] * dx);
         } else {
           sums[r][f] += static_cast<float>(isum[0][f] + isum[1][f]) * (d0[f] * dx);
           sums[r][f] += c[f] * sx;

@@ -42,9 +42,9 @@ constexpr int layout_quant_bits(int layout) {
   return layout == kLayoutQ4 || layout == kLayoutQ4K || layout == kLayoutQ4Z ? 4 : 8;
 }
 // A symmetric type's zero point (w = d (q - zero)), which its layout leaves out of the
-// blocks: the kernel makes c = -zero d in registers. Stored, it cost Q8_0 half a bit per
-// weight (9 bits against the file's 8.5), a step's bytes being what batch-1 decode waits
-// for. 0: the layout stores c.
+// blocks: the kernel subtracts zero * sum(xq) from its integer sums. Stored as c, it cost
+// Q8_0 half a bit per weight (9 bits against the file's 8.5), a step's bytes being what
+// batch-1 decode waits for. 0: the layout stores c.
 constexpr int layout_zero_point(int layout) {
   return layout == kLayoutQ4Z ? 8 : (layout == kLayoutQ8Z ? 128 : 0);
 }
