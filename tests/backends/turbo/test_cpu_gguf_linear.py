@@ -187,7 +187,7 @@ def test_resident_bytes(turbo_ops, name, file_bits, resident_bits):
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q4_0"])
-def test_symmetric_types_with_stored_offsets_give_the_same_outputs(turbo_ops, block_isa, name):
+def test_symmetric_types_with_stored_offsets_run_the_same_weights(turbo_ops, block_isa, name):
     """Q8_0 and Q4_0 packed with their offsets (to join parts of Q5_0 or Q4_1: c * sx added
     in floats) and without (the zero point taken off the integer sums) run the same
     weights; the integer zero point is the closer to the exact product of the rounded

@@ -35,14 +35,14 @@
 // Activations are quantized per block of 32 to int8, as llama.cpp does:
 //   dx = max|x| / 127, xq = round(x * (1 / dx)), sx = dx * sum(xq), and then
 //   x . w over a block = d * dx * sum(q * xq) + c * sx,
-// the integer sum exact in int32. A symmetric type (Q8_0, Q4_0: c = -z d) takes its zero
-// point off the integer sum instead, d * dx * (sum(q * xq) - z * sum(xq)), as Q6_K's halves
-// do: exact, where c * sx would cancel most of the first term in floats, and one
-// multiply-add fewer per row, feature and block (the multiply-adds share their execution
-// ports with vpdpbusd). That is llama.cpp's choice over dequantizing weights to
+// the integer sum exact in int32. That is llama.cpp's choice over dequantizing weights to
 // float in registers: 64 multiply-adds per instruction instead of 16, and no int-to-float
 // conversion per weight (measured in docs/benchmarks.md against turbo's int8 kernel, which
 // converts in registers). Its cost is the activations' 8-bit rounding, as in llama.cpp.
+// A symmetric type (Q8_0, Q4_0: c = -z d) takes its zero point off the integer sum
+// instead, d * dx * (sum(q * xq) - z * sum(xq)), as Q6_K's halves do: exact, where c * sx
+// cancelled most of the first term in floats, and one multiply-add fewer per row, feature
+// and block (multiply-adds share their execution ports with vpdpbusd).
 
 constexpr int64_t kQuantBlock = 32;                                     // inputs per block
 constexpr int64_t kGridBytes = 64;  // one group of 4 inputs x 16 features in a grid
@@ -275,7 +275,9 @@ inline void block_scales_x86(const uint8_t* panel, int64_t b, int lane0, typenam
     const uint8_t* block = panel + b * packed_block_bytes(Layout);
     d0 = V::load_halves(block + lane0 * 2);
     // A symmetric layout has no c: its zero point comes off the integer sums.
-    if constexpr (layout_zero_point(Layout) == 0) c = V::load_halves(block + (kPanelWidth + lane0) * 2);
+    if constexpr (layout_zero_point(Layout) == 0) {
+      c = V::load_halves(block + (kPanelWidth + lane0) * 2);
+    }
   }
 }
 
