@@ -123,9 +123,10 @@ def _scale_groups(
 
 def _stored_scales(d: torch.Tensor) -> torch.Tensor:
     """Scales as the blocks store them, float16, refusing one that overflows it."""
-    if not torch.isfinite(d.half()).all():
+    stored = d.half()
+    if not torch.isfinite(stored).all():
         raise ValueError("a weight group's scale overflows float16 (|w| > 65504 x 8)")
-    return d.half()
+    return stored
 
 
 def _codes(
