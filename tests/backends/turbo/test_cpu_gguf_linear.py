@@ -204,7 +204,7 @@ def test_symmetric_types_with_stored_offsets_run_the_same_weights(turbo_ops, blo
         turbo_ops.linear(out, x, packed, None, None)
         check(out, x.numpy(), weights)
         errors.append(np.abs(out.double().numpy() - exact).max())
-    assert errors[0] <= errors[1], errors
+    assert errors[0] < errors[1], errors  # equal only if both added the offset alike
 
 
 @pytest.mark.parametrize("types", [("Q5_0", "Q5_0", "Q8_0"), ("Q4_1", "Q4_1", "Q4_0")])
