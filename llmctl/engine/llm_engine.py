@@ -286,7 +286,10 @@ class LLMEngine:
             seconds = perf_counter() - launched + draft_seconds
             accepted = sum(len(tokens) - 1 for tokens, _ in step.verified.values())
             emitted = len(step.ready) + accepted
-            self.speculator.step_seconds(len(batch.input_ids), seconds, emitted, len(step.proposed))
+            tokens = len(batch.input_ids)
+            proposals = sum(map(len, step.proposed.values()))
+            decodes = tokens == len(step.seqs) + proposals  # no prompt chunk
+            self.speculator.step_seconds(tokens, seconds, emitted, len(step.proposed), decodes)
         previous, self._in_flight = self._in_flight, (step, sampled)
         profile.steps += 1
         profile.scheduled_seqs += len(step.seqs)

@@ -27,8 +27,8 @@ cost when the chance it is accepted beats what its place in the step costs. Each
 keeps a decayed count of its accepted proposals and of its rejections, so ``p``, the chance
 that a proposal is accepted after the one before it was, is known as it goes; the j-th
 proposal of a step is then accepted with chance ``p**j``. A proposal adds ``b`` seconds to
-a step and a verification ``c`` besides (``StepCost``, fitted from the steps the engine
-runs); the j-th pays if ``p**j`` exceeds ``b`` times the engine's tokens per second, and
+a step and a verification ``c`` besides (``StepCost``, fitted from the decoding steps the
+engine runs); the j-th pays if ``p**j`` exceeds ``b`` times the engine's tokens per second, and
 the k that pay must make up for ``c`` too. A request starts with one proposal; one whose
 proposals do not pay pauses (proposes nothing) for a few steps, then probes with one
 token again, only where its text's last ``ngram_max`` tokens occur earlier (a repeat that
@@ -75,13 +75,15 @@ MAX_PAUSE_STEPS = 32
 class StepCost:
     """A step's time as ``a + b * tokens + c * verifies`` (its new tokens; whether it
     verifies proposals), fitted as the engine runs: exponentially weighted least squares
-    over every step (decodes, verifications with their drafting, prefill chunks: those
-    give the first steps of different sizes, and a prompt's tokens cost at least what a
-    proposal does). ``a`` is what a step costs whatever it feeds (the weights read once,
-    the per-step overheads), ``b`` what each token adds, ``c`` what verifying adds besides
-    (the logits of every verified position, the acceptance on the host): measured, a
-    2-token verification cost SmolLM2 Q4_1 on this (busy) CPU ~3 ``b`` more than a decode. Also
-    the engine's rate, tokens emitted per second, over the same window."""
+    over the steps that only decode or verify, with their drafting. ``a`` is what a step
+    costs whatever it feeds (the weights read once, the per-step overheads), ``b`` what
+    each token adds (its logits included), ``c`` what verifying adds besides (a draft
+    model's steps, the acceptance on the host). A step with a prompt chunk stays out of
+    the fit: its tokens have no logits (SmolLM2's LM head is a fifth of a token's
+    work), and one prefill of thousands of tokens set the slope for the next hundred
+    steps, leaving the logits of verified positions to ``c``: 6-14 ms a step at batch 16,
+    against 0.4-0.6 ms fitted on decoding steps alone. Every step counts in the engine's
+    rate, tokens emitted per second, over the same window."""
 
     def __init__(self) -> None:
         # Exponentially weighted sums over the steps of 1, t, v, s and of the products the
@@ -91,13 +93,18 @@ class StepCost:
         self._emitted = self._seconds = 0.0
         self.fit: tuple[float, float, float] | None = None  # (a, b, c); None until known
 
-    def add(self, tokens: int, seconds: float, emitted: int, verifies: bool) -> None:
-        t, v, s = float(tokens), float(verifies), seconds
+    def add(
+        self, tokens: int, seconds: float, emitted: int, verifies: bool, decodes: bool = True
+    ) -> None:
+        """Note a step; ``decodes``: it only decodes or verifies (no prompt chunk)."""
         keep = 1.0 - STEP_TIME_WEIGHT
-        terms = (1.0, t, v, s, t * t, t * v, t * s, v * v, v * s)
-        self._sums = [keep * total + term for total, term in zip(self._sums, terms)]
         self._emitted = keep * self._emitted + emitted
         self._seconds = keep * self._seconds + seconds
+        if not decodes:
+            return
+        t, v, s = float(tokens), float(verifies), seconds
+        terms = (1.0, t, v, s, t * t, t * v, t * s, v * v, v * s)
+        self._sums = [keep * total + term for total, term in zip(self._sums, terms)]
         self.fit = self._solve()
 
     @property
@@ -217,10 +224,13 @@ class Speculator:
         self.cost = StepCost()
         self._verifying = 1.0  # requests that verify in a verification step, on average
 
-    def step_seconds(self, tokens: int, seconds: float, emitted: int, verifying: int) -> None:
+    def step_seconds(
+        self, tokens: int, seconds: float, emitted: int, verifying: int, decodes: bool = True
+    ) -> None:
         """Note how long a step of ``tokens`` new tokens took (with its drafting), how many
-        tokens it gave its requests, and how many of its requests verified proposals."""
-        self.cost.add(tokens, seconds, emitted, verifying > 0)
+        tokens it gave its requests, how many of its requests verified proposals, and
+        whether it only decoded or verified (``StepCost.add``)."""
+        self.cost.add(tokens, seconds, emitted, verifying > 0, decodes)
         if verifying:
             self._verifying += STEP_TIME_WEIGHT * (verifying - self._verifying)
 

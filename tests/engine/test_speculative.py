@@ -385,6 +385,26 @@ def test_how_many_tokens_pay_follows_acceptance_and_the_cost_of_a_token():
     assert speculator.num_proposals(always) == 16
 
 
+def test_a_prompt_step_counts_in_the_rate_but_not_in_the_fit():
+    """A prefill's tokens have no logits, so they cost less than a verified position:
+    one long prompt step in the least squares would set the slope for a hundred steps and
+    push what each verified position costs into ``c``. It only moves the rate."""
+    from llmctl.engine.sampler import Sampler
+    from llmctl.engine.speculative import Speculator
+
+    speculator = Speculator(NGRAM, Sampler())
+    steps_costing(speculator, 0.003, 0.0004, 500.0, verifying=0.0001)
+    fit, rate = speculator.cost.fit, speculator.cost.rate
+    assert fit == pytest.approx((0.003, 0.0004, 0.0001))
+    # 2,576 prompt tokens at 0.26 ms each, 16 tokens emitted.
+    speculator.step_seconds(2576, 0.68, 16, 0, decodes=False)
+    assert speculator.cost.fit == fit
+    assert speculator.cost.rate < 0.5 * rate
+    # Counted as a decode, the one step would have set the slope to its own.
+    speculator.step_seconds(2576, 0.68, 16, 0)
+    assert speculator.cost.fit[1] == pytest.approx(0.68 / 2576, rel=0.05)
+
+
 def test_what_verifying_costs_besides_its_tokens_is_fitted_and_weighed():
     from llmctl.engine.sampler import Sampler
     from llmctl.engine.speculative import SpecState, Speculator
