@@ -28,14 +28,14 @@ keeps a decayed count of its accepted proposals and of its rejections, so ``p``,
 that a proposal is accepted after the one before it was, is known as it goes; the j-th
 proposal of a step is then accepted with chance ``p**j``. A proposal adds ``b`` seconds to
 a step and a verification ``c`` besides (``StepCost``, fitted from the decoding steps the
-engine runs); the j-th pays if ``p**j`` exceeds ``b`` times the engine's tokens per second, and
-the k that pay must make up for ``c`` too. A request starts with one proposal; one whose
-proposals do not pay pauses (proposes nothing) for a few steps, then probes with one
-token again, only where its text's last ``ngram_max`` tokens occur earlier (a repeat that
-long is what copying looks like), the pause doubling while that does not pay. So a request
-that copies its prompt proposes up to ``num_speculative_tokens`` tokens, prompts that do
-not repeat lose almost nothing, and a large batch, whose steps grow with every token,
-speculates only where proposals are nearly always accepted.
+engine runs); the j-th pays if ``p**j`` exceeds ``b`` times the engine's tokens per
+second, and the k that pay must make up for ``c`` too. A request starts with one
+proposal; one whose proposals do not pay pauses (proposes nothing) for a few steps, then
+probes with one token again, only where its text's last ``ngram_max`` tokens occur earlier
+(a repeat that long is what copying looks like), the pause doubling while that does not
+pay. So a request that copies its prompt proposes up to ``num_speculative_tokens``
+tokens, prompts that do not repeat lose almost nothing, and a large batch, whose steps
+grow with every token, speculates only where proposals are nearly always accepted.
 """
 
 from __future__ import annotations
