@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO.parent / "shared" / "models" / "stories260K"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Ctrl-C as a terminal gives it, however the suite was started. A script's
+    `command &` starts it with SIGINT ignored, and an ignored signal stays ignored
+    through exec: every server the tests start would then ignore it too, and a Ctrl-C
+    test's server, stopped by uvicorn's own handler, would exit 0, not 130."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
