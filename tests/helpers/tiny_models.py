@@ -82,6 +82,11 @@ TINY_MODELS: dict[str, tuple[str, dict]] = {
         "MistralConfig",
         dict(num_key_value_heads=1, head_dim=16, sliding_window=None, tie_word_embeddings=False),
     ),
+    # Heads of 4 floats, four kv heads to a 16-float vector: turbo's narrow decode path.
+    "llama-narrow-heads": (
+        "LlamaConfig",
+        dict(num_attention_heads=8, num_key_value_heads=4, head_dim=4, tie_word_embeddings=True),
+    ),
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=False)),
     # Qwen3: RMSNorm on each head's q and k; no q/k/v bias; explicit head_dim.
     "qwen3": (

@@ -158,6 +158,40 @@ def test_paged_decode_attention_head_dims(turbo_ops, isa, head_dim):
     torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
 
 
+@pytest.mark.parametrize("block_size", [16, 48])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim",
+    [
+        *[(2, 2, 8), (4, 2, 8), (8, 4, 8), (16, 2, 8), (8, 8, 8)],
+        *[(4, 4, 4), (8, 4, 4), (16, 4, 4), (16, 8, 4)],
+        *[(6, 3, 8), (12, 4, 4)],
+    ],
+)
+def test_paged_decode_attention_narrow_heads(
+    turbo_ops, isa, block_size, dtype, heads, kv_heads, head_dim
+):
+    """Heads narrower than a vector (head_dim 8 or 4), several to a vector in the narrow
+    decode kernel: every query-vector count it is built for (1 to 8, so 8 to 1 tokens
+    to a vector of scores), GQA ratios 1 to 8, contexts that end mid-vector, and two
+    shapes it leaves to the per-head path (a token's kv heads not whole vectors; three
+    query vectors). On each instruction set: AVX2 takes head_dim 4 only, the portable
+    build neither."""
+    torch.manual_seed(heads * 100 + kv_heads * 10 + head_dim)
+    context_lens = [1, 2, 3, block_size, block_size + 1, 3 * block_size - 5, 37]
+    cache = PagedCache(block_size, context_lens, kv_heads, head_dim, dtype, seed=block_size)
+    q = torch.randn(len(context_lens), heads, head_dim).to(dtype)
+    out = poisoned(*q.shape, dtype=dtype)
+    scale = head_dim**-0.5
+    turbo_ops.paged_decode_attention(
+        out, q, cache.k, cache.v, cache.padded_tables(), int32(context_lens), scale
+    )
+    expected = ref_paged_attention(
+        q, cache.k, cache.v, cache.tables, [1] * len(context_lens), context_lens, scale
+    )
+    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_paged_prefill_attention_ragged_chunks(turbo_ops, block_size, dtype):

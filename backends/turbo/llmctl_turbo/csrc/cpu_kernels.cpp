@@ -20,6 +20,7 @@
 #include <cstring>
 #include <mutex>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu/block_layout.h"
@@ -403,6 +404,19 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                      double scale, const at::Tensor& k_scale, const at::Tensor& v_scale) {
   TURBO_ON_ACTIVE_ISA(paged_attention, out, q, k_cache, v_cache, block_tables,
                       query_start_loc, context_lens, scale, k_scale, v_scale);
+}
+
+bool rope_write_and_decode_attention(at::Tensor& out, const at::Tensor& positions,
+                                     const at::Tensor& q, const at::Tensor& k,
+                                     const at::Tensor& v, const at::Tensor& cos_sin_cache,
+                                     at::Tensor& k_cache, at::Tensor& v_cache,
+                                     const at::Tensor& slot_mapping,
+                                     const at::Tensor& block_tables,
+                                     const at::Tensor& query_start_loc,
+                                     const at::Tensor& context_lens, double scale) {
+  TURBO_ON_ACTIVE_ISA(rope_write_and_decode_attention, out, positions, q, k, v, cos_sin_cache,
+                      k_cache, v_cache, slot_mapping, block_tables, query_start_loc,
+                      context_lens, scale);
 }
 
 }  // namespace turbo::cpu

@@ -206,4 +206,18 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                        scale, k_scale, v_scale);
 }
 
+bool rope_write_and_decode_attention(at::Tensor& out, const at::Tensor& positions,
+                                     const at::Tensor& q, const at::Tensor& k,
+                                     const at::Tensor& v, const at::Tensor& cos_sin_cache,
+                                     at::Tensor& k_cache, at::Tensor& v_cache,
+                                     const at::Tensor& slot_mapping,
+                                     const at::Tensor& block_tables,
+                                     const at::Tensor& query_start_loc,
+                                     const at::Tensor& context_lens, double scale) {
+  if (q.is_cuda()) return false;
+  return cpu::rope_write_and_decode_attention(out, positions, q, k, v, cos_sin_cache, k_cache,
+                                              v_cache, slot_mapping, block_tables,
+                                              query_start_loc, context_lens, scale);
+}
+
 }  // namespace turbo

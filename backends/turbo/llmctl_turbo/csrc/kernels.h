@@ -124,6 +124,21 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                      double scale, const at::Tensor& k_scale, const at::Tensor& v_scale);
 
+// A decode step's attention after the qkv projection in one pass over the sequences, on the
+// CPU: each sequence's new q and k rotated (as rotary_embedding), k and v written to the
+// cache (as write_kv_cache), then attention (as paged_attention). q, k and v are left as
+// they were. Returns false, having done nothing, where the pass does not apply (CUDA, an
+// int8 cache, a sequence with other than one new token, heads it has no kernel for): then
+// call rotary_embedding_and_write_kv and paged_attention.
+bool rope_write_and_decode_attention(at::Tensor& out, const at::Tensor& positions,
+                                     const at::Tensor& q, const at::Tensor& k,
+                                     const at::Tensor& v, const at::Tensor& cos_sin_cache,
+                                     at::Tensor& k_cache, at::Tensor& v_cache,
+                                     const at::Tensor& slot_mapping,
+                                     const at::Tensor& block_tables,
+                                     const at::Tensor& query_start_loc,
+                                     const at::Tensor& context_lens, double scale);
+
 // LoRA adapters (multi-LoRA): for each tile (slot s, start, end) of `tiles` (int32 [3, n],
 // llmctl.engine.lora.slot_tiles) and each token t of rows[start:end] (int32 token indices),
 // out[t, out_offsets[p] + c] += (Bt[s] ^T @ (A[s] @ x[t]))[part p, c] for each part p (of
@@ -172,6 +187,14 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                      double scale, const at::Tensor& k_scale, const at::Tensor& v_scale);
+bool rope_write_and_decode_attention(at::Tensor& out, const at::Tensor& positions,
+                                     const at::Tensor& q, const at::Tensor& k,
+                                     const at::Tensor& v, const at::Tensor& cos_sin_cache,
+                                     at::Tensor& k_cache, at::Tensor& v_cache,
+                                     const at::Tensor& slot_mapping,
+                                     const at::Tensor& block_tables,
+                                     const at::Tensor& query_start_loc,
+                                     const at::Tensor& context_lens, double scale);
 }  // namespace cpu
 
 #ifdef LLMCTL_TURBO_CUDA

@@ -269,12 +269,16 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
       k.copy_(at::matmul(k, rotation));
       v.copy_(at::matmul(v, rotation));
       write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
-    } else {
+      paged_attention(attn, q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+                      scale, k_scale, v_scale);
+    } else if (!rope_write_and_decode_attention(attn, positions, q, k, v, cos_sin_cache,
+                                                k_cache, v_cache, slot_mapping, block_tables,
+                                                query_start_loc, context_lens, scale)) {
       rotary_embedding_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
                                     slot_mapping, k_scale, v_scale);
+      paged_attention(attn, q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+                      scale, k_scale, v_scale);
     }
-    paged_attention(attn, q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
-                    scale, k_scale, v_scale);
     if (rotation.defined()) attn.copy_(at::matmul(attn, rotation));  // H H = I
     linear(projected, attn_rows, w[3], w[4], w[9]);
     if (lora) adapt(projected, attn_rows, lw[2], lw[3], {0}, {hidden});

@@ -331,26 +331,28 @@ inline int64_t tiles_grain(int64_t K, int64_t M, int64_t panels_per_tile) {
   return std::max<int64_t>(1, static_cast<int64_t>(kMinChunkNs / tile_ns));
 }
 
-// Whether any lane of a comparison's result is set, by halving (as reduce_add; a
-// template for the same reason).
-template <typename Vec>
-inline bool any_lane(Vec v) {
-  constexpr int kWidth = sizeof(Vec) / sizeof(int32_t);
-  if constexpr (kWidth == 16) {
-    v |= __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    v |= __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    v |= __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    v |= __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
-  } else if constexpr (kWidth == 8) {
-    v |= __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
-    v |= __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
-    v |= __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6);
+// Lanes (i + Shift) mod L of v.
+using VectorLanes = std::make_integer_sequence<int, kVectorWidth>;
+template <int Shift, typename Vec, int... I>
+inline Vec rotate_lanes(Vec v, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(v, v, ((I + Shift) % kVectorWidth)...);
+}
+
+// Each lane of v (a vector of kVectorWidth lanes) combined by `op` with the lanes Step,
+// 2 Step, 4 Step ... away: with Step 1, op over all lanes, in every lane; with Step H,
+// op over the lanes equal mod H.
+template <int Step, typename Vec, typename Op>
+inline Vec fold_lanes(Vec v, Op op) {
+  if constexpr (Step < kVectorWidth) {
+    return fold_lanes<2 * Step>(op(v, rotate_lanes<Step>(v, VectorLanes{})), op);
   } else {
-    static_assert(kWidth == 4);
-    v |= __builtin_shufflevector(v, v, 2, 3, 0, 1);
-    v |= __builtin_shufflevector(v, v, 1, 0, 3, 2);
+    return v;
   }
-  return v[0] != 0;
+}
+
+// Whether any lane of a comparison's result is set.
+inline bool any_lane(Int32Vec v) {
+  return fold_lanes<1>(v, [](Int32Vec a, Int32Vec b) { return a | b; })[0] != 0;
 }
 
 // Each row's first largest output of a linear (the LM head of a step whose every row is
@@ -410,12 +412,14 @@ class RowArgmax {
         nan |= v != v;
         index += kVectorWidth;
       }
-      best = {top[0], where[0]};
-      for (int lane = 1; lane < kVectorWidth; ++lane) {
-        if (top[lane] > best.value || (top[lane] == best.value && where[lane] < best.index)) {
-          best = {top[lane], where[lane]};
-        }
-      }
+      // The largest lane, then the first column among the lanes that hold it, without a
+      // branch per lane: a chunk scans only a few dozen columns of each row where the
+      // vocabulary is small (512 in stories260K, over 8 chunks).
+      const FloatVec largest =
+          fold_lanes<1>(top, [](FloatVec a, FloatVec b) { return a > b ? a : b; });
+      const Int32Vec candidates = top == largest ? where : Int32Vec{} + INT32_MAX;
+      best = {largest[0],
+              fold_lanes<1>(candidates, [](Int32Vec a, Int32Vec b) { return a < b ? a : b; })[0]};
     }
     bool has_nan = any_lane(nan);
     for (; n < n_end; ++n) {
@@ -576,10 +580,16 @@ void rms_norm_rows(scalar_t* out, int64_t out_stride, const scalar_t* x, int64_t
         }
         in = res;
       }
+      // fp32 rows: a vector of partial sums (a scalar sum is one chain of dependent adds,
+      // which the compiler may not reorder).
       float sum_sq = 0.f;
-      for (int64_t i = 0; i < dim; ++i) {
-        const float v = static_cast<float>(in[i]);
-        sum_sq += v * v;
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        sum_sq = dot(in, in, dim);
+      } else {
+        for (int64_t i = 0; i < dim; ++i) {
+          const float v = static_cast<float>(in[i]);
+          sum_sq += v * v;
+        }
       }
       const float inv_rms = 1.f / std::sqrt(sum_sq / static_cast<float>(dim) + eps);
       scalar_t* o = out + r * out_stride;
@@ -877,6 +887,263 @@ inline std::vector<QueryRun> query_runs(const int32_t* query_start_loc, int64_t 
   return runs;
 }
 
+// Decode attention for heads narrower than a vector (head_dim 4 or 8 on AVX-512, 4 on
+// AVX2; stories260K's heads are 8 floats). The per-head path below spends a horizontal
+// sum on every four keys and a work item on every (sequence, kv head): at stories260K's
+// heads, 256 sequences, a work item cost about 170 ns before its first key and 7.5 ns a
+// key. Here one work item is a sequence with all its heads, and a vector holds P = L / D
+// kv heads side by side, as a cache row stores them: a token's keys are R = KVH / P
+// vectors, each met by the `group` query vectors laid out to match (query vector
+// qv = r * group + g holds, in segment p, head (r P + p) group + g). A token gives
+// NQ = R group vectors of products; those of TB = D / NQ tokens (D vectors) fold into one
+// vector of scores (segment_sums), token-major with the H heads in "position" order
+// qv * P + p. A value row's vector takes its weights by one shuffle of those scores.
+
+// Lane i of fold_halves<W>(a, b)'s first (upper = false) or second shuffle: segment s of
+// W lanes in a (low half of the result) or b (high half) gives its lower or upper half.
+constexpr int fold_source(int width, int i, bool upper) {
+  const int half = kVectorWidth / 2, from_b = i >= half ? 1 : 0, j = i - from_b * half;
+  return from_b * kVectorWidth + j / (width / 2) * width + j % (width / 2) +
+         (upper ? width / 2 : 0);
+}
+
+// Each W-lane segment of a and of b summed with its other half: W/2-lane segments, a's
+// in the low half of the result and b's in the high half, each in order.
+template <int W, int... I>
+__attribute__((always_inline)) inline FloatVec fold_halves(FloatVec a, FloatVec b,
+                                                           std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(a, b, fold_source(W, I, false)...) +
+         __builtin_shufflevector(a, b, fold_source(W, I, true)...);
+}
+
+// The sums of W vectors' W-lane segments as one vector: vector m's segment p lands in lane
+// m * (L / W) + p. A tree of log2(W) levels, each halving the vectors and the segments.
+// Always inlined, like fold_halves: called, the vectors went through memory and the
+// kernel took about 1.6x as long.
+template <int W>
+__attribute__((always_inline)) inline FloatVec segment_sums(FloatVec* v) {
+  if constexpr (W == 1) {
+    return v[0];
+  } else {
+    for (int m = 0; m < W / 2; ++m) v[m] = fold_halves<W>(v[2 * m], v[2 * m + 1], VectorLanes{});
+    return segment_sums<W / 2>(v);
+  }
+}
+
+// Segment p of query vector QV takes position QV * P + p of token slot TT: each of its D
+// lanes that lane of `scores`.
+template <int H, int P, int D, int TT, int QV, int... I>
+inline FloatVec position_weights(FloatVec scores, std::integer_sequence<int, I...>) {
+  return __builtin_shufflevector(scores, scores, (TT * H + QV * P + I / D)...);
+}
+
+// acc[QV] += the weights of token slot TT times the value row's vector of QV.
+template <int H, int P, int D, int TT, typename cache_t, int... QV>
+inline void add_weighted_values(FloatVec* acc, FloatVec scores, const cache_t* row,
+                                const int64_t* offsets, std::integer_sequence<int, QV...>) {
+  ((acc[QV] += position_weights<H, P, D, TT, QV>(scores, VectorLanes{}) *
+               load_vec(row + offsets[QV])),
+   ...);
+}
+
+// add_weighted_values for each token of one vector of scores (rows[TT]: token TT's values).
+template <int H, int P, int D, typename cache_t, int... TT>
+inline void add_weighted_tokens(FloatVec* acc, FloatVec scores, const cache_t* const* rows,
+                                const int64_t* offsets, std::integer_sequence<int, TT...>) {
+  constexpr int NQ = H / P;
+  (add_weighted_values<H, P, D, TT>(acc, scores, rows[TT], offsets,
+                                    std::make_integer_sequence<int, NQ>{}),
+   ...);
+}
+
+// acc[QV] *= each segment's position's factor (lanes of `factors`, H-periodic).
+template <int H, int P, int D, int... QV>
+inline void scale_positions(FloatVec* acc, FloatVec factors, std::integer_sequence<int, QV...>) {
+  ((acc[QV] *= position_weights<H, P, D, 0, QV>(factors, VectorLanes{})), ...);
+}
+
+// A decode step's new tokens (token b is sequence b's), not yet rotated or in the cache:
+// the attention pass rotates q and k (rotate_heads, as rotary_rows does), writes k and v
+// to slots[b] (as write_kv_rows does), then attends, one sequence at a time. Rotary
+// and cache write then cost no pass of their own over the step's rows.
+template <typename scalar_t>
+struct NewTokens {
+  const int32_t* positions;
+  const float* cos_sin;  // [max positions, D]: cos in the first half, sin in the second
+  const int32_t* slots;
+  const scalar_t* k;
+  int64_t k_stride;
+  const scalar_t* v;
+  int64_t v_stride;
+  scalar_t* k_cache;  // the caches the pass reads, written here
+  scalar_t* v_cache;
+};
+
+// Decode (one query row per sequence) over a float or bf16 cache, for D < L and NQ = H D /
+// L query vectors (NQ <= D). `fresh`: the step's new tokens, else null (in the cache and
+// rotated already).
+template <int D, int NQ, typename scalar_t>
+void narrow_decode_attention(scalar_t* out, const scalar_t* q, const scalar_t* k_cache,
+                             const scalar_t* v_cache, const int32_t* block_tables,
+                             const int32_t* context_lens, const AttentionShape& s,
+                             float scale, const NewTokens<scalar_t>* fresh) {
+  constexpr int L = kVectorWidth, P = L / D, H = NQ * P, TB = D / NQ;
+  static_assert(D < L && NQ <= D && TB * NQ == D);
+  const int64_t group = H / s.num_kv_heads;
+  const int64_t row_elems = s.num_kv_heads * D, block_elems = s.block_size * row_elems;
+  // Query vector qv's head in segment p, and the offset of its cache vector in a row.
+  int64_t head_of[NQ][P], offsets[NQ];
+  for (int qv = 0; qv < NQ; ++qv) {
+    offsets[qv] = qv / group * L;
+    for (int p = 0; p < P; ++p) head_of[qv][p] = (qv / group * P + p) * group + qv % group;
+  }
+  int64_t max_context = 1, total_keys = 0;
+  for (int64_t b = 0; b < s.num_seqs; ++b) {
+    max_context = std::max<int64_t>(max_context, context_lens[b]);
+    total_keys += context_lens[b];
+  }
+  const int64_t work_per_seq = (total_keys / std::max<int64_t>(1, s.num_seqs) + 1) * H * D * 2;
+  parallel_for(0, s.num_seqs, grain_for(work_per_seq), [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scratch;
+    thread_local std::vector<int64_t> row_scratch;
+    float* scores = aligned_floats(scratch, round_up(max_context, TB) * H);
+    row_scratch.resize(round_up(max_context, TB));
+    int64_t* row_offsets = row_scratch.data();
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n = context_lens[b];
+      scalar_t* o = out + b * s.out_stride;
+      if (n <= 0) {  // a padding row: nothing to attend to
+        std::fill(o, o + H * D, round_to<scalar_t>(0.f));
+        continue;
+      }
+      // Each token's row in the cache (no division per token); past the context, up to a
+      // whole vector of scores, the last token's (its weight is zeroed below).
+      const int32_t* table = block_tables + b * s.table_stride;
+      const int64_t padded = round_up(n, TB);
+      for (int64_t t = 0; t < n; t += s.block_size) {
+        const int64_t first = table[t / s.block_size] * block_elems;
+        const int64_t count = std::min(s.block_size, n - t);
+        for (int64_t j = 0; j < count; ++j) row_offsets[t + j] = first + j * row_elems;
+      }
+      std::fill(row_offsets + n, row_offsets + padded, row_offsets[n - 1]);
+      const scalar_t* q_row = q + b * s.q_stride;
+      scalar_t rotated[H * D];
+      if (fresh) {
+        const float* cos = fresh->cos_sin + static_cast<int64_t>(fresh->positions[b]) * D;
+        std::copy(q_row, q_row + H * D, rotated);
+        rotate_heads(rotated, H, D, cos, cos + D / 2);
+        q_row = rotated;
+        if (fresh->slots[b] >= 0) {
+          scalar_t* k_slot = fresh->k_cache + fresh->slots[b] * row_elems;
+          std::copy(fresh->k + b * fresh->k_stride, fresh->k + b * fresh->k_stride + row_elems,
+                    k_slot);
+          rotate_heads(k_slot, s.num_kv_heads, D, cos, cos + D / 2);
+          std::copy(fresh->v + b * fresh->v_stride, fresh->v + b * fresh->v_stride + row_elems,
+                    fresh->v_cache + fresh->slots[b] * row_elems);
+        }
+      }
+      FloatVec qs[NQ];
+      for (int qv = 0; qv < NQ; ++qv) {
+        alignas(64) float lanes[L];
+        for (int l = 0; l < L; ++l) {
+          lanes[l] = static_cast<float>(q_row[head_of[qv][l / D] * D + l % D]) * scale;
+        }
+        qs[qv] = load_vec(lanes);
+      }
+
+      // Scores, TB tokens to a vector.
+      FloatVec best = FloatVec{} - 3.0e38f;
+      for (int64_t t0 = 0; t0 < padded; t0 += TB) {
+        FloatVec products[D];
+        for (int tt = 0; tt < TB; ++tt) {
+          const scalar_t* keys = k_cache + row_offsets[t0 + tt];
+          for (int qv = 0; qv < NQ; ++qv) {
+            products[tt * NQ + qv] = qs[qv] * load_vec(keys + offsets[qv]);
+          }
+        }
+        const FloatVec sums = segment_sums<D>(products);
+        __builtin_memcpy(scores + t0 * H, &sums, sizeof(sums));
+        best = best > sums ? best : sums;  // padding repeats the last token
+      }
+      best = fold_lanes<H>(best, [](FloatVec a, FloatVec c) { return a > c ? a : c; });
+
+      // Softmax numerators; the padding's are zero.
+      alignas(64) float best_lanes[L];
+      __builtin_memcpy(best_lanes, &best, sizeof(best));
+      for (int64_t i = 0; i < padded * H; i += L) {
+        for (int l = 0; l < L; ++l) scores[i + l] = exp_nonpositive(scores[i + l] - best_lanes[l]);
+      }
+      std::fill(scores + n * H, scores + padded * H, 0.f);
+      FloatVec total = {};
+      for (int64_t i = 0; i < padded * H; i += L) total += load_vec(scores + i);
+      total = fold_lanes<H>(total, [](FloatVec a, FloatVec c) { return a + c; });
+
+      // Weighted sum of values.
+      FloatVec acc[NQ] = {};
+      for (int64_t t0 = 0; t0 < padded; t0 += TB) {
+        const scalar_t* rows[TB];
+        for (int tt = 0; tt < TB; ++tt) rows[tt] = v_cache + row_offsets[t0 + tt];
+        add_weighted_tokens<H, P, D>(acc, load_vec(scores + t0 * H), rows, offsets,
+                                     std::make_integer_sequence<int, TB>{});
+      }
+      const FloatVec inverse = 1.f / total;
+      scale_positions<H, P, D>(acc, inverse, std::make_integer_sequence<int, NQ>{});
+      for (int qv = 0; qv < NQ; ++qv) {
+        alignas(64) float lanes[L];
+        __builtin_memcpy(lanes, &acc[qv], sizeof(lanes));
+        for (int p = 0; p < P; ++p) {
+          scalar_t* head = o + head_of[qv][p] * D;
+          for (int d = 0; d < D; ++d) head[d] = round_to<scalar_t>(lanes[p * D + d]);
+        }
+      }
+    }
+  });
+}
+
+// Runs narrow_decode_attention where the step is all decodes over a float or bf16 cache
+// of the query's type and the heads fit it; false (nothing done) otherwise.
+template <typename scalar_t, typename cache_t>
+bool narrow_decode(scalar_t* out, const scalar_t* q, const cache_t* k_cache,
+                   const cache_t* v_cache,
+                   const int32_t* block_tables, const int32_t* query_start_loc,
+                   const int32_t* context_lens, const AttentionShape& s, float scale,
+                   const NewTokens<scalar_t>* fresh = nullptr) {
+  if constexpr (!std::is_same_v<scalar_t, cache_t> || std::is_same_v<scalar_t, c10::Half>) {
+    return false;
+  } else {
+    const int64_t D = s.head_dim, L = kVectorWidth;
+    if (s.num_tokens != s.num_seqs || D >= L || s.num_kv_heads * D % L != 0) return false;
+    for (int64_t b = 0; b < s.num_seqs; ++b) {
+      if (query_start_loc[b] != b) return false;
+    }
+    const int64_t query_vectors = s.num_heads * D / L;
+    auto run = [&](auto kernel) {
+      kernel(out, q, k_cache, v_cache, block_tables, context_lens, s, scale, fresh);
+      return true;
+    };
+    if constexpr (kVectorWidth > 8) {
+      if (D == 8) {
+        switch (query_vectors) {
+          case 1: return run(narrow_decode_attention<8, 1, scalar_t>);
+          case 2: return run(narrow_decode_attention<8, 2, scalar_t>);
+          case 4: return run(narrow_decode_attention<8, 4, scalar_t>);
+          case 8: return run(narrow_decode_attention<8, 8, scalar_t>);
+        }
+      }
+    }
+    if constexpr (kVectorWidth > 4) {
+      if (D == 4) {
+        switch (query_vectors) {
+          case 1: return run(narrow_decode_attention<4, 1, scalar_t>);
+          case 2: return run(narrow_decode_attention<4, 2, scalar_t>);
+          case 4: return run(narrow_decode_attention<4, 4, scalar_t>);
+        }
+      }
+    }
+    return false;
+  }
+}
+
 // The cache is the queries' type, or int8 (kv_cache_dtype=int8) with k_scale / v_scale
 // its float32 scales [num_blocks, block_size, KVH] (else null). Dequantizing is one
 // multiply per key row: q . (k * ks) = (q . k) * ks on each score, and v * vs folded into
@@ -886,6 +1153,10 @@ void paged_attention_rows(scalar_t* out, const scalar_t* q, const cache_t* k_cac
                           const cache_t* v_cache, const float* k_scale, const float* v_scale,
                           const int32_t* block_tables, const int32_t* query_start_loc,
                           const int32_t* context_lens, const AttentionShape& s, float scale) {
+  if (narrow_decode(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, s,
+                    scale)) {
+    return;
+  }
   const int64_t D = s.head_dim;
   const int64_t group = s.num_heads / s.num_kv_heads;
   const int64_t row_elems = s.num_kv_heads * D;  // one token of one block

@@ -178,3 +178,35 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
     }
   });
 }
+
+bool rope_write_and_decode_attention(at::Tensor& out, const at::Tensor& positions,
+                                     const at::Tensor& q, const at::Tensor& k,
+                                     const at::Tensor& v, const at::Tensor& cos_sin_cache,
+                                     at::Tensor& k_cache, at::Tensor& v_cache,
+                                     const at::Tensor& slot_mapping,
+                                     const at::Tensor& block_tables,
+                                     const at::Tensor& query_start_loc,
+                                     const at::Tensor& context_lens, double scale) {
+  if (k_cache.scalar_type() != q.scalar_type()) return false;  // an int8 cache
+  const AttentionShape shape{context_lens.size(0), q.size(0),        q.size(1),
+                             k_cache.size(2),      q.size(2),        k_cache.size(1),
+                             q.stride(0),          out.stride(0),    block_tables.stride(0)};
+  bool done = false;
+  TURBO_DISPATCH_FLOAT_TYPES(q.scalar_type(), "rope_write_and_decode_attention", [&] {
+    const NewTokens<scalar_t> fresh{positions.data_ptr<int32_t>(),
+                                    cos_sin_cache.data_ptr<float>(),
+                                    slot_mapping.data_ptr<int32_t>(),
+                                    k.data_ptr<scalar_t>(),
+                                    k.stride(0),
+                                    v.data_ptr<scalar_t>(),
+                                    v.stride(0),
+                                    k_cache.data_ptr<scalar_t>(),
+                                    v_cache.data_ptr<scalar_t>()};
+    done = narrow_decode(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
+                         k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                         block_tables.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
+                         context_lens.data_ptr<int32_t>(), shape, static_cast<float>(scale),
+                         &fresh);
+  });
+  return done;
+}
