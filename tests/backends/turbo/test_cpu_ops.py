@@ -172,7 +172,7 @@ def test_paged_decode_attention_narrow_heads(
     turbo_ops, isa, block_size, dtype, heads, kv_heads, head_dim
 ):
     """Heads narrower than a vector (head_dim 8 or 4), several to a vector in the narrow
-    decode kernel: every query-vector count it is built for (1 to 8, so 8 to 1 tokens
+    attention kernel: every query-vector count it is built for (1 to 8, so 8 to 1 tokens
     to a vector of scores), GQA ratios 1 to 8, contexts that end mid-vector, and two
     shapes it leaves to the per-head path (a token's kv heads not whole vectors; three
     query vectors). On each instruction set: AVX2 takes head_dim 4 only, the portable
@@ -190,6 +190,33 @@ def test_paged_decode_attention_narrow_heads(
         q, cache.k, cache.v, cache.tables, [1] * len(context_lens), context_lens, scale
     )
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("block_size", [16, 48])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 4, 8), (16, 2, 8), (8, 4, 4), (6, 3, 8)])
+def test_paged_prefill_attention_narrow_heads(
+    turbo_ops, isa, block_size, heads, kv_heads, head_dim
+):
+    """The narrow kernel's query rows in a prefill step: fresh prompts, a chunk after
+    cached tokens (across a block boundary), decodes and a long prompt in one batch, and
+    a shape it leaves to the per-head path; fp32 and bf16, on each instruction set."""
+    torch.manual_seed(heads + head_dim)
+    query_lens = [5, 1, block_size + 3, 17, 1, 70]
+    context_lens = [5, 2 * block_size + 1, block_size + 3, block_size + 20, 9, 70]
+    for dtype in DTYPES:
+        cache = PagedCache(block_size, context_lens, kv_heads, head_dim, dtype, seed=block_size)
+        q = torch.randn(sum(query_lens), heads, head_dim).to(dtype)
+        query_start_loc = int32([0, *torch.tensor(query_lens).cumsum(0).tolist()])
+        out = poisoned(*q.shape, dtype=dtype)
+        scale = head_dim**-0.5
+        turbo_ops.paged_prefill_attention(
+            out, q, cache.k, cache.v, cache.padded_tables(), query_start_loc,
+            int32(context_lens), scale,
+        )  # fmt: skip
+        expected = ref_paged_attention(
+            q, cache.k, cache.v, cache.tables, query_lens, context_lens, scale
+        )
+        torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)

@@ -887,14 +887,14 @@ inline std::vector<QueryRun> query_runs(const int32_t* query_start_loc, int64_t 
   return runs;
 }
 
-// Decode attention for heads narrower than a vector (head_dim 4 or 8 on AVX-512, 4 on
-// AVX2; stories260K's heads are 8 floats). The per-head path below spends a horizontal
-// sum on every four keys and a work item on every (sequence, kv head): at stories260K's
-// heads, 256 sequences, a work item cost about 170 ns before its first key and 7.5 ns a
-// key. Here one work item is a sequence with all its heads, and a vector holds P = L / D
-// kv heads side by side, as a cache row stores them: a token's keys are R = KVH / P
-// vectors, each met by the `group` query vectors laid out to match (query vector
-// qv = r * group + g holds, in segment p, head (r P + p) group + g). A token gives
+// Attention for heads narrower than a vector (head_dim 4 or 8 on AVX-512, 4 on AVX2;
+// stories260K's heads are 8 floats). The per-head path below spends a horizontal sum on
+// every four keys and a work item on every (run of query rows, kv head): at stories260K's
+// heads, 256 decoding sequences, a work item cost about 170 ns before its first key and
+// 7.5 ns a key. Here one work item is a query row with all its heads, and a vector holds
+// P = L / D kv heads side by side, as a cache row stores them: a token's keys are
+// R = KVH / P vectors, each met by the `group` query vectors laid out to match (query
+// vector qv = r * group + g holds, in segment p, head (r P + p) group + g). A token gives
 // NQ = R group vectors of products; those of TB = D / NQ tokens (D vectors) fold into one
 // vector of scores (segment_sums), token-major with the H heads in "position" order
 // qv * P + p. A value row's vector takes its weights by one shuffle of those scores.
@@ -965,7 +965,8 @@ inline void scale_positions(FloatVec* acc, FloatVec factors, std::integer_sequen
 // A decode step's new tokens (token b is sequence b's), not yet rotated or in the cache:
 // the attention pass rotates q and k (rotate_heads, as rotary_rows does), writes k and v
 // to slots[b] (as write_kv_rows does), then attends, one sequence at a time. Rotary
-// and cache write then cost no pass of their own over the step's rows.
+// and cache write then cost no pass of their own over the step's rows. (A prompt's rows
+// attend to each other's keys, so they are written before any attends: not here.)
 template <typename scalar_t>
 struct NewTokens {
   const int32_t* positions;
@@ -979,14 +980,16 @@ struct NewTokens {
   scalar_t* v_cache;
 };
 
-// Decode (one query row per sequence) over a float or bf16 cache, for D < L and NQ = H D /
-// L query vectors (NQ <= D). `fresh`: the step's new tokens, else null (in the cache and
-// rotated already).
+// Every query row of the step (query row t of sequence b sees keys 0 .. context_lens[b] -
+// q_len + i, i its index among b's rows) over a float or bf16 cache, for D < L and
+// NQ = H D / L query vectors (NQ <= D). `fresh`: a decode step's new tokens, else null
+// (in the cache and rotated already).
 template <int D, int NQ, typename scalar_t>
-void narrow_decode_attention(scalar_t* out, const scalar_t* q, const scalar_t* k_cache,
-                             const scalar_t* v_cache, const int32_t* block_tables,
-                             const int32_t* context_lens, const AttentionShape& s,
-                             float scale, const NewTokens<scalar_t>* fresh) {
+void narrow_attention_rows(scalar_t* out, const scalar_t* q, const scalar_t* k_cache,
+                           const scalar_t* v_cache, const int32_t* block_tables,
+                           const int32_t* query_start_loc, const int32_t* context_lens,
+                           const AttentionShape& s, float scale,
+                           const NewTokens<scalar_t>* fresh) {
   constexpr int L = kVectorWidth, P = L / D, H = NQ * P, TB = D / NQ;
   static_assert(D < L && NQ <= D && TB * NQ == D);
   const int64_t group = H / s.num_kv_heads;
@@ -999,47 +1002,58 @@ void narrow_decode_attention(scalar_t* out, const scalar_t* q, const scalar_t* k
   }
   int64_t max_context = 1, total_keys = 0;
   for (int64_t b = 0; b < s.num_seqs; ++b) {
+    const int64_t q_len = query_start_loc[b + 1] - query_start_loc[b];
     max_context = std::max<int64_t>(max_context, context_lens[b]);
-    total_keys += context_lens[b];
+    total_keys += q_len * context_lens[b];
   }
-  const int64_t work_per_seq = (total_keys / std::max<int64_t>(1, s.num_seqs) + 1) * H * D * 2;
-  parallel_for(0, s.num_seqs, grain_for(work_per_seq), [&](int64_t begin, int64_t end) {
+  const int64_t work_per_row = (total_keys / std::max<int64_t>(1, s.num_tokens) + 1) * H * D * 2;
+  parallel_for(0, s.num_tokens, grain_for(work_per_row), [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch;
     thread_local std::vector<int64_t> row_scratch;
     float* scores = aligned_floats(scratch, round_up(max_context, TB) * H);
     row_scratch.resize(round_up(max_context, TB));
     int64_t* row_offsets = row_scratch.data();
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n = context_lens[b];
-      scalar_t* o = out + b * s.out_stride;
+    // The sequence of row `begin`, and how many of its keys' offsets are in row_offsets.
+    int64_t b = std::upper_bound(query_start_loc, query_start_loc + s.num_seqs + 1, begin) -
+                query_start_loc - 1;
+    int64_t offsets_of = -1, offsets_filled = 0;
+    for (int64_t t = begin; t < end; ++t) {
+      while (t >= query_start_loc[b + 1]) ++b;
+      const int64_t n = context_lens[b] - (query_start_loc[b + 1] - t) + 1;  // keys it sees
+      scalar_t* o = out + t * s.out_stride;
       if (n <= 0) {  // a padding row: nothing to attend to
         std::fill(o, o + H * D, round_to<scalar_t>(0.f));
         continue;
       }
-      // Each token's row in the cache (no division per token); past the context, up to a
-      // whole vector of scores, the last token's (its weight is zeroed below).
+      // Each key's row in the cache (no division per key), kept for the sequence's next
+      // row; past the row's keys, up to a whole vector of scores, its last key's (whose
+      // weight is zeroed below).
+      if (offsets_of != b) offsets_of = b, offsets_filled = 0;
       const int32_t* table = block_tables + b * s.table_stride;
-      const int64_t padded = round_up(n, TB);
-      for (int64_t t = 0; t < n; t += s.block_size) {
-        const int64_t first = table[t / s.block_size] * block_elems;
-        const int64_t count = std::min(s.block_size, n - t);
-        for (int64_t j = 0; j < count; ++j) row_offsets[t + j] = first + j * row_elems;
+      for (int64_t j = offsets_filled; j < n;) {  // a division per block, not per key
+        const int64_t in_block = j % s.block_size;
+        const int64_t first = table[j / s.block_size] * block_elems;
+        const int64_t count = std::min(s.block_size - in_block, n - j);
+        for (int64_t i = 0; i < count; ++i) row_offsets[j + i] = first + (in_block + i) * row_elems;
+        j += count;
       }
+      offsets_filled = n;  // the padding below is past it
+      const int64_t padded = round_up(n, TB);
       std::fill(row_offsets + n, row_offsets + padded, row_offsets[n - 1]);
-      const scalar_t* q_row = q + b * s.q_stride;
+      const scalar_t* q_row = q + t * s.q_stride;
       scalar_t rotated[H * D];
       if (fresh) {
-        const float* cos = fresh->cos_sin + static_cast<int64_t>(fresh->positions[b]) * D;
+        const float* cos = fresh->cos_sin + static_cast<int64_t>(fresh->positions[t]) * D;
         std::copy(q_row, q_row + H * D, rotated);
         rotate_heads(rotated, H, D, cos, cos + D / 2);
         q_row = rotated;
-        if (fresh->slots[b] >= 0) {
-          scalar_t* k_slot = fresh->k_cache + fresh->slots[b] * row_elems;
-          std::copy(fresh->k + b * fresh->k_stride, fresh->k + b * fresh->k_stride + row_elems,
+        if (fresh->slots[t] >= 0) {
+          scalar_t* k_slot = fresh->k_cache + fresh->slots[t] * row_elems;
+          std::copy(fresh->k + t * fresh->k_stride, fresh->k + t * fresh->k_stride + row_elems,
                     k_slot);
           rotate_heads(k_slot, s.num_kv_heads, D, cos, cos + D / 2);
-          std::copy(fresh->v + b * fresh->v_stride, fresh->v + b * fresh->v_stride + row_elems,
-                    fresh->v_cache + fresh->slots[b] * row_elems);
+          std::copy(fresh->v + t * fresh->v_stride, fresh->v + t * fresh->v_stride + row_elems,
+                    fresh->v_cache + fresh->slots[t] * row_elems);
         }
       }
       FloatVec qs[NQ];
@@ -1100,43 +1114,48 @@ void narrow_decode_attention(scalar_t* out, const scalar_t* q, const scalar_t* k
   });
 }
 
-// Runs narrow_decode_attention where the step is all decodes over a float or bf16 cache
-// of the query's type and the heads fit it; false (nothing done) otherwise.
+// Runs narrow_attention_rows where the cache is float or bf16 of the query's type and the
+// heads fit it (and, with new tokens to write, the step is all decodes); false (nothing
+// done) otherwise.
 template <typename scalar_t, typename cache_t>
-bool narrow_decode(scalar_t* out, const scalar_t* q, const cache_t* k_cache,
-                   const cache_t* v_cache,
-                   const int32_t* block_tables, const int32_t* query_start_loc,
-                   const int32_t* context_lens, const AttentionShape& s, float scale,
-                   const NewTokens<scalar_t>* fresh = nullptr) {
+bool narrow_attention(scalar_t* out, const scalar_t* q, const cache_t* k_cache,
+                      const cache_t* v_cache, const int32_t* block_tables,
+                      const int32_t* query_start_loc, const int32_t* context_lens,
+                      const AttentionShape& s, float scale,
+                      const NewTokens<scalar_t>* fresh = nullptr) {
   if constexpr (!std::is_same_v<scalar_t, cache_t> || std::is_same_v<scalar_t, c10::Half>) {
     return false;
   } else {
     const int64_t D = s.head_dim, L = kVectorWidth;
-    if (s.num_tokens != s.num_seqs || D >= L || s.num_kv_heads * D % L != 0) return false;
-    for (int64_t b = 0; b < s.num_seqs; ++b) {
-      if (query_start_loc[b] != b) return false;
+    if (D >= L || s.num_kv_heads * D % L != 0) return false;
+    if (fresh) {
+      if (s.num_tokens != s.num_seqs) return false;
+      for (int64_t b = 0; b < s.num_seqs; ++b) {
+        if (query_start_loc[b] != b) return false;
+      }
     }
     const int64_t query_vectors = s.num_heads * D / L;
     auto run = [&](auto kernel) {
-      kernel(out, q, k_cache, v_cache, block_tables, context_lens, s, scale, fresh);
+      kernel(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, s, scale,
+             fresh);
       return true;
     };
     if constexpr (kVectorWidth > 8) {
       if (D == 8) {
         switch (query_vectors) {
-          case 1: return run(narrow_decode_attention<8, 1, scalar_t>);
-          case 2: return run(narrow_decode_attention<8, 2, scalar_t>);
-          case 4: return run(narrow_decode_attention<8, 4, scalar_t>);
-          case 8: return run(narrow_decode_attention<8, 8, scalar_t>);
+          case 1: return run(narrow_attention_rows<8, 1, scalar_t>);
+          case 2: return run(narrow_attention_rows<8, 2, scalar_t>);
+          case 4: return run(narrow_attention_rows<8, 4, scalar_t>);
+          case 8: return run(narrow_attention_rows<8, 8, scalar_t>);
         }
       }
     }
     if constexpr (kVectorWidth > 4) {
       if (D == 4) {
         switch (query_vectors) {
-          case 1: return run(narrow_decode_attention<4, 1, scalar_t>);
-          case 2: return run(narrow_decode_attention<4, 2, scalar_t>);
-          case 4: return run(narrow_decode_attention<4, 4, scalar_t>);
+          case 1: return run(narrow_attention_rows<4, 1, scalar_t>);
+          case 2: return run(narrow_attention_rows<4, 2, scalar_t>);
+          case 4: return run(narrow_attention_rows<4, 4, scalar_t>);
         }
       }
     }
@@ -1153,8 +1172,8 @@ void paged_attention_rows(scalar_t* out, const scalar_t* q, const cache_t* k_cac
                           const cache_t* v_cache, const float* k_scale, const float* v_scale,
                           const int32_t* block_tables, const int32_t* query_start_loc,
                           const int32_t* context_lens, const AttentionShape& s, float scale) {
-  if (narrow_decode(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens, s,
-                    scale)) {
+  if (narrow_attention(out, q, k_cache, v_cache, block_tables, query_start_loc, context_lens,
+                       s, scale)) {
     return;
   }
   const int64_t D = s.head_dim;

@@ -202,11 +202,12 @@ bool rope_write_and_decode_attention(at::Tensor& out, const at::Tensor& position
                                     v.stride(0),
                                     k_cache.data_ptr<scalar_t>(),
                                     v_cache.data_ptr<scalar_t>()};
-    done = narrow_decode(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
-                         k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                         block_tables.data_ptr<int32_t>(), query_start_loc.data_ptr<int32_t>(),
-                         context_lens.data_ptr<int32_t>(), shape, static_cast<float>(scale),
-                         &fresh);
+    done = narrow_attention(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(),
+                            k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                            block_tables.data_ptr<int32_t>(),
+                            query_start_loc.data_ptr<int32_t>(),
+                            context_lens.data_ptr<int32_t>(), shape, static_cast<float>(scale),
+                            &fresh);
   });
   return done;
 }
