@@ -118,14 +118,11 @@ def test_write_kv_cache_scatters_and_skips_negative_slots(turbo_ops, block_size,
     assert torch.equal(v_cache, expected_v)
 
 
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (6, 1)], ids=["gqa", "mha", "mqa"])
-def test_paged_decode_attention(turbo_ops, block_size, dtype, heads, kv_heads):
-    torch.manual_seed(6)
-    head_dim = 32
-    context_lens = [1, block_size, block_size + 1, 3 * block_size - 5, 37]
-    cache = PagedCache(block_size, context_lens, kv_heads, head_dim, dtype, seed=block_size)
+def check_decode_attention(turbo_ops, block_size, dtype, heads, kv_heads, head_dim,
+                           context_lens, seed):  # fmt: skip
+    """paged_decode_attention over a scattered cache against the reference (q drawn from
+    torch's global generator, which the test seeds)."""
+    cache = PagedCache(block_size, context_lens, kv_heads, head_dim, dtype, seed=seed)
     q = torch.randn(len(context_lens), heads, head_dim).to(dtype)
     out = poisoned(*q.shape, dtype=dtype)
     scale = head_dim**-0.5
@@ -138,24 +135,27 @@ def test_paged_decode_attention(turbo_ops, block_size, dtype, heads, kv_heads):
     torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (6, 1)], ids=["gqa", "mha", "mqa"])
+def test_paged_decode_attention(turbo_ops, block_size, dtype, heads, kv_heads):
+    torch.manual_seed(6)
+    context_lens = [1, block_size, block_size + 1, 3 * block_size - 5, 37]
+    check_decode_attention(
+        turbo_ops, block_size, dtype, heads, kv_heads, 32, context_lens, seed=block_size
+    )
+
+
 @pytest.mark.parametrize("head_dim", [4, 8, 12, 24, 40, 80, 96, 256, 6])
 def test_paged_decode_attention_head_dims(turbo_ops, isa, head_dim):
     """Every width the value sums are tiled for (1-8 vectors of 16, 8 or 4 floats, and
     more in slices of 8) and the plain-float fallback (6), on each instruction set."""
     torch.manual_seed(head_dim)
-    heads, kv_heads, block_size = 6, 2, 16
+    block_size = 16
     context_lens = [1, 3, block_size, 2 * block_size + 7, 61]
-    cache = PagedCache(block_size, context_lens, kv_heads, head_dim, torch.float32, seed=head_dim)
-    q = torch.randn(len(context_lens), heads, head_dim)
-    out = poisoned(*q.shape, dtype=torch.float32)
-    scale = head_dim**-0.5
-    turbo_ops.paged_decode_attention(
-        out, q, cache.k, cache.v, cache.padded_tables(), int32(context_lens), scale
+    check_decode_attention(
+        turbo_ops, block_size, torch.float32, 6, 2, head_dim, context_lens, seed=head_dim
     )
-    expected = ref_paged_attention(
-        q, cache.k, cache.v, cache.tables, [1] * len(context_lens), context_lens, scale
-    )
-    torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
 
 
 @pytest.mark.parametrize("block_size", [16, 48])
@@ -179,17 +179,9 @@ def test_paged_decode_attention_narrow_heads(
     build neither."""
     torch.manual_seed(heads * 100 + kv_heads * 10 + head_dim)
     context_lens = [1, 2, 3, block_size, block_size + 1, 3 * block_size - 5, 37]
-    cache = PagedCache(block_size, context_lens, kv_heads, head_dim, dtype, seed=block_size)
-    q = torch.randn(len(context_lens), heads, head_dim).to(dtype)
-    out = poisoned(*q.shape, dtype=dtype)
-    scale = head_dim**-0.5
-    turbo_ops.paged_decode_attention(
-        out, q, cache.k, cache.v, cache.padded_tables(), int32(context_lens), scale
+    check_decode_attention(
+        turbo_ops, block_size, dtype, heads, kv_heads, head_dim, context_lens, seed=block_size
     )
-    expected = ref_paged_attention(
-        q, cache.k, cache.v, cache.tables, [1] * len(context_lens), context_lens, scale
-    )
-    torch.testing.assert_close(out, expected, **TOLERANCE[dtype])
 
 
 @pytest.mark.parametrize("block_size", [16, 48])
