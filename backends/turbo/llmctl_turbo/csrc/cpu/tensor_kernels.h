@@ -156,13 +156,20 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
   });
 }
 
+// The sizes and strides the attention kernels take (AttentionShape, cpu_kernels.cpp).
+inline AttentionShape attention_shape(const at::Tensor& out, const at::Tensor& q,
+                                      const at::Tensor& k_cache, const at::Tensor& block_tables,
+                                      const at::Tensor& context_lens) {
+  return {context_lens.size(0), q.size(0),     q.size(1),    k_cache.size(2),
+          q.size(2),            k_cache.size(1), q.stride(0), out.stride(0),
+          block_tables.stride(0)};
+}
+
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,
                      double scale, const at::Tensor& k_scale, const at::Tensor& v_scale) {
-  const AttentionShape shape{context_lens.size(0), q.size(0),        q.size(1),
-                             k_cache.size(2),      q.size(2),        k_cache.size(1),
-                             q.stride(0),          out.stride(0),    block_tables.stride(0)};
+  const AttentionShape shape = attention_shape(out, q, k_cache, block_tables, context_lens);
   TURBO_DISPATCH_FLOAT_TYPES(q.scalar_type(), "paged_attention", [&] {
     auto run = [&](const auto* k_rows, const auto* v_rows, const float* ks, const float* vs) {
       paged_attention_rows(out.data_ptr<scalar_t>(), q.data_ptr<scalar_t>(), k_rows, v_rows, ks,
@@ -188,9 +195,7 @@ bool rope_write_and_decode_attention(at::Tensor& out, const at::Tensor& position
                                      const at::Tensor& query_start_loc,
                                      const at::Tensor& context_lens, double scale) {
   if (k_cache.scalar_type() != q.scalar_type()) return false;  // an int8 cache
-  const AttentionShape shape{context_lens.size(0), q.size(0),        q.size(1),
-                             k_cache.size(2),      q.size(2),        k_cache.size(1),
-                             q.stride(0),          out.stride(0),    block_tables.stride(0)};
+  const AttentionShape shape = attention_shape(out, q, k_cache, block_tables, context_lens);
   bool done = false;
   TURBO_DISPATCH_FLOAT_TYPES(q.scalar_type(), "rope_write_and_decode_attention", [&] {
     const NewTokens<scalar_t> fresh{positions.data_ptr<int32_t>(),
