@@ -749,7 +749,7 @@ class PagedRunner:
         block_size: int = 64,
         kv_cache_dtype: str = "auto",
         cpu_threads: int | None = None,
-        max_num_seqs: int = 128,
+        max_num_seqs: int = 256,
         max_model_len: int | None = None,
         cuda_graphs: bool = True,
         base_config: ModelConfig | None = None,
