@@ -8,7 +8,8 @@ holds what every runner shares, in the order a step meets it:
   positions, block tables, slots);
 - ``stage_step``: how a runner turns it into device tensors: every input packed into one
   int32 buffer and copied to the device once (``StepLayout`` says where each input sits,
-  the same offsets for a step padded to a graph's shape, as CUDA graphs need);
+  the same offsets for a step padded to a graph's shape, as CUDA graphs need); an eager
+  CPU step takes the batch's own arrays instead (``host_inputs``);
 - ``DecodeGraphs``: CUDA graphs of the decode and verification steps (below);
 - ``PagedRunner``: dtype, device, KV-cache sizing and the checks around allocating it,
   and the choice of each step's path: a step that fits a captured CUDA graph replays
@@ -369,13 +370,15 @@ def stage_step(
     out: torch.Tensor | None = None,
 ) -> StepInputs:
     """The step's inputs on ``device`` with ONE host-to-device copy (see ``pack_step``;
-    ``pad``: padded to a graph's shape).
+    ``pad``: padded to a graph's shape), or with none on the CPU (``host_inputs``).
 
     On CUDA the packed buffer is pinned and copied without blocking the host. ``out``
     (int32, on ``device``, at least ``StepLayout.size`` entries) is where the copy lands;
     by default a new tensor. Per-step Python work matters at a few hundred microseconds a
-    step, so this makes one tensor, not one per input.
+    step, so a device step makes one tensor, not one per input.
     """
+    if device.type == "cpu" and pad is None and out is None:
+        return host_inputs(batch)
     flat, layout = pack_step(batch, pad)
     host = torch.from_numpy(flat)
     if device.type == "cuda":
@@ -389,6 +392,35 @@ def stage_step(
         packed.copy_(host, non_blocking=True)
     inputs = layout.unpack(packed)
     batch.fill_sampled_tokens(inputs.input_ids)  # tokens the previous step left on the device
+    return inputs
+
+
+def host_inputs(batch: StepBatch) -> StepInputs:
+    """An eager CPU step's inputs: int32 tensors over the batch's own arrays where they
+    are int32 already (the engine's are), so nothing is packed or copied. Right after a
+    model call each numpy or torch call here runs with cold caches, at several
+    microseconds: packing and unpacking cost a CPU step about 80 of them."""
+
+    def tensor(values: IntArray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.int32))
+
+    num_seqs = batch.num_seqs
+    if batch.is_decode:
+        query_start_loc = np.arange(num_seqs + 1, dtype=np.int32)
+    else:
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int32)
+        np.cumsum(batch.query_lens, out=query_start_loc[1:])
+    logits = batch.logits_indices
+    inputs = StepInputs(
+        tensor(batch.input_ids),
+        tensor(batch.positions),
+        tensor(batch.slot_mapping),
+        tensor(batch.context_lens),
+        torch.from_numpy(query_start_loc),
+        tensor(batch.block_table_array()),
+        None if logits is None else tensor(logits),
+    )
+    batch.fill_sampled_tokens(inputs.input_ids)
     return inputs
 
 

@@ -63,6 +63,35 @@ def test_packed_step_unpacks_to_the_batch(seed, decode):
     assert all(t.dtype == torch.int32 for t in vars(inputs).values() if t is not None)
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("decode", [True, False])
+def test_cpu_inputs_are_the_packed_inputs(seed, decode):
+    """An eager CPU step skips the packing (``host_inputs``): over the engine's int32
+    arrays (views, no copy) and over plain lists alike, its inputs are the unpacked ones."""
+    rng = random.Random(seed)
+    batch = random_batch(rng, rng.randint(1, 9), decode)
+    if seed % 2:
+        batch.logits_indices = sorted(rng.sample(range(len(batch.input_ids)), 2))
+    flat, layout = pack_step(batch)
+    packed = layout.unpack(torch.from_numpy(flat))
+    as_arrays = dataclasses.replace(
+        batch,
+        **{
+            name: np.asarray(getattr(batch, name), dtype=np.int32)
+            for name in ("input_ids", "positions", "query_lens", "context_lens", "slot_mapping")
+        },
+        block_tables=batch.block_table_array(),
+    )
+    for given in (batch, as_arrays):
+        inputs = stage_step(given, torch.device("cpu"))
+        for name, expected in vars(packed).items():
+            got = getattr(inputs, name)
+            assert (got is None) == (expected is None), name
+            if expected is not None:
+                assert got.dtype == torch.int32 and torch.equal(got, expected), name
+    assert np.shares_memory(inputs.positions.numpy(), as_arrays.positions)
+
+
 def test_logits_indices_travel_after_the_block_tables():
     rng = random.Random(7)
     batch = random_batch(rng, 4, decode=False)
