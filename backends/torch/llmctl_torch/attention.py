@@ -49,6 +49,7 @@ import torch.nn.functional as F
 
 from llmctl.engine.quant import dequantize_kv, quantize_kv
 from llmctl.errors import BackendError, OptionError
+from llmctl_torch.cpu_threads import threaded
 
 ENV_VAR = "LLMCTL_TORCH_ATTENTION"
 # Each choice's implementation of the three functions.
@@ -235,11 +236,13 @@ def attention_ops(device: torch.device | str, kv_dtype: torch.dtype | None = Non
     if choice == "native":
         return native_kernels()
     module = importlib.import_module(MODULES[choice])
+    # Plain torch's attention is made of products: all of a CPU step's threads (cpu_threads).
+    attend = threaded if choice == "torch" else lambda fn: fn
     return AttentionOps(
         name=choice,
         write_kv=module.write_kv,
-        paged_decode_attention=module.paged_decode_attention,
-        paged_prefill_attention=module.paged_prefill_attention,
+        paged_decode_attention=attend(module.paged_decode_attention),
+        paged_prefill_attention=attend(module.paged_prefill_attention),
     )
 
 

@@ -31,6 +31,7 @@ from llmctl.engine.quant import (
     quantize_weight_int8,
     tensor_bytes,
 )
+from llmctl_torch.cpu_threads import product
 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
@@ -41,15 +42,24 @@ def dense_linear(
     """``F.linear``; on the CPU in float32, through oneDNN's inner product where torch
     has it (``mkldnn._linear_pointwise``, the op Inductor's CPU passes use): at the
     shapes of a step it is 1.2-1.6x faster than ``F.linear``'s MKL GEMM, which repacks the
-    weight on every call (docs/benchmarks.md). Only without autograd: the op has none."""
+    weight on every call (docs/benchmarks.md). Only without autograd: the op has none.
+    On the CPU a step's large products take all its threads (``cpu_threads``)."""
+    if x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    macs = x.numel() // x.shape[-1] * weight.numel()
     if (
-        x.device.type == "cpu"
-        and x.dtype == torch.float32
+        x.dtype == torch.float32
         and _ONEDNN
         and not (torch.is_grad_enabled() and weight.requires_grad)
     ):
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+        return product(macs, _onednn_linear, x, weight, bias)
+    return product(macs, F.linear, x, weight, bias)
+
+
+def _onednn_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 class UnquantizedMethod:
@@ -131,7 +141,13 @@ def _cpu_int8_matmul(
     products dequantize the weight for this call and use the ordinary matmul."""
     num_out, num_in = qweight.shape
     if rows.shape[0] <= CPU_INT8_KERNEL_MAX_ROWS and num_in % 16 == 0 and num_out % 8 == 0:
-        unscaled = torch._weight_int8pack_mm(rows.to(torch.bfloat16), qweight, _ones(num_out))
+        unscaled = product(
+            rows.shape[0] * qweight.numel(),
+            torch._weight_int8pack_mm,
+            rows.to(torch.bfloat16),
+            qweight,
+            _ones(num_out),
+        )
         return torch.mul(unscaled, scale).to(rows.dtype)  # bf16 * fp32: computed in fp32
     return dense_linear(rows, dequantize_weight_int8(qweight, scale, rows.dtype))
 

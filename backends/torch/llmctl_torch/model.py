@@ -41,18 +41,9 @@ from llmctl.model.config import ModelConfig
 from llmctl.model.lora import AdapterSpec
 from llmctl.model.weights import load_weights
 from llmctl_torch.attention import AttentionOps, LayerCache, attention_ops
+from llmctl_torch.cpu_threads import ONE_THREAD_STEP_ELEMENTS, one_thread_step
 from llmctl_torch.linear import Linear, dense_linear, quantize_linears
 from llmctl_torch.lora import ModelLoras
-
-# A CPU step with fewer multiply-adds than this (its tokens x the model's weights: about a
-# millisecond of one core) runs on one thread. Its matmuls are too small for a second
-# thread to pay for being woken at each of the step's parallel regions: torch's OpenMP
-# threads sleep while they wait (llmctl/__init__.py), and in a VM a wake-up takes tens of
-# microseconds. Measured on 2 cores: stories260K with 16 decoding sequences (4M) took
-# 6-12 ms a step on two threads and 2.7-4.9 ms on one (3.4-4.0 ms beside a 2-thread
-# process, scripts/bench_neighbour.py); the 24M Llama's batch-1 decode (24M) about 14 ms on
-# either; its 512-token prefill (12G) 320-620 ms on two and 580-660 on one.
-ONE_THREAD_STEP_MACS = 32_000_000
 
 # Merged parameter of each layer → the HF parameters concatenated (output dim) to form it.
 MERGED_PROJECTIONS = {
@@ -357,7 +348,6 @@ class TorchModelRunner(PagedRunner):
         self.ops = attention_ops(self.device, self.kv_dtype)
         self.model = self._load_model(model_dir)
         quantize_linears(self.model, quantization)
-        self.num_weights = sum(p.numel() for p in self.model.parameters())  # of this rank
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.loras: ModelLoras | None = None  # made when the first adapter is loaded
@@ -400,19 +390,16 @@ class TorchModelRunner(PagedRunner):
 
     @contextmanager
     def _step_threads(self, tokens: int) -> Iterator[None]:
-        """One torch thread for a small CPU step (ONE_THREAD_STEP_MACS); the count before
-        it is set back after, for whatever else runs torch in this thread."""
-        threads = torch.get_num_threads()
-        small = tokens * self.num_weights < ONE_THREAD_STEP_MACS
-        if self.device.type != "cpu" or threads == 1 or not small:
+        """A small CPU step on one torch thread but for its large products
+        (``cpu_threads``); the count before it is set back after, for whatever else runs
+        torch here."""
+        small = tokens * self.config.hidden_size < ONE_THREAD_STEP_ELEMENTS
+        if self.device.type != "cpu" or not small:
             yield
             return
-        self.ops.start_threads()  # at the full count, not this step's one
-        torch.set_num_threads(1)
-        try:
+        self.ops.start_threads()  # at the full count, not the step's one
+        with one_thread_step(torch.get_num_threads()):
             yield
-        finally:
-            torch.set_num_threads(threads)
 
     def graphs_take_lora(self) -> bool:
         # The layers read a graph's per-token slots on the device (LoraContext.use_slots).

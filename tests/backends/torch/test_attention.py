@@ -182,7 +182,9 @@ def test_dispatch_on_cpu_prefers_turbos_native_op_and_honours_the_env_var(monkey
     assert attention_ops("cpu", torch.int8).name == expected  # turbo's ops read int8 too
     assert attention_ops("cpu", torch.float8_e4m3fn).name == "torch"  # but not fp8
     monkeypatch.setenv("LLMCTL_TORCH_ATTENTION", "torch")
-    assert attention_ops("cpu").paged_decode_attention is attention.paged_decode_attention
+    # plain torch's, on all of a CPU step's threads (cpu_threads.threaded)
+    decode = attention_ops("cpu").paged_decode_attention
+    assert decode.__wrapped__ is attention.paged_decode_attention
     assert attention_ops("cuda").name == "torch"
     monkeypatch.setenv("LLMCTL_TORCH_ATTENTION", "flash")
     with pytest.raises(OptionError, match="LLMCTL_TORCH_ATTENTION"):

@@ -89,33 +89,49 @@ def test_checkpoint_that_does_not_fit_the_config_is_refused(tiny_model_dir, tmp_
         TorchModelRunner(model_dir, wrong_width)
 
 
-def test_small_cpu_steps_run_on_one_thread(stories_dir, monkeypatch):
-    """A step under ONE_THREAD_STEP_MACS runs with one torch thread, a larger one with the
-    count the caller set, and that count is the same after either."""
-    import llmctl_torch.model as model_module
+def test_cpu_steps_run_on_one_thread_but_for_large_products(stories_dir, monkeypatch):
+    """A CPU step runs on one torch thread, its products of at least
+    THREADED_PRODUCT_MACS on the count the caller set, and that count is back after;
+    the logits are those of a step on the caller's count throughout."""
+    import llmctl_torch.cpu_threads as cpu_threads
+    import llmctl_torch.linear as linear
 
     runner = TorchModelRunner(
         stories_dir, ModelConfig.from_dir(stories_dir), block_size=16, num_blocks=16
     )
-    seen: list[int] = []
-    forward = runner.forward
+    tokens = 8
+    step = StepBatch(list(range(1, tokens + 1)), list(range(tokens)), [tokens], [tokens],
+                     [[0]], list(range(tokens)))  # fmt: skip
+    seen: list[tuple[str, int]] = []
+    forward, onednn = runner.forward, linear._onednn_linear
 
     def counting_forward(inputs, is_decode):
-        seen.append(torch.get_num_threads())
+        seen.append(("step", torch.get_num_threads()))
         return forward(inputs, is_decode)
 
+    def counting_linear(x, weight, bias):
+        seen.append((f"product {x.shape[0] * weight.numel()}", torch.get_num_threads()))
+        return onednn(x, weight, bias)
+
     monkeypatch.setattr(runner, "forward", counting_forward)
+    monkeypatch.setattr(linear, "_onednn_linear", counting_linear)
     before = torch.get_num_threads()
-    torch.set_num_threads(2)
     try:
-        tokens = 8
-        small = StepBatch(list(range(1, tokens + 1)), list(range(tokens)), [tokens], [tokens],
-                          [[0]], list(range(tokens)))  # fmt: skip
-        reference = runner.execute(small)
-        # The same step counted as large: the same logits (up to summation order), on two.
-        monkeypatch.setattr(model_module, "ONE_THREAD_STEP_MACS", tokens * runner.num_weights)
-        torch.testing.assert_close(runner.execute(small), reference)
-        assert seen == [1, 2]
+        torch.set_num_threads(1)
+        reference = runner.execute(step)
+        torch.set_num_threads(2)
+        seen.clear()
+        # stories260K's products are small: every one on the step's thread ...
+        torch.testing.assert_close(runner.execute(step), reference)
+        assert {threads for _, threads in seen} == {1}
+        assert len(seen) == 1 + 4 * runner.config.num_layers + 1  # the LM head's too
+        # ... until they count as large: then on two, the rest of the step on one.
+        smallest = min(int(name.split()[1]) for name, _ in seen if name != "step")
+        monkeypatch.setattr(cpu_threads, "THREADED_PRODUCT_MACS", smallest)
+        seen.clear()
+        torch.testing.assert_close(runner.execute(step), reference)
+        assert seen[0] == ("step", 1)
+        assert {threads for name, threads in seen[1:]} == {2}
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

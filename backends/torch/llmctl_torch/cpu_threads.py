@@ -1,0 +1,76 @@
+"""How many torch threads each part of a CPU step runs on.
+
+torch's OpenMP threads sleep between parallel regions (``OMP_WAIT_POLICY=PASSIVE``, set
+in ``llmctl/__init__.py`` so that a busy neighbour does not starve the step), and in a VM
+waking them costs tens of microseconds a region. A step is mostly short elementwise
+regions (norms, rotary, silu, residual adds), each too small to pay for that: on two
+threads an RMSNorm of 64 rows of 512 took 137 µs, on one 21. Its matrix products are
+different: they stream the weights, and two cores stream more than one.
+
+So on the CPU the runner runs a step whose activations (tokens x hidden size) are fewer
+than ``ONE_THREAD_STEP_ELEMENTS`` on one thread (``one_thread_step``), and only its
+products of at least ``THREADED_PRODUCT_MACS`` multiply-adds take the runner's thread
+count (``product``). Measured on 2 cores: an RMSNorm and a silu-and-multiply pay for a
+second thread from about 512 rows of 512 (a prompt's rows), and a product from about 4M
+multiply-adds ([16, 512] x [512, 1536], 13M, ran 1.22x faster on two threads, [64, 512]
+x [512, 2816] 1.63x, one of 3M at the same speed). Products that are not linear layers
+(plain-torch attention) take every thread whatever their size (``threaded``). Larger
+steps, and everything outside a step, keep the thread count as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import torch
+
+ONE_THREAD_STEP_ELEMENTS = 1 << 18
+THREADED_PRODUCT_MACS = 4_000_000
+
+Result = TypeVar("Result")
+
+# The thread count products may take while this thread runs a step (0: not in a step).
+_step = threading.local()
+
+
+@contextmanager
+def one_thread_step(threads: int) -> Iterator[None]:
+    """Run the body (one CPU step) on one torch thread; its large products take
+    ``threads``. The count is set back to ``threads`` after."""
+    if threads <= 1:
+        yield
+        return
+    _step.threads = threads
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        _step.threads = 0
+        torch.set_num_threads(threads)
+
+
+def product(macs: int, fn: Callable[..., Result], *args: Any) -> Result:
+    """``fn(*args)``, a product of ``macs`` multiply-adds: on the step's thread count
+    where it has enough of them, else on the step's one thread."""
+    threads = getattr(_step, "threads", 0)
+    if threads <= 1 or macs < THREADED_PRODUCT_MACS:
+        return fn(*args)
+    torch.set_num_threads(threads)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(1)
+
+
+def threaded(fn: Callable[..., Result]) -> Callable[..., Result]:
+    """``fn`` on the step's thread count whatever its size (a kernel made of products)."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Result:
+        return product(THREADED_PRODUCT_MACS, lambda: fn(*args, **kwargs))
+
+    return run
