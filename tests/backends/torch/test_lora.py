@@ -83,6 +83,21 @@ def test_a_mixed_batch_of_adapters_matches_peft(served, max_loras, backend):
         assert llm.engine.engine.block_size == 16  # adapters never change the block size
 
 
+def test_adapters_match_peft_beside_the_cpu_mlp_in_chunks(served, monkeypatch):
+    """On the CPU the torch backend runs a long prompt's MLP CPU_MLP_ROWS rows at a time,
+    but not a step with adapters, whose rows are grouped over the whole step. With chunks
+    of 4 rows here, steps of both kinds still match peft."""
+    from llmctl_torch import model
+
+    monkeypatch.setattr(model, "CPU_MLP_ROWS", 4)
+    model_dir, paths, want = served
+    names = [None, "mlp4", "all16", None]
+    with LLM(str(model_dir), backend="torch", lora=paths, cache_block_seq_len=16) as llm:
+        for name, tokens in zip(names, greedy(llm, names)):
+            assert tokens == want[name], name
+        assert greedy(llm, [None]) == [want[None]]  # no adapter in the step: chunked
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_adapter_slots_are_allocated_before_the_kv_cache(served, backend, monkeypatch):
     """Adapters served from the start get their slots before the KV cache is sized, so

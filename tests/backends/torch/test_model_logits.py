@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from llmctl_torch.model import TorchModelRunner
+from llmctl_torch import model
+from llmctl_torch.model import MLP, TorchModelRunner
 
 from llmctl.model.config import ModelConfig
 from tests.helpers.tiny_models import TINY_MODELS, PagedSequences, load_hf_model
@@ -77,6 +78,25 @@ def test_stories260k_logits_match_transformers(stories_dir, block_size):
 @pytest.mark.parametrize("kind", sorted(TINY_MODELS))
 def test_tiny_model_logits_match_transformers(tiny_model_dir, kind, block_size):
     assert_logits_match(tiny_model_dir(kind), block_size, chunked=block_size == 32)
+
+
+@pytest.mark.parametrize("kind", ["stories260K", "qwen3"])
+def test_logits_match_with_the_cpu_mlp_in_chunks(stories_dir, tiny_model_dir, kind, monkeypatch):
+    """On the CPU a long prompt's MLP runs CPU_MLP_ROWS rows at a time. With chunks of 7
+    rows here the prefills (200 tokens, a shorter last chunk) are chunked, and the
+    logits still match transformers'."""
+    model_dir = stories_dir if kind == "stories260K" else tiny_model_dir(kind)
+    rows_seen: list[int] = []
+    swiglu = MLP.swiglu
+
+    def counting_swiglu(self, x):
+        rows_seen.append(x.shape[0])
+        return swiglu(self, x)
+
+    monkeypatch.setattr(model, "CPU_MLP_ROWS", 7)
+    monkeypatch.setattr(MLP, "swiglu", counting_swiglu)
+    assert_logits_match(model_dir, 32, chunked=True)
+    assert max(rows_seen) == 7 and 1 < min(rows_seen) < 7
 
 
 def test_tiny_models_cover_the_family(tiny_model_dir):
