@@ -9,11 +9,16 @@ different: they stream the weights, and two cores stream more than one.
 
 So on the CPU the runner runs a step whose activations (tokens x hidden size) are fewer
 than ``ONE_THREAD_STEP_ELEMENTS`` on one thread (``one_thread_step``), and only its
-products of at least ``THREADED_PRODUCT_MACS`` multiply-adds take the runner's thread
-count (``product``). Measured on 2 cores: an RMSNorm and a silu-and-multiply pay for a
-second thread from about 512 rows of 512 (a prompt's rows), and a product from about 4M
-multiply-adds ([16, 512] x [512, 1536], 13M, ran 1.22x faster on two threads, [64, 512]
-x [512, 2816] 1.63x, one of 3M at the same speed). Products that are not linear layers
+large products take the runner's thread count (``product``). Measured on 2 cores: an
+RMSNorm and a silu-and-multiply pay for a second thread from about 512 rows of 512 (a
+prompt's rows). A product pays for it in two ways. By its work: from about 4M
+multiply-adds (``THREADED_PRODUCT_MACS``; [16, 512] x [512, 1536], 13M, ran 1.22x
+faster on two threads, [64, 512] x [512, 2816] 1.63x, one of 3M at the same speed). Or
+by its weight, which a step reads from memory rather than from the core's cache: from
+1 MiB (``THREADED_WEIGHT_BYTES``), because two cores stream about four times what one
+does here (36 against 9 GB/s). One row through a [512, 512] weight took as long on
+one thread as on two, through [2048, 512] 0.85x as long on two, and a 24M model's
+decode step of one sequence 15 ms against 17. Products that are not linear layers
 (plain-torch attention) take every thread whatever their size (``threaded``). Larger
 steps, and everything outside a step, keep the thread count as it is.
 """
@@ -30,6 +35,7 @@ import torch
 
 ONE_THREAD_STEP_ELEMENTS = 1 << 18
 THREADED_PRODUCT_MACS = 4_000_000
+THREADED_WEIGHT_BYTES = 1 << 20
 
 Result = TypeVar("Result")
 
@@ -53,17 +59,14 @@ def one_thread_step(threads: int) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def product(macs: int, fn: Callable[..., Result], *args: Any) -> Result:
-    """``fn(*args)``, a product of ``macs`` multiply-adds: on the step's thread count
-    where it has enough of them, else on the step's one thread."""
+def product(macs: int, weight_bytes: int, fn: Callable[..., Result], *args: Any) -> Result:
+    """``fn(*args)``, a product of ``macs`` multiply-adds over a weight of
+    ``weight_bytes``: on the step's thread count where it is large by either, else on
+    the step's one thread."""
     threads = getattr(_step, "threads", 0)
-    if threads <= 1 or macs < THREADED_PRODUCT_MACS:
+    if threads <= 1 or (macs < THREADED_PRODUCT_MACS and weight_bytes < THREADED_WEIGHT_BYTES):
         return fn(*args)
-    torch.set_num_threads(threads)
-    try:
-        return fn(*args)
-    finally:
-        torch.set_num_threads(1)
+    return _on_threads(threads, fn, *args)
 
 
 def threaded(fn: Callable[..., Result]) -> Callable[..., Result]:
@@ -71,6 +74,17 @@ def threaded(fn: Callable[..., Result]) -> Callable[..., Result]:
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Result:
-        return product(THREADED_PRODUCT_MACS, lambda: fn(*args, **kwargs))
+        threads = getattr(_step, "threads", 0)
+        if threads <= 1:
+            return fn(*args, **kwargs)
+        return _on_threads(threads, lambda: fn(*args, **kwargs))
 
     return run
+
+
+def _on_threads(threads: int, fn: Callable[..., Result], *args: Any) -> Result:
+    torch.set_num_threads(threads)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(1)

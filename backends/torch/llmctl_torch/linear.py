@@ -47,13 +47,14 @@ def dense_linear(
     if x.device.type != "cpu":
         return F.linear(x, weight, bias)
     macs = x.numel() // x.shape[-1] * weight.numel()
+    weight_bytes = weight.numel() * weight.element_size()
     if (
         x.dtype == torch.float32
         and _ONEDNN
         and not (torch.is_grad_enabled() and weight.requires_grad)
     ):
-        return product(macs, _onednn_linear, x, weight, bias)
-    return product(macs, F.linear, x, weight, bias)
+        return product(macs, weight_bytes, _onednn_linear, x, weight, bias)
+    return product(macs, weight_bytes, F.linear, x, weight, bias)
 
 
 def _onednn_linear(
@@ -143,6 +144,7 @@ def _cpu_int8_matmul(
     if rows.shape[0] <= CPU_INT8_KERNEL_MAX_ROWS and num_in % 16 == 0 and num_out % 8 == 0:
         unscaled = product(
             rows.shape[0] * qweight.numel(),
+            qweight.numel(),  # one byte an element
             torch._weight_int8pack_mm,
             rows.to(torch.bfloat16),
             qweight,
