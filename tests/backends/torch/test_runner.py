@@ -89,6 +89,22 @@ def test_checkpoint_that_does_not_fit_the_config_is_refused(tiny_model_dir, tmp_
         TorchModelRunner(model_dir, wrong_width)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_float32_weights_are_packed_for_onednn(stories_dir, dtype):
+    """On the CPU a float32 model's linear weights are packed once for oneDNN (opaque,
+    same shape); other dtypes keep theirs as loaded. The LM head is not a Linear."""
+    from llmctl_torch.linear import Linear
+
+    runner = TorchModelRunner(
+        stories_dir, ModelConfig.from_dir(stories_dir), dtype=dtype, block_size=16, num_blocks=4
+    )
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * runner.config.num_layers
+    packed = dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    assert all(m.weight.is_mkldnn == packed for m in linears)
+    assert all(m.weight.shape == (m.out_features, m.in_features) for m in linears)
+
+
 def test_cpu_steps_run_on_one_thread_but_for_large_products(stories_dir, monkeypatch):
     """A CPU step runs on one torch thread, its products of at least
     THREADED_PRODUCT_MACS on the count the caller set, and that count is back after;
