@@ -16,11 +16,12 @@ multiply-adds (``THREADED_PRODUCT_MACS``; [16, 512] x [512, 1536], 13M, ran 1.22
 faster on two threads, [64, 512] x [512, 2816] 1.63x, one of 3M at the same speed). Or
 by its weight, which a step reads from memory rather than from the core's cache: from
 1 MiB (``THREADED_WEIGHT_BYTES``), because two cores stream about four times what one
-does here (36 against 9 GB/s). One row through a [512, 512] weight took as long on
-one thread as on two, through [2048, 512] 0.85x as long on two, and a 24M model's
-decode step of one sequence 15 ms against 17. Products that are not linear layers
-(plain-torch attention) take every thread whatever their size (``threaded``). Larger
-steps, and everything outside a step, keep the thread count as it is.
+does here (36 against 9 GB/s). Eight rows through a [512, 512] weight took as long
+on one thread as on two, one row through [2048, 512] 0.85x as long on two, and a 24M
+model's decode step of one sequence 15 ms against 17 (docs/benchmarks.md). Products
+that are not linear layers (plain-torch attention) take every thread whatever their
+size (``threaded``). Larger steps, and everything outside a step, keep the thread count
+as it is.
 """
 
 from __future__ import annotations
