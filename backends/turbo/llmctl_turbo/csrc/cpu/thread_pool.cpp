@@ -32,6 +32,14 @@ constexpr int64_t kChunksPerThread = 4;
 // torch backend). Between steps workers sleep; the caller starts without them.
 constexpr auto kSpinTime = std::chrono::microseconds(50);
 
+// Grains of work (a few microseconds each) a loop needs for a sleeping worker to be woken.
+// Waking one takes tens of microseconds here (a futex wake; in a VM, an interrupt to a
+// halted vCPU): the torch backend's attention of a 16-sequence decode step took 58 µs on
+// two threads when the worker slept between its calls, 26 µs on one. Loops come back to
+// back in turbo's own step, where the workers still poll; in the torch backend, Python
+// runs between them and the workers sleep (docs/benchmarks.md).
+constexpr int64_t kWakeChunks = 8;
+
 thread_local bool inside_loop = false;
 
 // A claim cursor: the generation of the loop it belongs to (32 bits), the end of its share
@@ -83,7 +91,11 @@ class ThreadPool {
     // Serial: nothing to split, one thread, a nested loop, or another caller already
     // using the pool (two engines in one process).
     std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
-    if (num_chunks <= 1 || num_threads_ == 1 || inside_loop || !lock.owns_lock()) {
+    // A loop of fewer than kWakeChunks grains leaves sleeping workers asleep: the caller
+    // runs it with the workers still polling, or alone when all sleep.
+    const bool small = most_chunks < kWakeChunks;
+    if (num_chunks <= 1 || num_threads_ == 1 || inside_loop || !lock.owns_lock() ||
+        (small && sleepers_.load(std::memory_order_seq_cst) == num_threads_ - 1)) {
       fn(begin, end);
       return;
     }
@@ -101,7 +113,7 @@ class ThreadPool {
                              std::memory_order_release);
     }
     generation_.store(generation, std::memory_order_seq_cst);
-    if (sleepers_.load(std::memory_order_seq_cst) > 0) generation_.notify_all();
+    if (!small && sleepers_.load(std::memory_order_seq_cst) > 0) generation_.notify_all();
 
     work(0, generation);
     // Wait for chunks other threads are still running (never for a thread that has not

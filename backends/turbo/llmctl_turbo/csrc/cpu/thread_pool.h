@@ -9,7 +9,8 @@
 // chunks of its own share (so on a quiet machine each core streams its own slice of a
 // weight matrix, step after step), then takes chunks left in other shares. The caller
 // works too and returns as soon as every chunk is done: a thread that never woke up
-// costs nothing, and a late one finds its share already taken.
+// costs nothing, and a late one finds its share already taken. Idle workers poll briefly,
+// then sleep; a loop too small to pay for waking one runs without the sleepers.
 #pragma once
 
 #include <cstdint>
