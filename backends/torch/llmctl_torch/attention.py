@@ -32,7 +32,8 @@ Dispatch: ``LLMCTL_TORCH_ATTENTION=triton|native|torch`` forces one; by default 
 on CUDA, and on the CPU turbo's native ops (``torch.ops.llmctl_turbo``, see
 ``native_kernels``) when llmctl-turbo is installed, its ops build here and the cache is
 not fp8 (they read float and int8 caches), else plain torch. The others' modules are
-imported only when chosen.
+imported only when chosen. Where the native ops serve attention, the runner runs its
+linear layers (``linear.NativeMethod``) and LoRA adapters on turbo's kernels too.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ on one thread as on two, one row through [2048, 512] 0.85x as long on two, and a
 model's decode step of one sequence 15 ms against 17 (docs/benchmarks.md). Products
 that are not linear layers (plain-torch attention) take every thread whatever their
 size (``threaded``). Larger steps, and everything outside a step, keep the thread count
-as it is.
+as it is. Linear layers on turbo's kernel (``linear.NativeMethod``, where turbo's ops
+build) run on turbo's own thread pool instead, at its full count.
 """
 
 from __future__ import annotations

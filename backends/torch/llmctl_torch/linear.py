@@ -9,6 +9,9 @@
   ``triton_int8_linear.py``; on the CPU through torch's ``_weight_int8pack_mm`` for
   decode-sized products (see ``_cpu_int8_matmul`` for its limits), else by
   dequantizing the layer's weight for the call.
+- ``NativeMethod`` (either weight format, on the CPU where turbo's ops serve the
+  attention too, ``attention_ops``): the weight packed once, at load, for turbo's
+  ``linear`` kernel, which runs the product on turbo's own threads.
 
 A layer that splits its weight across ranks (tensor parallelism) subclasses ``Linear``
 and calls ``self.method.apply(self, x, bias)`` where it would call ``F.linear``, so a
@@ -105,15 +108,59 @@ class Int8WeightMethod:
         return out if bias is None else out + bias
 
 
+class NativeMethod:
+    """turbo's CPU kernels: the weight packed once, at load, into the panels turbo's
+    ``linear`` op reads (``pack_linear_weight``, see its ``csrc/kernels.h``), in the model
+    dtype (float32 or bfloat16) or, for ``int8``, quantized per output channel as
+    ``Int8WeightMethod`` does (turbo's ``pack_int8_linear``; ``weight_scale`` packed
+    alike). The product runs on turbo's thread pool, which waits for work by spinning
+    briefly: a small step's products start at once, where torch's OpenMP threads sleep
+    between regions (``llmctl/__init__.py``) and take about 0.1 ms each to wake. A 24M
+    model's decode steps of 1 to 64 sequences took 1-6 ms less than on oneDNN's packed
+    weights (of 9-32 ms); its prefill products about 10 % more (docs/benchmarks.md).
+
+    ``layer.weight`` becomes the packed ``[panels, in, 16]`` tensor, which only this
+    method reads; ``layer.out_features`` keeps the output size."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def process_weights(self, layer: Linear) -> None:
+        from llmctl_turbo.build import load_ops
+        from llmctl_turbo.runner import pack_int8_linear
+
+        weight = layer.weight.detach()
+        if self.name == "int8":
+            packed, scale = pack_int8_linear(weight)
+            layer.register_buffer("weight_scale", scale)
+        else:
+            packed = load_ops().pack_linear_weight(weight)
+        layer.weight = nn.Parameter(packed, requires_grad=False)
+
+    def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        out = rows.new_empty(rows.shape[0], layer.out_features)
+        scale = layer.weight_scale if self.name == "int8" else None
+        bias = _NO_TENSOR if bias is None else bias
+        torch.ops.llmctl_turbo.linear(out, rows, layer.weight, bias, scale)
+        return out.view(*x.shape[:-1], layer.out_features)
+
+
+# turbo's ops take an empty tensor for "no bias".
+_NO_TENSOR = torch.empty(0)
+
 UNQUANTIZED = UnquantizedMethod()
 INT8_WEIGHTS = Int8WeightMethod()
 WEIGHT_METHODS = {method.name: method for method in (UNQUANTIZED, INT8_WEIGHTS)}
+NATIVE_METHODS = {name: NativeMethod(name) for name in WEIGHT_METHODS}
+# The model dtypes turbo's CPU kernels compute in.
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose product its weight ``method`` computes (see the module doc)."""
 
-    method: UnquantizedMethod | Int8WeightMethod = UNQUANTIZED
+    method: UnquantizedMethod | Int8WeightMethod | NativeMethod = UNQUANTIZED
     # Its LoRA slots (llmctl_torch.lora.LoraLayer), once the runner serves an adapter:
     # the adapters of the step's rows add to the base product, whatever its method.
     lora: Any = None
@@ -174,17 +221,21 @@ def _ones(size: int) -> torch.Tensor:
     return torch.ones(size, dtype=torch.bfloat16)
 
 
-def quantize_linears(model: nn.Module, method_name: str) -> QuantizationReport | None:
+def quantize_linears(
+    model: nn.Module, method_name: str, native: bool = False
+) -> QuantizationReport | None:
     """Give every ``Linear`` of ``model`` the weight method ``method_name`` (``none`` or
-    ``int8``), converting its weight in place, layer by layer with a progress bar; log
-    and return how much memory that saved (``None`` for ``none``, which only packs)."""
+    ``int8``), turbo's (``native``) or torch's, converting its weight in place, layer by
+    layer with a progress bar; log and return how much memory that saved (``None`` for
+    ``none``, which only packs)."""
     from rich.progress import track
 
-    method = WEIGHT_METHODS[method_name]
+    method = (NATIVE_METHODS if native else WEIGHT_METHODS)[method_name]
     layers = [module for module in model.modules() if isinstance(module, Linear)]
-    if method is UNQUANTIZED:
+    if method_name == "none":
         for layer in layers:
             method.process_weights(layer)
+            layer.method = method
         return None
     before = after = 0
     for layer in track(layers, description=f"quantizing weights to {method.name}", transient=True):

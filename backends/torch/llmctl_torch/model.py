@@ -42,7 +42,7 @@ from llmctl.model.lora import AdapterSpec
 from llmctl.model.weights import load_weights
 from llmctl_torch.attention import AttentionOps, LayerCache, attention_ops
 from llmctl_torch.cpu_threads import ONE_THREAD_STEP_ELEMENTS, one_thread_step
-from llmctl_torch.linear import Linear, dense_linear, quantize_linears
+from llmctl_torch.linear import NATIVE_DTYPES, Linear, dense_linear, quantize_linears
 from llmctl_torch.lora import ModelLoras
 
 # Merged parameter of each layer → the HF parameters concatenated (output dim) to form it.
@@ -371,7 +371,9 @@ class TorchModelRunner(PagedRunner):
         super().__init__(config, **paged)  # PagedRunner's options: dtype, device, block size...
         self.ops = attention_ops(self.device, self.kv_dtype)
         self.model = self._load_model(model_dir)
-        quantize_linears(self.model, quantization)
+        # On the CPU turbo's product kernel where its ops serve attention (NativeMethod).
+        native = self.ops.name == "native" and self.dtype in NATIVE_DTYPES
+        quantize_linears(self.model, quantization, native)
         self.max_loras = max_loras
         self.max_lora_rank = max_lora_rank
         self.loras: ModelLoras | None = None  # made when the first adapter is loaded

@@ -80,6 +80,14 @@ def test_tiny_model_logits_match_transformers(tiny_model_dir, kind, block_size):
     assert_logits_match(tiny_model_dir(kind), block_size, chunked=block_size == 32)
 
 
+@pytest.mark.parametrize("kind", sorted(TINY_MODELS))
+def test_tiny_model_logits_match_on_torchs_own_cpu_kernels(tiny_model_dir, kind, monkeypatch):
+    """Where turbo's ops build, the tests above run on its attention and product kernels;
+    these run on plain-torch attention and oneDNN's products, as without it."""
+    monkeypatch.setenv("LLMCTL_TORCH_ATTENTION", "torch")
+    assert_logits_match(tiny_model_dir(kind), 32, chunked=True)
+
+
 @pytest.mark.parametrize("kind", ["stories260K", "qwen3"])
 def test_logits_match_with_the_cpu_mlp_in_chunks(stories_dir, tiny_model_dir, kind, monkeypatch):
     """On the CPU a long prompt's MLP runs CPU_MLP_ROWS rows at a time. With chunks of 7

@@ -90,11 +90,13 @@ def test_checkpoint_that_does_not_fit_the_config_is_refused(tiny_model_dir, tmp_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_float32_weights_are_packed_for_onednn(stories_dir, dtype):
-    """On the CPU a float32 model's linear weights are packed once for oneDNN (opaque,
-    same shape); other dtypes keep theirs as loaded. The LM head is not a Linear."""
+def test_cpu_float32_weights_are_packed_for_onednn(stories_dir, dtype, monkeypatch):
+    """Without turbo's ops, on the CPU a float32 model's linear weights are packed once
+    for oneDNN (opaque, same shape); other dtypes keep theirs as loaded. The LM head is
+    not a Linear."""
     from llmctl_torch.linear import Linear
 
+    monkeypatch.setenv("LLMCTL_TORCH_ATTENTION", "torch")
     runner = TorchModelRunner(
         stories_dir, ModelConfig.from_dir(stories_dir), dtype=dtype, block_size=16, num_blocks=4
     )
@@ -105,13 +107,60 @@ def test_cpu_float32_weights_are_packed_for_onednn(stories_dir, dtype):
     assert all(m.weight.shape == (m.out_features, m.in_features) for m in linears)
 
 
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_weights_are_packed_for_turbos_kernel_where_its_ops_serve_attention(
+    stories_dir, dtype, quantization
+):
+    """Where turbo's ops build, a float32 or bfloat16 model's linear layers run on turbo's
+    ``linear`` kernel: their weights packed into its [panels, in, 16] panels (int8 with
+    panel-packed scales under ``quantization=int8``), with the logits of torch's own
+    kernels. float16, which turbo's CPU kernels do not compute in, keeps torch's weight
+    methods."""
+    from llmctl_torch.linear import INT8_WEIGHTS, UNQUANTIZED, Linear, NativeMethod
+
+    if problem := native_problem():
+        pytest.skip(f"turbo's native ops do not build here: {problem}")
+    config = ModelConfig.from_dir(stories_dir)
+    step = StepBatch(list(range(3, 40)), list(range(37)), [37], [37], [[0, 1, 2]], list(range(37)))
+    logits = {}
+    for kernels in ("torch", "native"):
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("LLMCTL_TORCH_ATTENTION", kernels)
+            runner = TorchModelRunner(
+                stories_dir, config, dtype=dtype, quantization=quantization, block_size=16,
+                num_blocks=4,
+            )  # fmt: skip
+        logits[kernels] = runner.execute(step)
+    # Rounding apart (the sums run in another order), the same logits; bfloat16 and
+    # float16 keep 8 and 11 mantissa bits.
+    scale = logits["torch"].abs().max()
+    tolerance = 1e-4 if dtype == torch.float32 else 0.03
+    assert (logits["native"] - logits["torch"]).abs().max() < tolerance * scale
+    assert runner.ops.name == "native"
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    if dtype == torch.float16:
+        expected = UNQUANTIZED if quantization == "none" else INT8_WEIGHTS
+        assert all(m.method is expected for m in linears)
+        return
+    assert all(isinstance(m.method, NativeMethod) for m in linears)
+    assert {m.method.name for m in linears} == {quantization}
+    for m in linears:
+        panels = -(-m.out_features // 16)
+        assert m.weight.shape == (panels, m.in_features, 16)
+        assert m.weight.dtype == (torch.int8 if quantization == "int8" else dtype)
+        if quantization == "int8":
+            assert m.weight_scale.shape == (panels * 16,)
+
+
 def test_cpu_steps_run_on_one_thread_but_for_large_products(stories_dir, monkeypatch):
-    """A CPU step runs on one torch thread, its products of at least
+    """A CPU step runs on one torch thread, its torch products of at least
     THREADED_PRODUCT_MACS on the count the caller set, and that count is back after;
     the logits are those of a step on the caller's count throughout."""
     import llmctl_torch.cpu_threads as cpu_threads
     import llmctl_torch.linear as linear
 
+    monkeypatch.setenv("LLMCTL_TORCH_ATTENTION", "torch")  # torch's products, not turbo's
     runner = TorchModelRunner(
         stories_dir, ModelConfig.from_dir(stories_dir), block_size=16, num_blocks=16
     )
