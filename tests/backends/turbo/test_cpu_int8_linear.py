@@ -23,9 +23,9 @@ DTYPES = [torch.float32, torch.bfloat16]
 # sum once, the reference sums x * (q * scale): the same terms rounded in another order.
 # bf16: the output (and, for silu, gate and up first) is rounded to 8 bits of mantissa.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-# (rows, in_features, out_features): rows 1..64 (decode batches) and one prefill count;
-# feature counts that are not multiples of 16 (partial panels, vector tails) beside the
-# 24M model's shapes.
+# (rows, in_features, out_features): rows 1..64 (decode batches) and prefill counts (the
+# last with few panels, so its rows are split across threads too); feature counts that
+# are not multiples of 16 (partial panels, vector tails) beside the 24M model's shapes.
 SHAPES = [
     (1, 64, 192),
     (1, 512, 1408),
@@ -38,6 +38,7 @@ SHAPES = [
     (31, 512, 130),
     (64, 77, 203),
     (150, 96, 40),
+    (700, 64, 40),
 ]
 
 

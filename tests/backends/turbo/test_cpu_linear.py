@@ -21,7 +21,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 # output (and, for silu, gate and up first) to 8 bits of mantissa.
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
 # (rows, in_features, out_features): decode batches, odd sizes, the 24M model's shapes,
-# and prefill-sized row counts that span several row blocks.
+# prefill-sized row counts that span several row blocks, and narrow outputs over many
+# rows (stories260K's prefill), whose rows are split across threads as well as panels.
 SHAPES = [
     (1, 64, 192),
     (1, 512, 1024),
@@ -34,6 +35,8 @@ SHAPES = [
     (33, 31, 50),
     (64, 512, 130),
     (150, 1024, 40),
+    (600, 64, 48),
+    (1000, 172, 64),
 ]
 
 
@@ -99,18 +102,20 @@ def test_packed_layout_holds_sixteen_features_per_panel(turbo_ops):
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 5])
-def test_results_do_not_depend_on_the_thread_count(turbo_ops, threads, count):
-    """Each output is computed by one tile whatever the split: any thread count must give
-    the same bits, and every chunk of every loop must run exactly once."""
-    x, weight, bias = random_case(37, 512, 700, torch.float32, seed=9)
+@pytest.mark.parametrize("shape", [(37, 512, 700), (600, 64, 48)], ids=["panels", "rows"])
+def test_results_do_not_depend_on_the_thread_count(turbo_ops, threads, count, shape):
+    """Each output is computed by one tile whatever the split (of the panels, or of the
+    rows too where the panels are few): any thread count must give the same bits, and
+    every chunk of every loop must run exactly once."""
+    x, weight, bias = random_case(*shape, torch.float32, seed=9)
     packed = turbo_ops.pack_linear_weight(weight)
     turbo_ops.set_cpu_threads(1)
-    want = torch.empty(37, 700)
+    want = torch.empty(shape[0], shape[2])
     turbo_ops.linear(want, x, packed, bias)
     turbo_ops.set_cpu_threads(count)
     assert turbo_ops.cpu_threads() == count
     for _ in range(20):  # many loops in a row: workers join late, sleep, wake
-        got = torch.full((37, 700), float("nan"))
+        got = torch.full((shape[0], shape[2]), float("nan"))
         turbo_ops.linear(got, x, packed, bias)
         assert torch.equal(got, want)
 

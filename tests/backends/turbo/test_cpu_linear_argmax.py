@@ -20,7 +20,14 @@ from llmctl.engine.quant import quantize_weight_int8
 
 # (rows, in_features, vocab): one decode row, odd batches, a prefill, vocabularies with a
 # partial 16-wide panel and a partial vector.
-SHAPES = [(1, 64, 1), (3, 64, 37), (17, 96, 512), (64, 64, 1003), (130, 32, 4099)]
+SHAPES = [
+    (1, 64, 1),
+    (3, 64, 37),
+    (17, 96, 512),
+    (64, 64, 1003),
+    (130, 32, 4099),
+    (700, 64, 40),  # few panels, many rows: chunks of rows scan their own rows
+]
 
 
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])

@@ -557,7 +557,7 @@ void block_linear_rows(Out* out, int64_t out_stride, const float* x, int64_t x_s
         store_sums(out + m * out_stride + n0, sums, count, nullptr, bias ? bias + n0 : nullptr);
       });
     }
-    row_argmax.scan(out, out_stride, begin * kPanelWidth, std::min(N, end * kPanelWidth));
+    row_argmax.scan(out, out_stride, 0, M, begin * kPanelWidth, std::min(N, end * kPanelWidth));
   });
   if (argmax) row_argmax.finish();
 }

@@ -298,18 +298,18 @@ inline void rows_against_panels(const float* x, int64_t x_stride, int64_t m_begi
   }
 }
 
-// Tiles [tile_begin, tile_end) of NP panels each against every row of x, the rows in
-// blocks that stay in L2 while a tile's panels are read from L1/L2.
+// Tiles [tile_begin, tile_end) of NP panels each against rows [m_begin, m_end) of x, the
+// rows in blocks that stay in L2 while a tile's panels are read from L1/L2.
 // tile_panels(tile, panels) fills a tile's panel pointers; store(m, tile, sums).
 template <int NP, typename W, typename TilePanels, typename Store>
-inline void panel_tiles(const float* x, int64_t x_stride, int64_t M, int64_t K,
-                        int64_t tile_begin, int64_t tile_end, const TilePanels& tile_panels,
-                        const Store& store) {
+inline void panel_tiles(const float* x, int64_t x_stride, int64_t m_begin, int64_t m_end,
+                        int64_t K, int64_t tile_begin, int64_t tile_end,
+                        const TilePanels& tile_panels, const Store& store) {
   constexpr int64_t kRowBlockBytes = 256 * 1024;
   const int64_t row_block = std::max<int64_t>(
       kTileRows, kRowBlockBytes / (K * int64_t{sizeof(float)}) / kTileRows * kTileRows);
-  for (int64_t m0 = 0; m0 < M; m0 += row_block) {
-    const int64_t m1 = std::min(M, m0 + row_block);
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += row_block) {
+    const int64_t m1 = std::min(m_end, m0 + row_block);
     for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
       const W* panels[NP];
       tile_panels(tile, panels);
@@ -320,15 +320,47 @@ inline void panel_tiles(const float* x, int64_t x_stride, int64_t M, int64_t K,
   }
 }
 
-// Tiles per parallel chunk, so that a chunk takes several microseconds (claiming one and
-// waking a thread for it costs about one), estimated from the weight bytes it streams
-// (about 20 per ns on one core) and the multiply-adds it does (about 64 per ns).
+// How long a tile of `panels` panels takes against M rows of K inputs, in ns, estimated
+// from the weight bytes it streams (about 20 per ns on one core) and the multiply-adds it
+// does (about 64 per ns).
 template <typename W>
-inline int64_t tiles_grain(int64_t K, int64_t M, int64_t panels_per_tile) {
+inline double tile_ns(int64_t K, int64_t M, int64_t panels) {
+  const double weights = static_cast<double>(panels * kPanelWidth * K);
+  return std::max(weights * sizeof(W) / 20, weights * M / 64);
+}
+
+// body(m_begin, m_end, tile_begin, tile_end) over `tiles` tiles of `panels` panels each
+// against all M rows of K inputs, in parallel. Threads split the tiles, so each streams
+// its own slice of the weights once for all the step's rows (decode: every sequence at
+// once). Where the tiles are fewer than the pool's chunks and the rows many (a prefill
+// through a narrow matrix: stories260K's qkv is 4 tiles, o_proj and down 2), the rows are
+// cut into slices too, else the loop has one chunk a tile and most threads wait: its
+// prefill's qkv ran as fast on two threads as on one. A chunk takes several microseconds
+// (claiming one and waking a thread for it costs about one).
+template <typename W, typename Body>
+inline void parallel_tiles(int64_t tiles, int64_t M, int64_t K, int64_t panels,
+                           const Body& body) {
   constexpr double kMinChunkNs = 8000;
-  const double weights = static_cast<double>(panels_per_tile * kPanelWidth * K);
-  const double tile_ns = std::max(weights * sizeof(W) / 20, weights * M / 64);
-  return std::max<int64_t>(1, static_cast<int64_t>(kMinChunkNs / tile_ns));
+  const int64_t row_tiles = (M + kTileRows - 1) / kTileRows;
+  int64_t slices = 1;
+  if (tiles < max_chunks()) {
+    const int64_t by_work = static_cast<int64_t>(tile_ns<W>(K, M, panels) / kMinChunkNs);
+    slices = std::clamp<int64_t>((max_chunks() + tiles - 1) / tiles, 1,
+                                 std::max<int64_t>(1, std::min(row_tiles, by_work)));
+  }
+  const int64_t slice_rows = (row_tiles + slices - 1) / slices * kTileRows;
+  slices = (M + slice_rows - 1) / slice_rows;
+  const int64_t grain = std::max<int64_t>(
+      1, static_cast<int64_t>(kMinChunkNs / tile_ns<W>(K, slice_rows, panels)));
+  // Items slice by slice, so a chunk's tiles reuse its rows of x from the cache.
+  parallel_for(0, slices * tiles, grain, [&](int64_t begin, int64_t end) {
+    while (begin < end) {
+      const int64_t slice = begin / tiles, tile = begin % tiles;
+      const int64_t tile_end = std::min(tiles, tile + (end - begin));
+      body(slice * slice_rows, std::min(M, (slice + 1) * slice_rows), tile, tile_end);
+      begin += tile_end - tile;
+    }
+  });
 }
 
 // Lanes (i + Shift) mod L of v.
@@ -371,17 +403,21 @@ class RowArgmax {
   // ids: int64 [rows] to fill (finish); null: no argmax wanted, and scan does nothing.
   RowArgmax(int64_t* ids, int64_t rows) : ids_(ids), rows_(ids ? rows : 0), best_(rows_) {}
 
-  // Columns [n_begin, n_end) of every row of out were just written by this thread.
+  // Columns [n_begin, n_end) of rows [m_begin, m_end) of out were just written by this
+  // thread.
   template <typename Out>
-  void scan(const Out* out, int64_t out_stride, int64_t n_begin, int64_t n_end) {
-    if (rows_ == 0 || n_begin >= n_end) return;
-    std::vector<Best> found(rows_);
-    for (int64_t m = 0; m < rows_; ++m) {
-      found[m] = segment_best(out + m * out_stride, n_begin, n_end);
+  void scan(const Out* out, int64_t out_stride, int64_t m_begin, int64_t m_end,
+            int64_t n_begin, int64_t n_end) {
+    m_end = std::min(m_end, rows_);
+    if (m_begin >= m_end || n_begin >= n_end) return;
+    std::vector<Best> found(m_end - m_begin);
+    for (int64_t m = m_begin; m < m_end; ++m) {
+      found[m - m_begin] = segment_best(out + m * out_stride, n_begin, n_end);
     }
     std::lock_guard<std::mutex> lock(mutex_);
-    for (int64_t m = 0; m < rows_; ++m) {
-      if (best_[m].index < 0 || better(found[m], best_[m])) best_[m] = found[m];
+    for (int64_t m = m_begin; m < m_end; ++m) {
+      const Best& mine = found[m - m_begin];
+      if (best_[m].index < 0 || better(mine, best_[m])) best_[m] = mine;
     }
   }
 
@@ -490,10 +526,13 @@ void linear_rows(Out* out, int64_t out_stride, const float* x, int64_t x_stride,
   };
   RowArgmax row_argmax(argmax, M);
   const int64_t tile_width = kTilePanels * kPanelWidth;
+  // Whole tiles of kTilePanels panels, and the panels left over as one tile of its own.
   const int64_t full_tiles = num_panels / kTilePanels;
-  parallel_for(0, full_tiles, tiles_grain<W>(K, M, kTilePanels), [&](int64_t begin, int64_t end) {
+  const int64_t tiles = (num_panels + kTilePanels - 1) / kTilePanels;
+  parallel_tiles<W>(tiles, M, K, kTilePanels, [&](int64_t m_begin, int64_t m_end,
+                                                  int64_t tile_begin, int64_t tile_end) {
     panel_tiles<kTilePanels, W>(
-        x, x_stride, M, K, begin, end,
+        x, x_stride, m_begin, m_end, K, tile_begin, std::min(tile_end, full_tiles),
         [&](int64_t tile, const W*(&panels)[kTilePanels]) {
           for (int p = 0; p < kTilePanels; ++p) {
             panels[p] = packed + (tile * kTilePanels + p) * panel_elems;
@@ -502,19 +541,18 @@ void linear_rows(Out* out, int64_t out_stride, const float* x, int64_t x_stride,
         [&](int64_t m, int64_t tile, const float(&sums)[kTilePanels * kPanelWidth]) {
           store(m, tile * kTilePanels, sums, kTilePanels);
         });
-    row_argmax.scan(out, out_stride, begin * tile_width, std::min(N, end * tile_width));
+    if (tile_end > full_tiles) {
+      panel_tiles<1, W>(
+          x, x_stride, m_begin, m_end, K, full_tiles * kTilePanels, num_panels,
+          [&](int64_t panel, const W*(&panels)[1]) { panels[0] = packed + panel * panel_elems; },
+          [&](int64_t m, int64_t panel, const float(&sums)[kPanelWidth]) {
+            store(m, panel, sums, 1);
+          });
+    }
+    row_argmax.scan(out, out_stride, m_begin, m_end, tile_begin * tile_width,
+                    std::min(N, tile_end * tile_width));
   });
-  // The panels left over, one at a time.
-  panel_tiles<1, W>(
-      x, x_stride, M, K, full_tiles * kTilePanels, num_panels,
-      [&](int64_t panel, const W*(&panels)[1]) { panels[0] = packed + panel * panel_elems; },
-      [&](int64_t m, int64_t panel, const float(&sums)[kPanelWidth]) {
-        store(m, panel, sums, 1);
-      });
-  if (argmax) {
-    row_argmax.scan(out, out_stride, std::min(N, full_tiles * tile_width), N);
-    row_argmax.finish();
-  }
+  if (argmax) row_argmax.finish();
 }
 
 // out[m, j] = silu(x[m] . gate[j]) * (x[m] . up[j]) for j < I, from gate_up packed in two
@@ -527,9 +565,10 @@ void linear_silu_mul_rows(Out* out, int64_t out_stride, const float* x, int64_t 
                           const float* scale) {
   const int64_t panel_elems = K * kPanelWidth;
   const int64_t group_panels = (I + kPanelWidth - 1) / kPanelWidth;
-  parallel_for(0, group_panels, tiles_grain<W>(K, M, 2), [&](int64_t begin, int64_t end) {
+  parallel_tiles<W>(group_panels, M, K, 2, [&](int64_t m_begin, int64_t m_end,
+                                                int64_t tile_begin, int64_t tile_end) {
     panel_tiles<2, W>(
-        x, x_stride, M, K, begin, end,
+        x, x_stride, m_begin, m_end, K, tile_begin, tile_end,
         [&](int64_t panel, const W*(&panels)[2]) {
           panels[0] = packed + panel * panel_elems;
           panels[1] = packed + (group_panels + panel) * panel_elems;
@@ -569,7 +608,11 @@ template <typename scalar_t>
 void rms_norm_rows(scalar_t* out, int64_t out_stride, const scalar_t* x, int64_t x_stride,
                    scalar_t* residual, int64_t residual_stride, const scalar_t* weight,
                    int64_t rows, int64_t dim, float eps) {
-  parallel_for(0, rows, grain_for(dim), [&](int64_t begin, int64_t end) {
+  // A row's dependent steps (its sum's reduction, the square root, the division) cost
+  // about as much as a few hundred elements' arithmetic: a decode step's 256 rows of 64
+  // are work for two threads, not one.
+  constexpr int64_t kRowSteps = 512;
+  parallel_for(0, rows, grain_for(dim + kRowSteps), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* in = x + r * x_stride;
       if (residual != nullptr) {

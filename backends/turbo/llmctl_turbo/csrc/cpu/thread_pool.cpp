@@ -73,6 +73,8 @@ class ThreadPool {
     return num_threads_;
   }
 
+  int64_t max_chunks() { return num_threads() * kChunksPerThread; }
+
   void set_num_threads(int threads) {
     TORCH_CHECK(threads >= 1, "the CPU thread count must be at least 1, got ", threads);
     TORCH_CHECK(!inside_loop, "cannot change the CPU thread count inside a parallel loop");
@@ -87,7 +89,7 @@ class ThreadPool {
     ensure_started();
     const int64_t most_chunks = (items + std::max<int64_t>(grain, 1) - 1) / std::max<int64_t>(grain, 1);
     // At most kChunksPerThread per thread (thread counts are far below the cursor's 2^16).
-    int64_t num_chunks = std::min<int64_t>(most_chunks, num_threads_ * kChunksPerThread);
+    int64_t num_chunks = std::min<int64_t>(most_chunks, max_chunks());
     // Serial: nothing to split, one thread, a nested loop, or another caller already
     // using the pool (two engines in one process).
     std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
@@ -246,6 +248,8 @@ ThreadPool& pool() {
 int num_threads() { return pool().num_threads(); }
 
 void set_num_threads(int threads) { pool().set_num_threads(threads); }
+
+int64_t max_chunks() { return pool().max_chunks(); }
 
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const RangeFn& fn) {
   pool().parallel_for(begin, end, grain, fn);

@@ -37,6 +37,9 @@ class RangeFn {
 int num_threads();
 // Sets the thread count (>= 1), starting or stopping workers; not while a loop runs.
 void set_num_threads(int threads);
+// The most chunks parallel_for cuts a loop into (a few per thread): a caller with too few
+// natural items to fill them can cut its work finer.
+int64_t max_chunks();
 
 // Calls fn(begin, end) on consecutive ranges covering [begin, end), in parallel when the
 // loop is worth it: ranges hold at least `grain` items (all in one call when the whole
