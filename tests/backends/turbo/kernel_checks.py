@@ -88,7 +88,9 @@ def check_prefill(run: Run, turbo_ops, block_size, dtype, heads, kv_heads, head_
     torch.testing.assert_close(out, cpu_out, **TOLERANCE[dtype])
 
 
-def check_rotary_and_write_kv(run: Run, turbo_ops, dtype, block_size=32, seed=0):
+def check_rotary_and_write_kv(
+    run: Run, turbo_ops, dtype, block_size=32, seed=0, tokens=21, num_blocks=4
+):
     """``run(positions, q, k, v, cos_sin, k_cache, v_cache, slots)`` rotates q and k in
     place and writes the rotated k and v to the cache; q, k and v are strided column
     views of one fused qkv buffer, as in the native step, and one slot is -1 (skipped)."""
@@ -97,7 +99,7 @@ def check_rotary_and_write_kv(run: Run, turbo_ops, dtype, block_size=32, seed=0)
     from llmctl.engine.rope import rope_inv_freq
 
     generator = torch.Generator().manual_seed(seed)
-    heads, kv_heads, head_dim, tokens, num_blocks = 8, 2, 64, 21, 4
+    heads, kv_heads, head_dim = 8, 2, 64
     frequencies = rope_inv_freq(head_dim, 10000.0, None)
     table = cos_sin_cache(frequencies, 512)
     widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]

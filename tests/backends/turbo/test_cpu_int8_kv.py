@@ -31,8 +31,12 @@ BLOCK_SIZES = [16, 32, 64]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [8, 64])
-def test_write_kv_cache_int8_holds_quantize_kv_bytes(turbo_ops, isa, dtype, head_dim):
-    check_int8_write(turbo_ops.write_kv_cache, dtype, 2, head_dim, 16, 7, 50, seed=head_dim)
+@pytest.mark.parametrize("tokens", [50, 3000])  # 3000: a prompt's write, in several chunks
+def test_write_kv_cache_int8_holds_quantize_kv_bytes(turbo_ops, isa, dtype, head_dim, tokens):
+    num_blocks = tokens // 16 + 7
+    check_int8_write(
+        turbo_ops.write_kv_cache, dtype, 2, head_dim, 16, num_blocks, tokens, seed=head_dim
+    )
 
 
 def test_rotary_embedding_and_write_kv_quantizes_the_rotated_key(turbo_ops):

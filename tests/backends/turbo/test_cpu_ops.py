@@ -294,8 +294,12 @@ def test_errors_name_the_argument_and_the_rule(turbo_ops):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rotary_embedding_and_write_kv_is_rotary_then_write(turbo_ops, dtype):
-    """The op the CUDA step fuses; on the CPU it runs the two kernels in turn."""
+@pytest.mark.parametrize("tokens", [21, 600])
+def test_rotary_embedding_and_write_kv_is_rotary_then_write(turbo_ops, dtype, tokens):
+    """The op the CUDA step fuses; on the CPU one parallel loop over the tokens does both
+    (600 tokens: several chunks, on every thread)."""
     from tests.backends.turbo.kernel_checks import check_rotary_and_write_kv
 
-    check_rotary_and_write_kv(turbo_ops.rotary_embedding_and_write_kv, turbo_ops, dtype)
+    check_rotary_and_write_kv(
+        turbo_ops.rotary_embedding_and_write_kv, turbo_ops, dtype, tokens=tokens, num_blocks=24
+    )

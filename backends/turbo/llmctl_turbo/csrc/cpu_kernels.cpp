@@ -398,6 +398,15 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
                       v_scale);
 }
 
+void rotary_embedding_and_write_kv(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
+                                   const at::Tensor& v, const at::Tensor& cos_sin_cache,
+                                   at::Tensor& k_cache, at::Tensor& v_cache,
+                                   const at::Tensor& slot_mapping, const at::Tensor& k_scale,
+                                   const at::Tensor& v_scale) {
+  TURBO_ON_ACTIVE_ISA(rotary_embedding_and_write_kv, positions, q, k, v, cos_sin_cache, k_cache,
+                      v_cache, slot_mapping, k_scale, v_scale);
+}
+
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,

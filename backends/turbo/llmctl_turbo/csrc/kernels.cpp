@@ -186,8 +186,9 @@ void rotary_embedding_and_write_kv(const at::Tensor& positions, at::Tensor& q, a
     return;
   }
 #endif
-  rotary_embedding(positions, q, k, cos_sin_cache);
-  write_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale);
+  check_cuda_built(q);
+  cpu::rotary_embedding_and_write_kv(positions, q, k, v, cos_sin_cache, k_cache, v_cache,
+                                     slot_mapping, k_scale, v_scale);
 }
 
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,

@@ -109,7 +109,8 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& 
                     at::Tensor& v_cache, const at::Tensor& slot_mapping,
                     const at::Tensor& k_scale, const at::Tensor& v_scale);
 
-// rotary_embedding, then write_kv_cache of the rotated k and of v: one kernel on CUDA.
+// rotary_embedding, then write_kv_cache of the rotated k and of v: one kernel on CUDA, one
+// parallel loop over the tokens on the CPU.
 void rotary_embedding_and_write_kv(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
                                    const at::Tensor& v, const at::Tensor& cos_sin_cache,
                                    at::Tensor& k_cache, at::Tensor& v_cache,
@@ -183,6 +184,11 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up);
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
                     at::Tensor& v_cache, const at::Tensor& slot_mapping,
                     const at::Tensor& k_scale, const at::Tensor& v_scale);
+void rotary_embedding_and_write_kv(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
+                                   const at::Tensor& v, const at::Tensor& cos_sin_cache,
+                                   at::Tensor& k_cache, at::Tensor& v_cache,
+                                   const at::Tensor& slot_mapping, const at::Tensor& k_scale,
+                                   const at::Tensor& v_scale);
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables,
                      const at::Tensor& query_start_loc, const at::Tensor& context_lens,

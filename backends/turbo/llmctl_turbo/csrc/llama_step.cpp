@@ -13,6 +13,7 @@
 #include <optional>
 
 #include "checks.h"
+#include "cpu/thread_pool.h"
 #include "kernels.h"
 
 namespace turbo {
@@ -23,6 +24,10 @@ constexpr int64_t kHeadWeights = 3;
 constexpr int64_t kLayerWeights = 12;
 // Number of tensors per layer in `lora_weights`.
 constexpr int64_t kLoraWeights = 8;
+// Multiply-adds of a CPU step worth waking the workers for: about kWakeChunks (8) chunks
+// of 8 µs at 64 multiply-adds a ns, the size at which its products' own parallel loops
+// would wake them (cpu/thread_pool.cpp, cpu/row_kernels.h).
+constexpr int64_t kWakeMacs = 4'000'000;
 
 // Checks that the prepared weights fit together, once per call (cheap: shapes only).
 void check_weights(at::TensorList weights, int64_t num_layers, int64_t hidden,
@@ -177,6 +182,14 @@ at::Tensor llama_step(const at::Tensor& input_ids, const at::Tensor& positions,
   check_token_ids(input_ids, vocab);
 
   const int64_t intermediate = linear_in_features(weights[kHeadWeights + 7]);
+  // Between steps the CPU workers sleep (the engine's host work outlasts their polling).
+  // A step whose products are work for several threads wakes them now, so that they are
+  // up by its first layer's products, not a few loops later. A smaller one (a few
+  // sequences of a tiny model) runs on this thread, as its loops would anyway: a woken
+  // worker beside a busy neighbour can be descheduled holding a chunk the step waits for.
+  const int64_t step_macs =
+      num_tokens * num_layers * hidden * (qkv_width + q_width + 3 * intermediate);
+  if (like.is_cpu() && step_macs >= kWakeMacs) cpu::wake_workers();
   // LoRA adapters: applied when the step has tiles of adapted tokens (CPU) or per-token
   // slots (CUDA).
   const bool lora_tiled = lora_tiles.has_value() && lora_tiles->numel() > 0;

@@ -134,25 +134,60 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& gate_up) {
   });
 }
 
-// An int8 cache (kv_cache_dtype=int8) comes with its scales; a float one with none.
+// k and v of tokens [begin, end) written to their slots, on this thread. An int8 cache
+// (kv_cache_dtype=int8) comes with its scales; a float one with none.
+template <typename scalar_t>
+void write_kv_tokens(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
+                     at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                     const at::Tensor& k_scale, const at::Tensor& v_scale, int64_t begin,
+                     int64_t end) {
+  const scalar_t* k = key.data_ptr<scalar_t>() + begin * key.stride(0);
+  const scalar_t* v = value.data_ptr<scalar_t>() + begin * value.stride(0);
+  const int32_t* slots = slot_mapping.data_ptr<int32_t>() + begin;
+  if (k_cache.scalar_type() == at::kChar) {
+    write_kv_rows_int8<scalar_t>(k, key.stride(0), v, value.stride(0),
+                                 k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
+                                 k_scale.data_ptr<float>(), v_scale.data_ptr<float>(), slots,
+                                 end - begin, key.size(1), key.size(2));
+  } else {
+    write_kv_rows<scalar_t>(k, key.stride(0), v, value.stride(0), k_cache.data_ptr<scalar_t>(),
+                            v_cache.data_ptr<scalar_t>(), slots, end - begin,
+                            key.size(1) * key.size(2));
+  }
+}
+
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache,
                     at::Tensor& v_cache, const at::Tensor& slot_mapping,
                     const at::Tensor& k_scale, const at::Tensor& v_scale) {
   TURBO_DISPATCH_FLOAT_TYPES(key.scalar_type(), "write_kv_cache", [&] {
-    if (k_cache.scalar_type() == at::kChar) {
-      write_kv_rows_int8<scalar_t>(key.data_ptr<scalar_t>(), key.stride(0),
-                                   value.data_ptr<scalar_t>(), value.stride(0),
-                                   k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(),
-                                   k_scale.data_ptr<float>(), v_scale.data_ptr<float>(),
-                                   slot_mapping.data_ptr<int32_t>(), key.size(0), key.size(1),
-                                   key.size(2));
-    } else {
-      write_kv_rows<scalar_t>(key.data_ptr<scalar_t>(), key.stride(0),
-                              value.data_ptr<scalar_t>(), value.stride(0),
-                              k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                              slot_mapping.data_ptr<int32_t>(), key.size(0),
-                              key.size(1) * key.size(2));
-    }
+    const int64_t work = 2 * key.size(1) * key.size(2);
+    parallel_for(0, key.size(0), grain_for(work), [&](int64_t begin, int64_t end) {
+      write_kv_tokens<scalar_t>(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale,
+                                begin, end);
+    });
+  });
+}
+
+// rotary_embedding, then write_kv_cache of the rotated k and of v, in one parallel loop
+// over the tokens: a prompt's thousands of rows are split across the threads, where a
+// serial write kept the other thread waiting long enough to fall asleep.
+void rotary_embedding_and_write_kv(const at::Tensor& positions, at::Tensor& q, at::Tensor& k,
+                                   const at::Tensor& v, const at::Tensor& cos_sin_cache,
+                                   at::Tensor& k_cache, at::Tensor& v_cache,
+                                   const at::Tensor& slot_mapping, const at::Tensor& k_scale,
+                                   const at::Tensor& v_scale) {
+  TURBO_DISPATCH_FLOAT_TYPES(q.scalar_type(), "rotary_embedding_and_write_kv", [&] {
+    const int64_t work = (q.size(1) + 2 * k.size(1)) * q.size(2);
+    parallel_for(0, q.size(0), grain_for(work), [&](int64_t begin, int64_t end) {
+      // rotary_rows' own parallel loop runs on this thread, nested.
+      rotary_rows<scalar_t>(positions.data_ptr<int32_t>() + begin,
+                            q.data_ptr<scalar_t>() + begin * q.stride(0), q.stride(0),
+                            q.size(1), k.data_ptr<scalar_t>() + begin * k.stride(0),
+                            k.stride(0), k.size(1), cos_sin_cache.data_ptr<float>(),
+                            end - begin, q.size(2));
+      write_kv_tokens<scalar_t>(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale, begin,
+                                end);
+    });
   });
 }
 

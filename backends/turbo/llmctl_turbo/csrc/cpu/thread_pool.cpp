@@ -83,6 +83,17 @@ class ThreadPool {
     start_workers(threads);
   }
 
+  void wake_workers() {
+    ensure_started();
+    // Only while no loop runs: a new generation mid-loop would hide the next loop's
+    // generation from workers that saw this one.
+    std::unique_lock<std::mutex> lock(busy_, std::try_to_lock);
+    if (!lock.owns_lock() || inside_loop || sleepers_.load(std::memory_order_seq_cst) == 0) return;
+    // A generation without a loop: its cursors are stale, so a worker claims nothing.
+    generation_.fetch_add(1, std::memory_order_seq_cst);
+    generation_.notify_all();
+  }
+
   void parallel_for(int64_t begin, int64_t end, int64_t grain, const RangeFn& fn) {
     const int64_t items = end - begin;
     if (items <= 0) return;
@@ -250,6 +261,8 @@ int num_threads() { return pool().num_threads(); }
 void set_num_threads(int threads) { pool().set_num_threads(threads); }
 
 int64_t max_chunks() { return pool().max_chunks(); }
+
+void wake_workers() { pool().wake_workers(); }
 
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const RangeFn& fn) {
   pool().parallel_for(begin, end, grain, fn);

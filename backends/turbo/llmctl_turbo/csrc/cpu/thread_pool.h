@@ -41,6 +41,12 @@ void set_num_threads(int threads);
 // natural items to fill them can cut its work finer.
 int64_t max_chunks();
 
+// Wakes sleeping workers without a loop for them (they poll again, then sleep): a caller
+// about to run many loops (a model step) calls it first, so that the workers are awake by
+// the first loop that needs them. A wake takes tens of microseconds, and a loop too small
+// to wake them (kWakeChunks) would run on the caller alone.
+void wake_workers();
+
 // Calls fn(begin, end) on consecutive ranges covering [begin, end), in parallel when the
 // loop is worth it: ranges hold at least `grain` items (all in one call when the whole
 // loop has fewer). Returns when every range is done. Inside a parallel loop, a nested
