@@ -462,10 +462,8 @@ class LLMEngine:
             all_token_ids.append(token_id)
             if caching and seq.num_computed_tokens // block_size > len(seq.block_hashes):
                 self.scheduler.cache_full_blocks(seq)
-            detokenizer = seq.detokenizer
-            num_prompt = seq.num_prompt_tokens
-            num_output = len(all_token_ids) - num_prompt
-            texts = detokenizer.plain_texts
+            num_output = len(all_token_ids) - seq.num_prompt_tokens
+            texts = seq.detokenizer.plain_texts
             if (
                 texts is not None
                 and token_id < len(texts)
@@ -482,24 +480,23 @@ class LLMEngine:
                     reason = "length" if num_output >= seq.max_tokens else None
             else:
                 reason = finish_reason(
-                    token_id, num_output, seq.sampling, seq.stop_token_ids, detokenizer
+                    token_id, num_output, seq.sampling, seq.stop_token_ids, seq.detokenizer
                 )
                 if seq.grammar is not None:
                     reason = self._advance_grammar(seq, token_id, reason)
-                text = detokenizer.take_new_text(reason is not None)
-            done = reason is not None
+                text = seq.detokenizer.take_new_text(reason is not None)
             sampled_token = logprobs.get(row) if logprobs else None
+            interval = seq.stream_interval
+            if interval > 1 and reason is None and num_output > 1 and num_output % interval:
+                seq.unsent_texts.append(text)  # no output object for this token
+                if sampled_token is not None:
+                    seq.unsent_logprobs.append(self._token_logprob(sampled_token))
+                continue
             token_logprobs = None if sampled_token is None else [self._token_logprob(sampled_token)]
             new_token_ids = None
-            interval = seq.stream_interval
-            if interval > 1:
-                if not done and num_output > 1 and num_output % interval:
-                    seq.unsent_texts.append(text)  # no output object for this token
-                    if token_logprobs is not None:
-                        seq.unsent_logprobs += token_logprobs
-                    continue
-                if seq.unsent_texts:
-                    text, new_token_ids, token_logprobs = seq.take_unsent(text, 1, token_logprobs)
+            if seq.unsent_texts:  # a stream_interval held tokens back: they go out with it
+                text, new_token_ids, token_logprobs = seq.take_unsent(text, 1, token_logprobs)
+            done = reason is not None
             # Positional: keyword arguments make this dataclass' __init__ three times
             # slower, and this runs once per sequence per step.
             outputs.append(
@@ -507,7 +504,7 @@ class LLMEngine:
                     seq.request_id,
                     text,
                     new_token_ids or [token_id],
-                    num_prompt,
+                    seq.num_prompt_tokens,
                     num_output,
                     done,
                     reason,
