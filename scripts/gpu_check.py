@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import importlib.util
 import os
 import platform
 import shlex
@@ -57,6 +58,7 @@ E2E_TESTS = "tests/backends/torch/test_triton_e2e.py"
 
 GOAL = dict(block_size=64, batch=64, context=4096, fraction=0.70)
 TURBO_GOAL_GBS = 3500.0  # turbo's decode at the GOAL point
+PYTEST_WORKERS = 4  # with pytest-xdist installed (the GPU machine's image has it)
 # turbo "no slower than Triton": ratios within this of 1 are timing noise.
 NOISE = 0.03
 
@@ -163,13 +165,18 @@ def main() -> int:
             text = f"## {name}\n\n**ERROR**\n\n```\n{traceback.format_exc()[-4000:]}\n```\n"
         ok &= passed
         sections.append(text)
+        # After every part: a run cut off by its lease's limit still leaves its report.
+        write_report(output, sections, "(report so far: the run is still going)\n")
 
-    sections.append(f"Total time: {time.monotonic() - start:.0f} s.\n")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text("\n".join(sections))
+    write_report(output, sections, f"Total time: {time.monotonic() - start:.0f} s.\n")
     print(f"report written to {output}")
     print("all checks passed" if ok else "SOME CHECKS FAILED (see the report)")
     return 0 if ok else 1
+
+
+def write_report(output: Path, sections: list[str], footer: str) -> None:
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text("\n".join([*sections, footer]))
 
 
 def default_output(dry_run: bool) -> Path:
@@ -223,6 +230,8 @@ def run_pytest(title: str, selection: list[str], tail_lines: int = 25) -> tuple[
     """pytest on ``selection`` in a child process (compiled kernels, see ``child_env``):
     whether it passed, and a report section with the command and the log's tail."""
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection]
+    if importlib.util.find_spec("xdist"):  # Triton's compiles are CPU work: spread them
+        command[3:3] = ["-n", str(PYTEST_WORKERS)]
     started = time.monotonic()
     try:
         done = subprocess.run(

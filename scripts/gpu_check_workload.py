@@ -63,7 +63,7 @@ def recording_steps(log: StepLog, device: str, mark_steps: bool = False):
     original_step = LLMEngine.step
     current: dict = {}
 
-    def step(self):
+    def step(self, before_model=None):
         runner = self.runner
         if "execute" not in vars(runner):  # wrap this engine's runner once
             execute = runner.execute
@@ -82,9 +82,9 @@ def recording_steps(log: StepLog, device: str, mark_steps: bool = False):
         started = time.perf_counter()
         if mark_steps:
             with torch.profiler.record_function("llmctl_step"):
-                outputs = original_step(self)
+                outputs = original_step(self, before_model)
         else:
-            outputs = original_step(self)
+            outputs = original_step(self, before_model)
         log.steps.append(  # every step, so the log lines up with the profiled ranges
             (time.perf_counter() - started, current.get("model_s", 0.0),
              current.get("seqs", 0), current.get("decode", False))
