@@ -15,5 +15,6 @@ python3 -c "from llmctl_turbo.build import load_ops; load_ops()" >"$OUT/turbo_bu
 timeout "${GPU_CHECK_TIMEOUT:-530}" python3 scripts/gpu_check.py --output "$OUT/gpu_check.md" \
     --time-limit "${GPU_CHECK_LIMIT:-400}" 2>&1 | tee "$OUT/log.txt"
 rc=$?
-find /root/.cache -name build.log -path "*turbo*" -exec cp {} "$OUT/turbo_build.log" \; 2>/dev/null
+cp "$(python3 -c "from llmctl_turbo.build import build_spec; print(build_spec().log)")" \
+    "$OUT/turbo_build.log" 2>/dev/null
 exit $rc

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_cpu_kernels import MATRICES, median_seconds  # this folder is on sys.path
+from bench_cpu_kernels import MATRICES, kernels, median_seconds  # this folder is on sys.path
 from llmctl_turbo.build import load_ops
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 8, 4, 64, 64
@@ -52,41 +52,32 @@ def best_of(rounds: int, repeats: int, *fns) -> list[float]:
 
 
 def product_calls(ops, layers: list, rows: int, generator: torch.Generator):
-    """(torch.mm's, turbo's) products of every layer for ``rows`` rows of inputs."""
-    x = {w.shape[1]: torch.randn(rows, w.shape[1], generator=generator) for w, _, _ in layers[0]}
-    out = {w.shape[0]: torch.empty(rows, w.shape[0] // (2 if f else 1)) for w, _, f in layers[0]}
-    none = torch.empty(0)
-
-    def turbo() -> None:
-        for layer in layers:
-            for weight, packed, fused in layer:
-                inputs, result = x[weight.shape[1]], out[weight.shape[0]]
-                if fused:
-                    ops.linear_silu_mul(result, inputs, packed)
-                else:
-                    ops.linear(result, inputs, packed, none)
+    """(torch.mm's, turbo's) products of every layer for ``rows`` rows of inputs: each
+    matrix's pair from ``bench_cpu_kernels.kernels``."""
+    x = {w.shape[1]: torch.randn(rows, w.shape[1], generator=generator) for w, _ in layers[0]}
+    calls = [kernels(ops, w, x[w.shape[1]], fused)[:2] for layer in layers for w, fused in layer]
 
     def aten() -> None:
-        for layer in layers:
-            for weight, _, fused in layer:
-                product = torch.mm(x[weight.shape[1]], weight.t())
-                if fused:
-                    gate, up = product.chunk(2, dim=-1)
-                    torch.nn.functional.silu(gate) * up
+        for aten_call, _ in calls:
+            aten_call()
+
+    def turbo() -> None:
+        for _, turbo_call in calls:
+            turbo_call()
 
     return aten, turbo
 
 
 def products(ops, rows_list: list[int], rounds: int, repeats: int) -> None:
     generator = torch.Generator().manual_seed(0)
-    layers = []
-    for _ in range(LAYERS):
-        layer = []
-        for out_features, in_features, fused in MATRICES.values():
-            weight = torch.randn(out_features, in_features, generator=generator) / 16
-            layer.append((weight, ops.pack_linear_weight(weight, 2 if fused else 1), fused))
-        layers.append(layer)
-    weights = sum(w.numel() for layer in layers for w, _, _ in layer)
+    layers = [
+        [
+            (torch.randn(out_features, in_features, generator=generator) / 16, fused)
+            for out_features, in_features, fused in MATRICES.values()
+        ]
+        for _ in range(LAYERS)
+    ]
+    weights = sum(w.numel() for layer in layers for w, _ in layer)
     print(f"\n{LAYERS} layers' products: {weights * 4 / 1e6:.0f} MB of fp32 weights a step")
     print("\n| rows | torch.mm GFLOP/s | turbo GFLOP/s | turbo / torch.mm |\n|---|---|---|---|")
     for rows in rows_list:
