@@ -130,8 +130,8 @@ inline void reduce_add4(Vec a, Vec b, Vec c, Vec d, float (&sums)[4]) {
   }
 }
 
-// Floats in a 64-byte cache line, and a float buffer whose start is on one.
-constexpr int64_t kLineFloats = 16;
+// Bytes and floats in a cache line, and a float buffer whose start is on one.
+constexpr int64_t kLineBytes = 64, kLineFloats = kLineBytes / sizeof(float);
 inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 inline float* aligned_floats(std::vector<float>& buffer, int64_t count) {
   buffer.resize(count + kLineFloats);
@@ -249,10 +249,24 @@ constexpr int kPanelVecs = kPanelWidth / kVectorWidth;  // vector registers per 
 // on them instead of streaming its weights, so it keeps several sets, one per k in turn.
 constexpr int kMinAccumulators = 8;
 
-// sums[r][j] for rows r < MR and columns j < NP * kPanelWidth of the panels `panels`.
+// Cache lines of the next tile's panels that a tile asks for while it computes (see
+// panel_tiles): lines [first, first + count) of each of `panels`; none where count is 0.
+template <int NP>
+struct PanelLines {
+  const char* panels[NP];
+  int64_t first = 0, count = 0;
+
+  // Line `line` of each panel into L2 (prefetcht1), not L1, which holds this tile's.
+  __attribute__((always_inline)) void ask(int64_t line) const {
+    for (int p = 0; p < NP; ++p) __builtin_prefetch(panels[p] + line * kLineBytes, 0, 2);
+  }
+};
+
+// sums[r][j] for rows r < MR and columns j < NP * kPanelWidth of the panels `panels`,
+// asking for ahead's lines on the way.
 template <int MR, int NP, typename W>
 inline void panel_tile(const float* x, int64_t x_stride, const W* const (&panels)[NP], int64_t K,
-                       float (&sums)[MR][NP * kPanelWidth]) {
+                       float (&sums)[MR][NP * kPanelWidth], const PanelLines<NP>& ahead) {
   constexpr int kAccumulators = MR * NP * kPanelVecs;
   constexpr int kChains = std::max(1, kMinAccumulators / kAccumulators);
   FloatVec acc[kChains][MR][NP * kPanelVecs] = {};
@@ -268,11 +282,18 @@ inline void panel_tile(const float* x, int64_t x_stride, const W* const (&panels
       for (int j = 0; j < NP * kPanelVecs; ++j) a[r][j] += w[j] * xr;
     }
   };
+  // ahead's lines spread evenly over the k loop: `owed` counts in 1/K lines.
+  int64_t line = ahead.first, owed = 0;
+  const int64_t end_line = ahead.first + ahead.count;
   int64_t k = 0;
   for (; k + kChains <= K; k += kChains) {
     for (int c = 0; c < kChains; ++c) step(acc[c], k + c);
+    for (owed += ahead.count * kChains; owed >= K && line < end_line; owed -= K) {
+      ahead.ask(line++);
+    }
   }
   for (; k < K; ++k) step(acc[0], k);
+  while (line < end_line) ahead.ask(line++);
   for (int r = 0; r < MR; ++r) {
     for (int j = 0; j < NP * kPanelVecs; ++j) {
       for (int c = 1; c < kChains; ++c) acc[0][r][j] += acc[c][r][j];
@@ -282,24 +303,37 @@ inline void panel_tile(const float* x, int64_t x_stride, const W* const (&panels
 }
 
 // Rows [m_begin, m_end) of x against the NP panels, MR rows at a time (then fewer):
-// store(row, sums) per row.
+// store(row, sums) per row. Each row tile asks for its share of ahead's lines.
 template <int MR, int NP, typename W, typename Store>
 inline void rows_against_panels(const float* x, int64_t x_stride, int64_t m_begin,
                                 int64_t m_end, int64_t K, const W* const (&panels)[NP],
-                                const Store& store) {
+                                const Store& store, PanelLines<NP> ahead) {
   int64_t m = m_begin;
+  const int64_t row_tiles = (m_end - m_begin + MR - 1) / MR;
+  const int64_t end_line = ahead.first + ahead.count;
+  const int64_t per_tile = (ahead.count + row_tiles - 1) / row_tiles;
   for (; m + MR <= m_end; m += MR) {
     float sums[MR][NP * kPanelWidth];
-    panel_tile<MR, NP>(x + m * x_stride, x_stride, panels, K, sums);
+    ahead.count = std::min(per_tile, end_line - ahead.first);
+    panel_tile<MR, NP>(x + m * x_stride, x_stride, panels, K, sums, ahead);
+    ahead.first += ahead.count;
     for (int r = 0; r < MR; ++r) store(m + r, sums[r]);
   }
   if constexpr (MR > 1) {
-    if (m < m_end) rows_against_panels<MR - 1, NP>(x, x_stride, m, m_end, K, panels, store);
+    ahead.count = end_line - ahead.first;
+    if (m < m_end) {
+      rows_against_panels<MR - 1, NP>(x, x_stride, m, m_end, K, panels, store, ahead);
+    }
   }
 }
 
 // Tiles [tile_begin, tile_end) of NP panels each against rows [m_begin, m_end) of x, the
 // rows in blocks that stay in L2 while a tile's panels are read from L1/L2.
+// A tile's first row tile reads its panels from memory, and its multiply-adds wait on
+// them: at a decode batch of 16-64 rows that wait cost a fifth to a quarter of the
+// products' time. So each tile asks for the next tile's panels (into L2) while its row
+// tiles compute, a share per row tile. One row tile (up to kTileRows rows) has nothing
+// to hide the fetch behind, and asking cost it 3-8 % (docs/benchmarks.md): it asks none.
 // tile_panels(tile, panels) fills a tile's panel pointers; store(m, tile, sums).
 template <int NP, typename W, typename TilePanels, typename Store>
 inline void panel_tiles(const float* x, int64_t x_stride, int64_t m_begin, int64_t m_end,
@@ -308,14 +342,23 @@ inline void panel_tiles(const float* x, int64_t x_stride, int64_t m_begin, int64
   constexpr int64_t kRowBlockBytes = 256 * 1024;
   const int64_t row_block = std::max<int64_t>(
       kTileRows, kRowBlockBytes / (K * int64_t{sizeof(float)}) / kTileRows * kTileRows);
+  const int64_t panel_bytes = K * kPanelWidth * int64_t{sizeof(W)};
+  const int64_t panel_lines = round_up(panel_bytes, kLineBytes) / kLineBytes;
   for (int64_t m0 = m_begin; m0 < m_end; m0 += row_block) {
     const int64_t m1 = std::min(m_end, m0 + row_block);
     for (int64_t tile = tile_begin; tile < tile_end; ++tile) {
       const W* panels[NP];
       tile_panels(tile, panels);
+      PanelLines<NP> ahead;
+      if (tile + 1 < tile_end && m1 - m0 > kTileRows) {
+        const W* next[NP];
+        tile_panels(tile + 1, next);
+        for (int p = 0; p < NP; ++p) ahead.panels[p] = reinterpret_cast<const char*>(next[p]);
+        ahead.count = panel_lines;
+      }
       rows_against_panels<kTileRows, NP>(
           x, x_stride, m0, m1, K, panels,
-          [&](int64_t m, const float(&sums)[NP * kPanelWidth]) { store(m, tile, sums); });
+          [&](int64_t m, const float(&sums)[NP * kPanelWidth]) { store(m, tile, sums); }, ahead);
     }
   }
 }
