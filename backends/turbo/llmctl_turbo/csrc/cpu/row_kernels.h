@@ -136,7 +136,8 @@ inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1)
 inline float* aligned_floats(std::vector<float>& buffer, int64_t count) {
   buffer.resize(count + kLineFloats);
   const auto address = reinterpret_cast<uintptr_t>(buffer.data());
-  return buffer.data() + (round_up(static_cast<int64_t>(address), 64) - address) / sizeof(float);
+  const auto aligned = static_cast<uintptr_t>(round_up(static_cast<int64_t>(address), kLineBytes));
+  return buffer.data() + (aligned - address) / sizeof(float);
 }
 
 // Elements of work below which one thread does it all: waking a thread and handing it
