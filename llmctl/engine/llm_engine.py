@@ -42,6 +42,7 @@ from llmctl.engine.speculative import Speculator
 from llmctl.engine.step_profile import StepProfile
 from llmctl.engine.transfer import to_device
 from llmctl.errors import InvalidRequest
+from llmctl.model.token_bytes import token_pieces
 from llmctl.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -126,6 +127,11 @@ class LLMEngine:
             self.speculator = Speculator(config.speculation, self.sampler, draft)
             # Proposals are read from each request's tokens, which must be on the host.
             self.overlap = False
+        # A held token's text is its table entry (``Sequence.hold_below``): its id is
+        # in the table and not among those without an entry.
+        pieces = token_pieces(tokenizer)
+        self._num_texts = len(pieces.texts) if pieces is not None else 0
+        self._untabled = pieces.untabled if pieces is not None else frozenset()
         self._in_flight: tuple[ScheduledStep, SampledBatch] | None = None
         self._seqs: dict[str, Sequence] = {}
         self._num_needing_host_tokens = 0  # requests with penalties or grammars in flight
@@ -224,6 +230,8 @@ class LLMEngine:
             seq.num_output_tokens,
             prompt_token_ids=seq.prompt_token_ids if seq.num_output_tokens == 0 else None,
         )
+        if seq.num_held_tokens:
+            seq.release_held()
         if seq.unsent_texts:  # what a stream_interval held back still goes out
             output.text, output.token_ids, output.logprobs = seq.take_unsent("", 0, None)
         return output
@@ -450,6 +458,7 @@ class LLMEngine:
         block_size = self.block_size
         finished = SequenceStatus.FINISHED
         seqs = step.seqs
+        num_texts, untabled = self._num_texts, self._untabled
         for row, (index, token_id) in enumerate(zip(step.sampled_rows(), token_ids)):
             seq = seqs[index]
             if overlap:
@@ -459,9 +468,22 @@ class LLMEngine:
             if seq.status is finished:  # aborted, or done while this step ran
                 continue
             all_token_ids = seq.token_ids
+            # Most tokens of a stream_interval's request only wait for the next output:
+            # counted, and nothing else of the request read.
+            held = (
+                len(all_token_ids) < seq.hold_below
+                and token_id < num_texts
+                and token_id not in untabled
+                and token_id not in seq.stop_token_ids
+            )
+            if not held and seq.num_held_tokens:
+                seq.release_held()
             all_token_ids.append(token_id)
             if caching and seq.num_computed_tokens // block_size > len(seq.block_hashes):
                 self.scheduler.cache_full_blocks(seq)
+            if held:
+                seq.num_held_tokens += 1
+                continue
             num_output = len(all_token_ids) - seq.num_prompt_tokens
             texts = seq.detokenizer.plain_texts
             if (
@@ -487,6 +509,17 @@ class LLMEngine:
                 text = seq.detokenizer.take_new_text(reason is not None)
             sampled_token = logprobs.get(row) if logprobs else None
             interval = seq.stream_interval
+            if (
+                interval > 1
+                and reason is None
+                and sampled_token is None
+                and seq.grammar is None
+                and seq.detokenizer.plain_texts is not None
+            ):  # hold its next tokens up to its next output while its text stays plain
+                output_due = min((num_output // interval + 1) * interval, seq.max_tokens)
+                seq.hold_below = seq.num_prompt_tokens + output_due - 1  # tokens before one
+            elif seq.hold_below:  # a character half done, say: the next token needs it all
+                seq.hold_below = 0
             if interval > 1 and reason is None and num_output > 1 and num_output % interval:
                 seq.unsent_texts.append(text)  # no output object for this token
                 if sampled_token is not None:
@@ -542,6 +575,8 @@ class LLMEngine:
             seq.proposal = []
             if seq.status is SequenceStatus.FINISHED:  # aborted while this step ran
                 continue
+            if seq.num_held_tokens:
+                seq.release_held()
             num_prompt = len(seq.prompt_token_ids)
             reason = None
             taken = 0

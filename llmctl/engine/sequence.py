@@ -8,6 +8,7 @@ strings and stop tokens behave the same on every backend."""
 from __future__ import annotations
 
 import enum
+import functools
 from typing import TYPE_CHECKING, Any
 
 from llmctl.engine.sampling_params import SamplingParams
@@ -73,6 +74,8 @@ class Sequence:
         "stream_interval",
         "unsent_texts",
         "unsent_logprobs",
+        "hold_below",
+        "num_held_tokens",
     )
 
     def __init__(
@@ -139,6 +142,14 @@ class Sequence:
         self.stream_interval = 1
         self.unsent_texts: list[str] = []
         self.unsent_logprobs: list[Any] = []
+        # The engine's short path for such held tokens (``LLMEngine._process``): while
+        # it has fewer tokens than ``hold_below`` (no output due, max_tokens not near), a
+        # new token that is no stop id and whose text is its table entry is only counted
+        # in ``num_held_tokens``; its text is read from the table when it goes out
+        # (``release_held``). The full checks set ``hold_below`` after a token, for
+        # requests without grammar or logprobs whose text is plain; 0: never held.
+        self.hold_below = 0
+        self.num_held_tokens = 0
 
     @property
     def num_tokens(self) -> int:
@@ -171,6 +182,14 @@ class Sequence:
             or params.presence_penalty
             or self.grammar is not None
         )
+
+    def release_held(self) -> None:
+        """Put the texts of the newest ``num_held_tokens`` tokens into ``unsent_texts``:
+        their table entries, the text was plain while they were held."""
+        texts = self.detokenizer.plain_texts
+        held = self.token_ids[len(self.token_ids) - self.num_held_tokens :]
+        self.unsent_texts.extend([texts[token_id] for token_id in held])
+        self.num_held_tokens = 0
 
     def take_unsent(
         self, text: str, num_new: int, logprobs: list[Any] | None
@@ -249,10 +268,15 @@ def validate_request(
 
 def stop_token_ids(sampling: SamplingParams, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
     """The ids that end a request: its own stop ids, and EOS unless ``ignore_eos``."""
-    stops = set(sampling.stop_token_ids)
-    if not sampling.ignore_eos:
-        stops.update(eos_token_ids)
-    return frozenset(stops)
+    eos = () if sampling.ignore_eos else tuple(eos_token_ids)
+    return _shared_stop_ids(tuple(sampling.stop_token_ids), eos)
+
+
+@functools.lru_cache(maxsize=256)
+def _shared_stop_ids(own: tuple[int, ...], eos: tuple[int, ...]) -> frozenset[int]:
+    # Requests asking the same share one set: the engine looks each step's new tokens up
+    # in it right after the model call, when one set is in the cache and many are not.
+    return frozenset(own + eos)
 
 
 def finish_reason(

@@ -51,6 +51,11 @@ class TokenPieces:
         """``texts`` with the special tokens' text empty (``skip_special_tokens``)."""
         return ["" if i in self.special else text for i, text in enumerate(self.texts)]
 
+    @cached_property
+    def untabled(self) -> frozenset[int]:
+        """The ids whose text is no table entry (``texts`` has ``None``)."""
+        return frozenset(i for i, text in enumerate(self.texts) if text is None)
+
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         """What the tokenizer's ``decode`` returns, from the table."""
         ids = [t for t in token_ids if not (skip_special_tokens and t in self.special)]

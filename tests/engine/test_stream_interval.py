@@ -10,6 +10,7 @@ import pytest
 
 from llmctl.engine.config import SpeculativeConfig
 from llmctl.engine.sampling_params import SamplingParams
+from llmctl.engine.sequence import Sequence
 from tests.engine.test_overlap import ScriptedModel
 from tests.helpers.paged_toy_model import make_engine, workload
 
@@ -114,3 +115,43 @@ def test_an_abort_hands_out_the_held_tokens(stories_tokenizer, overlap):
         expected += [t for out in reference.step() for t in out.token_ids]
     assert tokens == expected
     assert engine.block_manager.num_free_blocks == engine.num_blocks
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("interval", INTERVALS)
+def test_tokens_held_on_the_short_path_come_out_as_streamed(
+    stories_tokenizer, monkeypatch, overlap, interval
+):
+    """Without logprobs or a grammar, most held tokens are only counted (the engine's
+    short path) and their texts read from the table when they go out: stop ids, EOS,
+    special tokens kept or skipped, byte tokens of multi-byte characters (ids past 130
+    of this 512-token vocabulary) and preemption all end the same as token by token."""
+    requests = []
+    for i, (rid, prompt, params) in enumerate(workload(seed=5, count=12)):
+        options = {**vars(params), "ignore_eos": i % 4 == 0, "skip_special_tokens": i % 3 != 2}
+        if i % 5 in (3, 4):
+            options["stop_token_ids"] = [196, 446]
+        requests.append((rid, prompt, SamplingParams(**options)))
+    released = []
+    release_held = Sequence.release_held
+    monkeypatch.setattr(Sequence, "release_held", lambda seq: released.append(release_held(seq)))
+
+    def engine():
+        return make_engine(
+            stories_tokenizer,
+            vocab_size=512,
+            eos_token_ids=(0, 4),  # 0 is <unk>, a special token
+            num_blocks=16,
+            max_model_len=64,
+            overlap=overlap,
+        )
+
+    every_token = joined_outputs(engine(), requests, 1)
+    assert not released
+    tiny = engine()
+    coalesced = joined_outputs(tiny, requests, interval)
+    assert without_outputs(coalesced) == without_outputs(every_token)
+    check_output_counts(coalesced, interval)
+    assert tiny.scheduler.num_preemptions > 0
+    assert released  # the short path held tokens
+    assert {result[3] for result in coalesced.values()} >= {"stop", "length"}
