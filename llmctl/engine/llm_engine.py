@@ -577,6 +577,8 @@ class LLMEngine:
                 continue
             if seq.num_held_tokens:
                 seq.release_held()
+            seq.hold_below = 0  # its tokens go through the detokenizer, which may leave
+            # the text not plain: the next token takes the full checks, which say again
             num_prompt = len(seq.prompt_token_ids)
             reason = None
             taken = 0

@@ -117,33 +117,40 @@ def test_an_abort_hands_out_the_held_tokens(stories_tokenizer, overlap):
     assert engine.block_manager.num_free_blocks == engine.num_blocks
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("mode", ["plain", "overlap", "speculation"])
 @pytest.mark.parametrize("interval", INTERVALS)
 def test_tokens_held_on_the_short_path_come_out_as_streamed(
-    stories_tokenizer, monkeypatch, overlap, interval
+    stories_tokenizer, monkeypatch, mode, interval
 ):
     """Without logprobs or a grammar, most held tokens are only counted (the engine's
     short path) and their texts read from the table when they go out: stop ids, EOS,
     special tokens kept or skipped, byte tokens of multi-byte characters (ids past 130
-    of this 512-token vocabulary) and preemption all end the same as token by token."""
+    of this 512-token vocabulary), preemption and verification steps between held
+    tokens all end the same as token by token."""
     requests = []
-    for i, (rid, prompt, params) in enumerate(workload(seed=5, count=12)):
+    for i, (rid, prompt, params) in enumerate(workload(seed=8, count=12)):
         options = {**vars(params), "ignore_eos": i % 4 == 0, "skip_special_tokens": i % 3 != 2}
         if i % 5 in (3, 4):
-            options["stop_token_ids"] = [196, 446]
+            options["stop_token_ids"] = [449, 77]
+        if mode == "speculation":  # seeded sampling draws differently when verifying
+            options["temperature"] = 0.0
         requests.append((rid, prompt, SamplingParams(**options)))
     released = []
     release_held = Sequence.release_held
     monkeypatch.setattr(Sequence, "release_held", lambda seq: released.append(release_held(seq)))
 
     def engine():
+        options = {}
+        if mode == "speculation":
+            options["speculation"] = SpeculativeConfig(method="ngram", num_tokens=3, ngram_min=1)
         return make_engine(
             stories_tokenizer,
             vocab_size=512,
-            eos_token_ids=(0, 4),  # 0 is <unk>, a special token
+            eos_token_ids=(0, 120),  # 0 is <unk>, a special token: r8 keeps it
             num_blocks=16,
             max_model_len=64,
-            overlap=overlap,
+            overlap=mode == "overlap",
+            **options,
         )
 
     every_token = joined_outputs(engine(), requests, 1)
@@ -151,7 +158,10 @@ def test_tokens_held_on_the_short_path_come_out_as_streamed(
     tiny = engine()
     coalesced = joined_outputs(tiny, requests, interval)
     assert without_outputs(coalesced) == without_outputs(every_token)
-    check_output_counts(coalesced, interval)
+    if mode != "speculation":  # a verification step always hands its tokens out
+        check_output_counts(coalesced, interval)
     assert tiny.scheduler.num_preemptions > 0
     assert released  # the short path held tokens
     assert {result[3] for result in coalesced.values()} >= {"stop", "length"}
+    if mode == "speculation":
+        assert tiny.speculator.stats.accepted > 0
