@@ -509,22 +509,21 @@ class LLMEngine:
                 text = seq.detokenizer.take_new_text(reason is not None)
             sampled_token = logprobs.get(row) if logprobs else None
             interval = seq.stream_interval
-            if (
-                interval > 1
-                and reason is None
-                and sampled_token is None
-                and seq.grammar is None
-                and seq.detokenizer.plain_texts is not None
-            ):  # hold its next tokens up to its next output while its text stays plain
-                output_due = min((num_output // interval + 1) * interval, seq.max_tokens)
-                seq.hold_below = seq.num_prompt_tokens + output_due - 1  # tokens before one
-            elif seq.hold_below:  # a character half done, say: the next token needs it all
-                seq.hold_below = 0
-            if interval > 1 and reason is None and num_output > 1 and num_output % interval:
-                seq.unsent_texts.append(text)  # no output object for this token
-                if sampled_token is not None:
-                    seq.unsent_logprobs.append(self._token_logprob(sampled_token))
-                continue
+            if interval > 1 and reason is None:
+                if (
+                    sampled_token is None
+                    and seq.grammar is None
+                    and seq.detokenizer.plain_texts is not None
+                ):  # hold its next tokens up to its next output while its text stays plain
+                    output_due = min((num_output // interval + 1) * interval, seq.max_tokens)
+                    seq.hold_below = seq.num_prompt_tokens + output_due - 1  # tokens before one
+                elif seq.hold_below:  # a character half done, say: the next needs it all
+                    seq.hold_below = 0
+                if num_output > 1 and num_output % interval:
+                    seq.unsent_texts.append(text)  # no output object for this token
+                    if sampled_token is not None:
+                        seq.unsent_logprobs.append(self._token_logprob(sampled_token))
+                    continue
             token_logprobs = None if sampled_token is None else [self._token_logprob(sampled_token)]
             new_token_ids = None
             if seq.unsent_texts:  # a stream_interval held tokens back: they go out with it
