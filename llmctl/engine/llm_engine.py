@@ -32,6 +32,7 @@ from llmctl.engine.config import EngineConfig
 from llmctl.engine.detokenizer import IncrementalDetokenizer
 from llmctl.engine.draft import DraftModel
 from llmctl.engine.faults import FaultPlan
+from llmctl.engine.held_steps import HeldSteps
 from llmctl.engine.lora import LoraRunner, LoraSlots
 from llmctl.engine.runner import ModelRunner
 from llmctl.engine.sampler import SampledBatch, SampledToken, Sampler
@@ -109,11 +110,17 @@ class LLMEngine:
         )
         # LoRA adapters, where the runner serves them (None: it does not)
         self.loras = LoraSlots(cast(LoraRunner, runner)) if runner.serves_lora else None
+        # A held token's text is its table entry (``Sequence.hold_below``): its id is
+        # in the table and not among those without an entry.
+        pieces = token_pieces(tokenizer)
+        self._num_texts = len(pieces.texts) if pieces is not None else 0
+        self._untabled = pieces.untabled if pieces is not None else frozenset()
         self.scheduler = Scheduler(
             config,
             self.block_manager,
             self.block_manager.blocks_needed(max_model_len),
             self.loras,
+            HeldSteps(self.block_manager, self._num_texts, self._untabled),
         )
         self.sampler = Sampler(eos_token_ids, config.seed)
         self.profile = StepProfile()
@@ -127,15 +134,11 @@ class LLMEngine:
             self.speculator = Speculator(config.speculation, self.sampler, draft)
             # Proposals are read from each request's tokens, which must be on the host.
             self.overlap = False
-        # A held token's text is its table entry (``Sequence.hold_below``): its id is
-        # in the table and not among those without an entry.
-        pieces = token_pieces(tokenizer)
-        self._num_texts = len(pieces.texts) if pieces is not None else 0
-        self._untabled = pieces.untabled if pieces is not None else frozenset()
         self._in_flight: tuple[ScheduledStep, SampledBatch] | None = None
         self._seqs: dict[str, Sequence] = {}
         self._num_needing_host_tokens = 0  # requests with penalties or grammars in flight
         self._num_not_plain_greedy = 0  # requests in flight that are not a plain argmax
+        self._num_streamed = 0  # requests in flight whose every token goes out
         self._grammars: GrammarCompiler | None = None  # made on the first grammar
         self._grammar_lock = threading.Lock()
         self._grammar_masks: GrammarMasks | None = None
@@ -202,6 +205,7 @@ class LLMEngine:
         self._seqs[request_id] = seq
         self._num_needing_host_tokens += seq.needs_host_tokens
         self._num_not_plain_greedy += not seq.plain_greedy
+        self._num_streamed += stream_interval == 1
         self._num_constrained += grammar is not None
         self.scheduler.add(seq)
 
@@ -459,7 +463,14 @@ class LLMEngine:
         finished = SequenceStatus.FINISHED
         seqs = step.seqs
         num_texts, untabled = self._num_texts, self._untabled
-        for row, (index, token_id) in enumerate(zip(step.sampled_rows(), token_ids)):
+        held_steps = self.scheduler.held
+        covered = held_steps.covers(step)
+        if covered:  # the rows that do not only hold their token (no logprobs: not read)
+            full_rows = held_steps.hold(step, token_ids)
+            rows = [(index, token_ids[index]) for index in full_rows]
+        else:
+            rows = zip(step.sampled_rows(), token_ids)
+        for row, (index, token_id) in enumerate(rows):
             seq = seqs[index]
             if overlap:
                 seq.num_pending_tokens -= 1
@@ -548,10 +559,29 @@ class LLMEngine:
             )
             if done:
                 self._finish(seq, reason)
+        if covered:
+            held_steps.reopen(full_rows)
+        elif self._may_hold(step):
+            held_steps.start(step)
         self.scheduler.tokens_sampled(step, token_ids)
         profile.wait += received - started
         profile.outputs += perf_counter() - received
         return outputs
+
+    def _may_hold(self, step: ScheduledStep) -> bool:
+        """Whether the repeats of ``step`` may keep their held tokens by step
+        (``HeldSteps``): nothing reads a sequence between steps (no overlap, no proposals,
+        every row a plain argmax), and most rows hold their tokens (a stream_interval).
+        Below 16 rows the numpy over the batch costs more than it saves."""
+        return (
+            not self.overlap
+            and self.speculator is None
+            and not self._num_not_plain_greedy
+            and self._num_texts > 0
+            and len(step.seqs) >= 16
+            and self._num_streamed * 2 <= len(step.seqs)
+            and self.scheduler.may_repeat(step)
+        )
 
     def _advance_grammar(self, seq: Sequence, token_id: int, reason: str | None) -> str | None:
         """Feed the new token to the sequence's matcher. A grammar that is complete ends
@@ -624,6 +654,7 @@ class LLMEngine:
         del self._seqs[seq.request_id]
         self._num_needing_host_tokens -= seq.needs_host_tokens
         self._num_not_plain_greedy -= not seq.plain_greedy
+        self._num_streamed -= seq.stream_interval == 1
         self._num_constrained -= seq.grammar is not None
 
     def _token_logprob(self, sampled: SampledToken) -> TokenLogprob:

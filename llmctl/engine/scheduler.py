@@ -28,6 +28,7 @@ import torch
 
 from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.config import EngineConfig
+from llmctl.engine.held_steps import HeldSteps
 from llmctl.engine.lora import NO_SLOT, LoraSlots
 from llmctl.engine.runner import SampledTokenFill, StepBatch
 from llmctl.engine.sequence import Sequence, SequenceStatus
@@ -234,6 +235,7 @@ class Scheduler:
         block_manager: BlockManager,
         max_blocks_per_seq: int,
         loras: LoraSlots | None = None,
+        held: HeldSteps | None = None,
     ) -> None:
         self.config = config
         self.block_manager = block_manager
@@ -248,9 +250,13 @@ class Scheduler:
         # how many more steps may repeat it before a request nears its max_tokens.
         self._repeatable: ScheduledStep | None = None
         self._repeats_left = 0
+        self._opens_in = 0  # repeats until the next one where a sequence opens a block
         # The tokens a repeatable step sampled, in its order, once on the host: the next
         # repeat feeds them (``tokens_sampled``) instead of reading each sequence's last.
         self._sampled: tuple[ScheduledStep, list[int]] | None = None
+        # The repeats' held tokens, while the engine keeps them by step (HeldSteps): a
+        # sequence is synced with them before anything here reads it.
+        self.held = held if held is not None else HeldSteps(block_manager)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -272,6 +278,7 @@ class Scheduler:
         return step
 
     def _schedule_each(self) -> ScheduledStep | None:
+        self.held.end()
         step = ScheduledStep()
         budget = self.config.max_num_batched_tokens
         block_manager, batches = self.block_manager, self.batches
@@ -341,6 +348,8 @@ class Scheduler:
         ):
             return
         self._repeatable = step
+        size = self.block_manager.block_size
+        self._opens_in = min(size - start % size for start in step.starts)
         # Overlapped steps hold a sequence back when its last token is on the way.
         self._repeats_left = (
             min(
@@ -359,9 +368,14 @@ class Scheduler:
         seqs = previous.seqs
         # Plain Python over the rows: right after a model call, each numpy call on arrays
         # this small costs more than a list comprehension does.
-        starts = [start + 1 for start in previous.starts]
-        block_size = self.block_manager.block_size
-        opening = [i for i, start in enumerate(starts) if not start % block_size]
+        starts = list(map((1).__add__, previous.starts))
+        opening = []
+        self._opens_in -= 1
+        if not self._opens_in:  # some sequence's token opens a block
+            size = self.block_manager.block_size
+            opening = [i for i, start in enumerate(starts) if not start % size]
+            self._opens_in = min(size - start % size for start in starts)
+            self.held.sync(opening)
         for index in opening:
             seq = seqs[index]  # its next token opens a block
             if not self.block_manager.can_append(seq, 1):
@@ -396,6 +410,10 @@ class Scheduler:
         if step is self._repeatable:
             self._sampled = (step, token_ids)
 
+    def may_repeat(self, step: ScheduledStep) -> bool:
+        """Whether the next step may repeat ``step``."""
+        return step is self._repeatable
+
     def forget_repeatable(self) -> None:
         """The next step is not a repeat of the last (sequences propose tokens)."""
         self._repeatable = None
@@ -409,6 +427,8 @@ class Scheduler:
     def mark_computed(self, step: ScheduledStep) -> None:
         """Record the step's K/V as computed (the device computes it in order, before any
         later step reads it) and key the blocks that became full."""
+        if self.held.covers(step):
+            return  # marked as its rows are synced
         caching = self.block_manager.enable_prefix_caching
         size = self.block_manager.block_size
         # A repeat feeds one token each, and the blocks before it are keyed (one whose
@@ -431,6 +451,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire ``seq`` (finished or aborted) and free its blocks."""
+        self.held.end()
         self._repeatable = None
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
@@ -444,6 +465,7 @@ class Scheduler:
         seq.finish_reason = reason
 
     def _preempt(self, seq: Sequence) -> None:
+        self.held.end()
         self._repeatable = None
         seq.proposal = []
         seq.draft_computed = 0  # its blocks go: when it runs again, the draft starts over
