@@ -4,12 +4,13 @@ In the scheduler's repeat steps (every running sequence one decode token) of req
 that wait for their next output (``Sequence.hold_below``), a new token only lengthens its
 sequence. Yet writing it there right after the model call costs a cache miss for each
 sequence, more than the rest of the step's host work. So ``HeldSteps`` keeps such a
-step's tokens in the list the sampler returned, finds with numpy over the batch the rows
-that need more (a stop id, a token without a table entry, an output due), and brings a
-sequence up to date (``sync``) only where something reads it: the full checks of one of
-its tokens, the scheduler giving it a block, a step that is no repeat, a finish or an
-abort (``end``). Until then the sequence's ``token_ids``, ``num_computed_tokens`` and
-``num_held_tokens`` lack the steps it was not synced with.
+step's tokens in the list the sampler returned, finds the rows that need more (a stop
+id or a token without a table entry: one set lookup over the batch; an output due: each
+row's next output kept as the step it falls on), and brings a sequence up to date
+(``sync``) only where something reads it: the full checks of one of its tokens, the
+scheduler giving it a block, a step that is no repeat, a finish or an abort (``end``).
+Until then the sequence's ``token_ids``, ``num_computed_tokens`` and ``num_held_tokens``
+lack the steps it was not synced with.
 
 Only where nothing else reads a sequence between steps: steps that do not overlap,
 no speculative decoding, and every row a plain argmax (``LLMEngine._may_hold``).
@@ -39,7 +40,7 @@ class HeldSteps:
         untabled: frozenset[int] = frozenset(),
     ) -> None:
         """``num_texts``, ``untabled``: the detokenizer's text table (``TokenPieces``):
-        a token is held only with a table entry. 0: nothing is ever held here."""
+        a token is held only with a table entry (the engine starts no chain without one)."""
         self.block_manager = block_manager
         self.num_texts = num_texts
         self._untabled = untabled

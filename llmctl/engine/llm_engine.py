@@ -571,14 +571,12 @@ class LLMEngine:
     def _may_hold(self, step: ScheduledStep) -> bool:
         """Whether the repeats of ``step`` may keep their held tokens by step
         (``HeldSteps``): nothing reads a sequence between steps (no overlap, no proposals,
-        every row a plain argmax), and most rows hold their tokens (a stream_interval).
-        Below 16 rows the numpy over the batch costs more than it saves."""
+        every row a plain argmax), and most rows hold their tokens (a stream_interval)."""
         return (
             not self.overlap
             and self.speculator is None
             and not self._num_not_plain_greedy
             and self._num_texts > 0
-            and len(step.seqs) >= 16
             and self._num_streamed * 2 <= len(step.seqs)
             and self.scheduler.may_repeat(step)
         )
