@@ -17,6 +17,7 @@ completes before the next is prepared.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -139,6 +140,7 @@ class LLMEngine:
         self._num_needing_host_tokens = 0  # requests with penalties or grammars in flight
         self._num_not_plain_greedy = 0  # requests in flight that are not a plain argmax
         self._num_streamed = 0  # requests in flight whose every token goes out
+        self._num_min_tokens = 0  # requests in flight with min_tokens
         self._grammars: GrammarCompiler | None = None  # made on the first grammar
         self._grammar_lock = threading.Lock()
         self._grammar_masks: GrammarMasks | None = None
@@ -206,6 +208,7 @@ class LLMEngine:
         self._num_needing_host_tokens += seq.needs_host_tokens
         self._num_not_plain_greedy += not seq.plain_greedy
         self._num_streamed += stream_interval == 1
+        self._num_min_tokens += bool(sampling.min_tokens)
         self._num_constrained += grammar is not None
         self.scheduler.add(seq)
 
@@ -465,12 +468,13 @@ class LLMEngine:
         num_texts, untabled = self._num_texts, self._untabled
         held_steps = self.scheduler.held
         covered = held_steps.covers(step)
-        if covered:  # the rows that do not only hold their token (no logprobs: not read)
+        if covered:  # the rows that do not only hold their token; a repeat samples every
+            # row, so a row of the sampled batch is the step's row
             full_rows = held_steps.hold(step, token_ids)
-            rows = [(index, token_ids[index]) for index in full_rows]
+            rows = zip(full_rows, full_rows, map(token_ids.__getitem__, full_rows))
         else:
-            rows = zip(step.sampled_rows(), token_ids)
-        for row, (index, token_id) in enumerate(rows):
+            rows = zip(itertools.count(), step.sampled_rows(), token_ids)
+        for row, index, token_id in rows:
             seq = seqs[index]
             if overlap:
                 seq.num_pending_tokens -= 1
@@ -571,11 +575,13 @@ class LLMEngine:
     def _may_hold(self, step: ScheduledStep) -> bool:
         """Whether the repeats of ``step`` may keep their held tokens by step
         (``HeldSteps``): nothing reads a sequence between steps (no overlap, no proposals,
-        every row a plain argmax), and most rows hold their tokens (a stream_interval)."""
+        no sampling that reads a request's tokens: penalties, min_tokens, a grammar), and
+        most rows hold their tokens (a stream_interval)."""
         return (
             not self.overlap
             and self.speculator is None
-            and not self._num_not_plain_greedy
+            and not self._num_needing_host_tokens
+            and not self._num_min_tokens
             and self._num_texts > 0
             and self._num_streamed * 2 <= len(step.seqs)
             and self.scheduler.may_repeat(step)
@@ -653,6 +659,7 @@ class LLMEngine:
         self._num_needing_host_tokens -= seq.needs_host_tokens
         self._num_not_plain_greedy -= not seq.plain_greedy
         self._num_streamed -= seq.stream_interval == 1
+        self._num_min_tokens -= bool(seq.sampling.min_tokens)
         self._num_constrained -= seq.grammar is not None
 
     def _token_logprob(self, sampled: SampledToken) -> TokenLogprob:

@@ -54,6 +54,7 @@ from llmctl.engine.sampler import (
     apply_penalties,
     apply_truncation,
     argmax_rows,
+    exponential_noise,
     mask_stops_before_min_tokens,
 )
 from llmctl.engine.sampling_params import SamplingParams
@@ -406,7 +407,7 @@ def _accept_greedy(proposal: list[int], targets: list[int]) -> list[int]:
 
 def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
     """One token from ``probs`` (unnormalized is fine): the sampler's exponential race."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+    noise = exponential_noise(probs, generator)
     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     return int((probs / noise).argmax())
 

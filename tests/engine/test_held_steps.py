@@ -17,8 +17,9 @@ from tests.helpers.paged_toy_model import make_engine
 
 
 def requests(seed: int, count: int = 40):
-    """Greedy requests of varied lengths, a third sharing a 20-token prefix, over a
-    512-token vocabulary whose ids past 130 include byte tokens of multi-byte text."""
+    """Requests of varied lengths, a third sharing a 20-token prefix, greedy, sampled and
+    seeded, some with logprobs, over a 512-token vocabulary whose ids past 130 include
+    byte tokens of multi-byte text."""
     rng = random.Random(seed)
     shared = [rng.randrange(3, 512) for _ in range(20)]
     result = []
@@ -26,7 +27,9 @@ def requests(seed: int, count: int = 40):
         own = [rng.randrange(3, 512) for _ in range(rng.randrange(1, 20))]
         options = {
             "max_tokens": rng.randrange(8, 70),
-            "temperature": 0.0,
+            "temperature": (0.0, 0.9, 1.2)[i % 3],
+            "seed": i if i % 6 == 2 else None,  # the others share the engine's stream
+            "logprobs": i % 7 == 1,
             "ignore_eos": i % 4 == 0,
             "skip_special_tokens": i % 3 != 2,
         }
@@ -57,6 +60,7 @@ def outputs(engine: LLMEngine, workload, interval: int) -> list[tuple]:
                 out.completion_tokens,
                 out.finish_reason,
                 out.cached_tokens,
+                [(lp.token_id, lp.logprob) for lp in out.logprobs or []],
             )
             for out in got
         ]
@@ -65,11 +69,20 @@ def outputs(engine: LLMEngine, workload, interval: int) -> list[tuple]:
 
 
 def joined(seen: list[tuple]) -> dict[str, tuple]:
-    """request id -> (token ids, text, finish reason, prompt tokens from the cache)."""
+    """request id -> (token ids, text, finish reason, prompt tokens from the cache,
+    logprobs)."""
     result: dict[str, tuple] = {}
-    for request_id, text, token_ids, _, reason, cached in seen:
-        tokens, joined_text, _, first_cached = result.get(request_id, ([], "", None, cached))
-        result[request_id] = (tokens + token_ids, joined_text + text, reason, first_cached)
+    for request_id, text, token_ids, _, reason, cached, logprobs in seen:
+        tokens, joined_text, _, first_cached, values = result.get(
+            request_id, ([], "", None, cached, [])
+        )
+        result[request_id] = (
+            tokens + token_ids,
+            joined_text + text,
+            reason,
+            first_cached,
+            values + logprobs,
+        )
     return result
 
 

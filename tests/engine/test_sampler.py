@@ -12,6 +12,7 @@ from llmctl.engine.sampler import (
     apply_penalties,
     apply_truncation,
     argmax_rows,
+    exponential_noise,
     mask_stops_before_min_tokens,
 )
 from llmctl.engine.sampling_params import SamplingParams
@@ -203,3 +204,19 @@ def test_logprob_rows_come_back_with_the_ids_in_one_copy() -> None:
     assert set(logprobs) == {0, 2}
     assert logprobs[0].logprob == pytest.approx(math.log(0.5), abs=1e-6) and logprobs[0].top == []
     assert [t for t, _ in logprobs[2].top] == [0, 1]
+
+
+@pytest.mark.parametrize("shape", [(1, 49152), (6, 517), (33,)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_exponential_noise_is_what_exponential_draws(shape, dtype) -> None:
+    """The same values as torch's own ``exponential_`` from the same generator state, and
+    the generator left where that leaves it (same seed, same tokens)."""
+    for seed in (0, 7, 2**40 + 3):
+        like = torch.empty(shape, dtype=dtype)
+        torch_generator = torch.Generator().manual_seed(seed)
+        ours = torch.Generator().manual_seed(seed)
+        for _ in range(2):
+            expected = like.clone().exponential_(generator=torch_generator)
+            got = exponential_noise(like, ours)
+            assert got.dtype == dtype and torch.equal(got, expected)
+        assert torch.equal(torch.rand(4, generator=ours), torch.rand(4, generator=torch_generator))
