@@ -25,7 +25,7 @@ from llmctl.engine.block_manager import BlockManager
 from llmctl.engine.sequence import Sequence
 
 
-class ScheduledStep(Protocol):
+class Step(Protocol):
     """What is read here of a ``scheduler.ScheduledStep`` (that module imports this one)."""
 
     seqs: list[Sequence]
@@ -36,17 +36,17 @@ class HeldSteps:
     def __init__(
         self,
         block_manager: BlockManager,
-        num_texts: int = 0,
-        untabled: frozenset[int] = frozenset(),
+        num_texts: int,
+        untabled: frozenset[int],
     ) -> None:
-        """``num_texts``, ``untabled``: the detokenizer's text table (``TokenPieces``):
-        a token is held only with a table entry (the engine starts no chain without one)."""
+        """``num_texts``, ``untabled``: the detokenizer's text table (``TokenPieces``): a
+        token is held only with a table entry (the engine starts no chain without a table)."""
         self.block_manager = block_manager
         self.num_texts = num_texts
         self._untabled = untabled
         self._unholdable = untabled  # the same and the chain's stop ids, of any row
         self._stop_sets: frozenset[frozenset[int]] = frozenset()
-        self.step: ScheduledStep | None = None  # the chain's last step; None: no chain
+        self.step: Step | None = None  # the chain's last step; None: no chain
         self._seqs: list[Sequence] = []
         self._steps: list[list[int]] = []  # each held step's tokens, one per row
         self._synced: list[int] = []  # per row: how many of those its sequence has
@@ -56,12 +56,12 @@ class HeldSteps:
         self._limits: list[int] = []
         self._next_limit = 0
 
-    def covers(self, step: ScheduledStep) -> bool:
+    def covers(self, step: Step) -> bool:
         """Whether ``step`` continues the chain: its K/V is marked and its tokens are
         appended here (``hold``), not by the scheduler and the engine's loop."""
         return self.step is not None and step.repeats is self.step
 
-    def start(self, step: ScheduledStep) -> None:
+    def start(self, step: Step) -> None:
         """Begin a chain after ``step``, whose tokens every sequence has: the repeats of
         it hold their rows' tokens while those rows have room."""
         seqs = step.seqs
@@ -76,7 +76,7 @@ class HeldSteps:
         self._limits = [seq.hold_below - len(seq.token_ids) for seq in seqs]
         self._next_limit = min(self._limits)
 
-    def hold(self, step: ScheduledStep, token_ids: list[int]) -> list[int]:
+    def hold(self, step: Step, token_ids: list[int]) -> list[int]:
         """Keep the tokens of ``step`` (covered: one per row); the rows that need the full
         checks, each synced with the steps before and this step's K/V marked: their
         tokens are the caller's to append."""

@@ -120,8 +120,8 @@ class LLMEngine:
             config,
             self.block_manager,
             self.block_manager.blocks_needed(max_model_len),
-            self.loras,
             HeldSteps(self.block_manager, self._num_texts, self._untabled),
+            self.loras,
         )
         self.sampler = Sampler(eos_token_ids, config.seed)
         self.profile = StepProfile()

@@ -234,8 +234,8 @@ class Scheduler:
         config: EngineConfig,
         block_manager: BlockManager,
         max_blocks_per_seq: int,
+        held: HeldSteps,
         loras: LoraSlots | None = None,
-        held: HeldSteps | None = None,
     ) -> None:
         self.config = config
         self.block_manager = block_manager
@@ -256,7 +256,7 @@ class Scheduler:
         self._sampled: tuple[ScheduledStep, list[int]] | None = None
         # The repeats' held tokens, while the engine keeps them by step (HeldSteps): a
         # sequence is synced with them before anything here reads it.
-        self.held = held if held is not None else HeldSteps(block_manager)
+        self.held = held
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
