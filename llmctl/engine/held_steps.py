@@ -12,8 +12,9 @@ scheduler giving it a block, a step that is no repeat, a finish or an abort (``e
 Until then the sequence's ``token_ids``, ``num_computed_tokens`` and ``num_held_tokens``
 lack the steps it was not synced with.
 
-Only where nothing else reads a sequence between steps: steps that do not overlap,
-no speculative decoding, and every row a plain argmax (``LLMEngine._may_hold``).
+Only where nothing else reads a sequence between steps: steps that do not overlap, no
+speculative decoding, and no sampling that reads a request's tokens (penalties,
+min_tokens, a grammar; ``LLMEngine._may_hold``).
 """
 
 from __future__ import annotations
