@@ -135,7 +135,10 @@ class LLMEngine:
             self.speculator = Speculator(config.speculation, self.sampler, draft)
             # Proposals are read from each request's tokens, which must be on the host.
             self.overlap = False
-        self._in_flight: tuple[ScheduledStep, SampledBatch] | None = None
+        self._in_flight: tuple[ScheduledStep, SampledBatch | None] | None = None
+        # The step in flight whose rows' pending tokens the step after it took over
+        # (``_sample``): ``_process`` does not count them off.
+        self._carried: ScheduledStep | None = None
         self._seqs: dict[str, Sequence] = {}
         self._num_needing_host_tokens = 0  # requests with penalties or grammars in flight
         self._num_not_plain_greedy = 0  # requests in flight that are not a plain argmax
@@ -275,7 +278,7 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.fill_proposals(step)  # a draft model's, once blocks are there
         scheduled = perf_counter()
-        batch = self.scheduler.batches.build(step)
+        batch = self.scheduler.batches.build(step, self._in_flight)
         masks = self._start_masks(step)
         built = perf_counter()
         if before_model is not None:
@@ -366,9 +369,15 @@ class LLMEngine:
             plain_greedy = not self._num_not_plain_greedy  # as in _plain_argmax
             sampled = self.sampler.sample(logits, seqs, masks, plain_greedy=plain_greedy)
         if self.overlap:  # else ``_process`` takes the tokens before anything reads these
-            for row, seq in enumerate(seqs):
-                seq.num_pending_tokens += 1
-                seq.pending = (sampled, row)
+            if step.pending and step.repeats is not None:
+                # A repeat of the step in flight, which ``_process`` takes next: each row
+                # trades that step's pending token for this one's, so neither step
+                # counts its rows' tokens (right after the model call each row is a
+                # cache miss).
+                self._carried = step.repeats
+            else:
+                for seq in seqs:
+                    seq.num_pending_tokens += 1
         return sampled
 
     def _score_prompts(self, step: ScheduledStep, logits: torch.Tensor) -> torch.Tensor:
@@ -459,6 +468,10 @@ class LLMEngine:
         token_ids, logprobs = sampled.host()
         received = perf_counter()
         overlap = self.overlap
+        # Rows whose pending token this step was (overlapped steps), unless the next step
+        # took their count over (``_sample``).
+        counted_off = overlap and step is not self._carried
+        self._carried = None
         # A block is keyed when the step computing it is marked, unless its last token was
         # still on the device then (overlapped steps): only then is it keyed here.
         caching = overlap and self.block_manager.enable_prefix_caching
@@ -476,10 +489,8 @@ class LLMEngine:
             rows = zip(itertools.count(), step.sampled_rows(), token_ids)
         for row, index, token_id in rows:
             seq = seqs[index]
-            if overlap:
+            if counted_off:
                 seq.num_pending_tokens -= 1
-                if not seq.num_pending_tokens:
-                    seq.pending = None
             if seq.status is finished:  # aborted, or done while this step ran
                 continue
             all_token_ids = seq.token_ids

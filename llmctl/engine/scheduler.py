@@ -31,6 +31,7 @@ from llmctl.engine.config import EngineConfig
 from llmctl.engine.held_steps import HeldSteps
 from llmctl.engine.lora import NO_SLOT, LoraSlots
 from llmctl.engine.runner import SampledTokenFill, StepBatch
+from llmctl.engine.sampler import SampledBatch
 from llmctl.engine.sequence import Sequence, SequenceStatus
 from llmctl.engine.transfer import to_device
 
@@ -97,6 +98,10 @@ class ScheduledStep:
         return [index for index in self.ready if index not in self.proposed]
 
 
+# The step the device still runs (steps overlap) and the tokens it samples.
+InFlight = tuple[ScheduledStep, SampledBatch | None]
+
+
 class StepBatchBuilder:
     """The runner's ``StepBatch``, built from rows that running sequences keep between
     steps: each running sequence owns a row of one block-table array, its table copied
@@ -112,6 +117,7 @@ class StepBatchBuilder:
         self.lora_slots = np.full(max_num_seqs, NO_SLOT, dtype=np.int32)  # each row's adapter
         self._num_lora_rows = 0
         self._built: tuple[ScheduledStep, StepBatch] | None = None  # the last step's
+        self._every_row: torch.Tensor | None = None  # 0 .. max_num_seqs - 1 on the device
 
     def admit(self, seq: Sequence) -> None:
         """Give a sequence that starts running a row, with its block table."""
@@ -141,16 +147,20 @@ class StepBatchBuilder:
         """``seq`` lost blocks at the end of its table: rewrite from there when it gains."""
         self._table_lens[seq.row] = min(self._table_lens[seq.row], len(seq.block_table))
 
-    def build(self, step: ScheduledStep) -> StepBatch:
+    def build(self, step: ScheduledStep, in_flight: InFlight | None = None) -> StepBatch:
+        """``in_flight``: the step the device still runs and its sampled batch (steps
+        overlap), where ``step``'s pending input tokens are."""
         built = self._built
-        if built is not None and step.repeats is built[0] and not step.pending:
-            batch = self._build_repeat(step, built[1])
+        if built is not None and step.repeats is built[0]:
+            batch = self._build_repeat(step, built[1], in_flight)
         else:
-            batch = self._build(step)
+            batch = self._build(step, in_flight)
         self._built = (step, batch)
         return batch
 
-    def _build_repeat(self, step: ScheduledStep, before: StepBatch) -> StepBatch:
+    def _build_repeat(
+        self, step: ScheduledStep, before: StepBatch, in_flight: InFlight | None
+    ) -> StepBatch:
         """The batch of the step before, every sequence one token on: only a sequence
         whose token opens a block changes its table (and then the step's tables are
         taken again); every other slot is the next one of its block."""
@@ -171,10 +181,22 @@ class StepBatchBuilder:
             context_lens=context_lens,
             block_tables=block_tables,
             slot_mapping=slots,
+            sampled_tokens=self._every_sampled_token(step, in_flight) if step.pending else None,
             lora_slots=before.lora_slots,
         )
 
-    def _build(self, step: ScheduledStep) -> StepBatch:
+    def _every_sampled_token(self, step: ScheduledStep, in_flight: InFlight) -> SampledTokenFill:
+        """A repeat's tokens while steps overlap: the step it repeats is the one in flight,
+        and sampled a token for every row, in the same order; so the whole batch of those
+        is its input, with no index lists to make and copy to the device each step."""
+        source = in_flight[1].token_ids
+        indices = self._every_row
+        if indices is None or indices.device != source.device:
+            indices = to_device(range(len(self.block_tables)), torch.int64, source.device)
+            self._every_row = indices
+        return SampledTokenFill(token_indices=indices[: len(step.seqs)], token_ids=source)
+
+    def _build(self, step: ScheduledStep, in_flight: InFlight | None) -> StepBatch:
         rows = np.array(step.rows, dtype=np.intp)
         starts = np.array(step.starts, dtype=np.int32)
         counts = np.array(step.num_new_tokens, dtype=np.int32)
@@ -211,20 +233,25 @@ class StepBatchBuilder:
             context_lens=context_lens,
             block_tables=self.block_tables[rows, :width],
             slot_mapping=slots.astype(np.int32),
-            sampled_tokens=_sampled_token_fill(step.pending),
+            sampled_tokens=_sampled_token_fill(step.pending, in_flight),
             logits_indices=logits_indices,
             lora_slots=self.lora_slots[rows] if self._num_lora_rows else None,
         )
 
 
-def _sampled_token_fill(pending: list[tuple[int, Sequence]]) -> SampledTokenFill | None:
+def _sampled_token_fill(
+    pending: list[tuple[int, Sequence]], in_flight: InFlight | None
+) -> SampledTokenFill | None:
     """Where the input tokens still on the device come from: all of them were sampled by
-    the one step in flight, so they are rows of its ``token_ids``."""
+    the one step in flight, so they are rows of its ``token_ids`` (one per row it
+    sampled, in order)."""
     if not pending:
         return None
-    source = pending[0][1].pending[0].token_ids
+    flight, sampled = in_flight
+    row_of = {id(flight.seqs[index]): row for row, index in enumerate(flight.sampled_rows())}
+    source = sampled.token_ids
     indices = to_device([index for index, _ in pending], torch.int64, source.device)
-    rows = to_device([seq.pending[1] for _, seq in pending], torch.int64, source.device)
+    rows = to_device([row_of[id(seq)] for _, seq in pending], torch.int64, source.device)
     return SampledTokenFill(token_indices=indices, token_ids=source[rows])
 
 
@@ -394,8 +421,11 @@ class Scheduler:
         )
         sampled = self._sampled
         if seqs[0].num_pending_tokens:  # all are: the step in flight samples them
-            step.input_ids = [-1] * len(seqs)
-            step.pending = list(enumerate(seqs))
+            if len(previous.pending) == len(seqs):  # the same placeholders as before it
+                step.input_ids, step.pending = previous.input_ids, previous.pending
+            else:
+                step.input_ids = [-1] * len(seqs)
+                step.pending = list(enumerate(seqs))
         elif sampled is not None and sampled[0] is previous:
             step.input_ids = sampled[1]
         else:

@@ -37,8 +37,8 @@ class Sequence:
     the prefix-cache keys of the leading full, computed blocks.
 
     When steps overlap (GPU), a token can be sampled but not yet on the host:
-    ``num_pending_tokens`` counts it and ``pending`` says where it is on the device
-    (the step's sampled batch and the row); the next step reads it from there.
+    ``num_pending_tokens`` counts it. It is a token of the step in flight, and the next
+    step reads it there (``scheduler.StepBatchBuilder``).
     ``stop_token_ids`` are the ids that end the request (its own, and EOS unless
     ``ignore_eos``).
     """
@@ -61,7 +61,6 @@ class Sequence:
         "plain_greedy",
         "row",
         "num_pending_tokens",
-        "pending",
         "grammar",
         "num_cached_tokens",
         "proposal",
@@ -116,8 +115,6 @@ class Sequence:
         )
         self.row: int | None = None  # its row in the step inputs while it runs
         self.num_pending_tokens = 0
-        # (the sampler's SampledBatch, this sequence's row); the sampler imports this module
-        self.pending: tuple[Any, int] | None = None
         # The matcher of a request with structured output: it has seen every output token.
         self.grammar = grammar
         # Prompt tokens the prefix cache held at first admission (None until admitted).
