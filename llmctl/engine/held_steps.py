@@ -12,9 +12,11 @@ scheduler giving it a block, a step that is no repeat, a finish or an abort (``e
 Until then the sequence's ``token_ids``, ``num_computed_tokens`` and ``num_held_tokens``
 lack the steps it was not synced with.
 
-Only where nothing else reads a sequence between steps: steps that do not overlap, no
-speculative decoding, and no sampling that reads a request's tokens (penalties,
-min_tokens, a grammar; ``LLMEngine._may_hold``).
+Only where nothing else reads a sequence between steps: no speculative decoding, and no
+sampling that reads a request's tokens (penalties, min_tokens, a grammar;
+``LLMEngine._may_hold``). Where steps overlap (the GPU), the scheduler marks each step's
+K/V as it launches it, a step before its tokens come: there a sync appends tokens and
+keys the blocks they complete, and marks nothing.
 """
 
 from __future__ import annotations
@@ -39,10 +41,13 @@ class HeldSteps:
         block_manager: BlockManager,
         num_texts: int,
         untabled: frozenset[int],
+        overlap: bool,
     ) -> None:
         """``num_texts``, ``untabled``: the detokenizer's text table (``TokenPieces``): a
-        token is held only with a table entry (the engine starts no chain without a table)."""
+        token is held only with a table entry (the engine starts no chain without a table).
+        ``overlap``: steps overlap, and the scheduler marks every step's K/V."""
         self.block_manager = block_manager
+        self.marks_computed = not overlap
         self.num_texts = num_texts
         self._untabled = untabled
         self._unholdable = untabled  # the same and the chain's stop ids, of any row
@@ -153,10 +158,16 @@ class HeldSteps:
 
     def _mark(self, seq: Sequence, num_tokens: int) -> None:
         """As ``Scheduler.mark_computed`` does: the K/V of ``num_tokens`` more positions is
-        computed, and the blocks they filled are keyed."""
-        seq.num_computed_tokens += num_tokens
+        computed (unless the scheduler marked it: overlapped steps), and the blocks it
+        filled are keyed once their tokens are all here (as ``Scheduler.cache_full_blocks``:
+        with overlapped steps the last may still be on its way)."""
+        if self.marks_computed:
+            seq.num_computed_tokens += num_tokens
         manager = self.block_manager
-        if manager.enable_prefix_caching and (
-            seq.num_computed_tokens // manager.block_size > len(seq.block_hashes)
+        computed = seq.num_computed_tokens
+        if (
+            manager.enable_prefix_caching
+            and computed // manager.block_size > len(seq.block_hashes)
+            and computed <= len(seq.token_ids)
         ):
             manager.cache_computed_blocks(seq)

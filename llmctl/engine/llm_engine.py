@@ -116,25 +116,27 @@ class LLMEngine:
         pieces = token_pieces(tokenizer)
         self._num_texts = len(pieces.texts) if pieces is not None else 0
         self._untabled = pieces.untabled if pieces is not None else frozenset()
+        # ``overlap`` None: steps overlap where the device runs apart from the host. Not
+        # under speculation: proposals are read from each request's tokens, which must
+        # be on the host.
+        if overlap is None:
+            overlap = runner.device.type == "cuda"
+        self.overlap = overlap and not config.speculation.enabled
         self.scheduler = Scheduler(
             config,
             self.block_manager,
             self.block_manager.blocks_needed(max_model_len),
-            HeldSteps(self.block_manager, self._num_texts, self._untabled),
+            HeldSteps(self.block_manager, self._num_texts, self._untabled, self.overlap),
             self.loras,
         )
         self.sampler = Sampler(eos_token_ids, config.seed)
         self.profile = StepProfile()
-        # ``overlap`` None: steps overlap where the device runs apart from the host.
-        self.overlap = runner.device.type == "cuda" if overlap is None else overlap
         self.speculator: Speculator | None = None
         if config.speculation.enabled:
             draft = None
             if draft_runner is not None:
                 draft = DraftModel(draft_runner, vocab_size or tokenizer.vocab_size)
             self.speculator = Speculator(config.speculation, self.sampler, draft)
-            # Proposals are read from each request's tokens, which must be on the host.
-            self.overlap = False
         self._in_flight: tuple[ScheduledStep, SampledBatch | None] | None = None
         # The step in flight whose rows' pending tokens the step after it took over
         # (``_sample``): ``_process`` does not count them off.
@@ -585,12 +587,11 @@ class LLMEngine:
 
     def _may_hold(self, step: ScheduledStep) -> bool:
         """Whether the repeats of ``step`` may keep their held tokens by step
-        (``HeldSteps``): nothing reads a sequence between steps (no overlap, no proposals,
-        no sampling that reads a request's tokens: penalties, min_tokens, a grammar), and
-        most rows hold their tokens (a stream_interval)."""
+        (``HeldSteps``): nothing reads a sequence between steps (no proposals, no sampling
+        that reads a request's tokens: penalties, min_tokens, a grammar), and most rows
+        hold their tokens (a stream_interval)."""
         return (
-            not self.overlap
-            and self.speculator is None
+            self.speculator is None
             and not self._num_needing_host_tokens
             and not self._num_min_tokens
             and self._num_texts > 0

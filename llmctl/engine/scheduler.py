@@ -441,8 +441,10 @@ class Scheduler:
             self._sampled = (step, token_ids)
 
     def may_repeat(self, step: ScheduledStep) -> bool:
-        """Whether the next step may repeat ``step``."""
-        return step is self._repeatable
+        """Whether the step after ``step`` may repeat it (overlapped steps: repeats it, as
+        it is scheduled already)."""
+        latest = self._repeatable
+        return latest is not None and (step is latest or step is latest.repeats)
 
     def forget_repeatable(self) -> None:
         """The next step is not a repeat of the last (sequences propose tokens)."""
@@ -457,7 +459,7 @@ class Scheduler:
     def mark_computed(self, step: ScheduledStep) -> None:
         """Record the step's K/V as computed (the device computes it in order, before any
         later step reads it) and key the blocks that became full."""
-        if self.held.covers(step):
+        if self.held.marks_computed and self.held.covers(step):
             return  # marked as its rows are synced
         caching = self.block_manager.enable_prefix_caching
         size = self.block_manager.block_size

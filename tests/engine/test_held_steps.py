@@ -101,9 +101,13 @@ def with_follow_ups(workload, results: dict[str, tuple]):
 @pytest.mark.parametrize("cache_tokens", [896, 8192])
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("interval", [3, 16, 1 << 30])
+@pytest.mark.parametrize("overlap", [False, True])
 def test_tokens_kept_by_step_come_out_as_without(
-    stories_tokenizer, monkeypatch, cache_tokens, block_size, interval
+    stories_tokenizer, monkeypatch, cache_tokens, block_size, interval, overlap
 ):
+    """Also where steps overlap (the GPU's way): there a step's K/V is marked as it is
+    launched, a step before its tokens come, and the blocks a sync completes are keyed
+    only once their last token is here."""
     held_rows = []
     hold = HeldSteps.hold
     monkeypatch.setattr(
@@ -121,9 +125,10 @@ def test_tokens_kept_by_step_come_out_as_without(
             block_size=block_size,
             max_model_len=128,
             max_num_seqs=24,  # the rest wait: admitted as others finish
+            overlap=overlap,
         )
 
-    workload = requests(seed=cache_tokens + block_size + interval % 97)
+    workload = requests(seed=cache_tokens + block_size + interval % 97 + 6 * overlap)
     workload = with_follow_ups(workload, joined(outputs(engine(), workload, 1)))
     every_token = outputs(engine(), workload, 1)
     assert not held_rows  # every token goes out: nothing to keep
