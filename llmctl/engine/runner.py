@@ -100,10 +100,11 @@ IntArray = list[int] | np.ndarray
 @dataclass
 class SampledTokenFill:
     """Input tokens of a step that the step before sampled and the host has not seen yet
-    (steps overlap on the GPU): ``token_ids[i]`` goes to ``input_ids[token_indices[i]]``.
-    Both tensors are on the device."""
+    (steps overlap on the GPU): ``token_ids[i]`` goes to ``input_ids[token_indices[i]]``,
+    or with no indices to ``input_ids[i]`` (a steady decode: every input token, in the
+    order they were sampled). The tensors are on the device."""
 
-    token_indices: torch.Tensor
+    token_indices: torch.Tensor | None
     token_ids: torch.Tensor
 
 
@@ -163,7 +164,11 @@ class StepBatch:
     def fill_sampled_tokens(self, input_ids: torch.Tensor) -> None:
         """Write the tokens still on the device into ``input_ids`` (the runner's copy)."""
         fill = self.sampled_tokens
-        if fill is not None:
+        if fill is None:
+            return
+        if fill.token_indices is None:  # a copy: cheaper than indexing, on either device
+            input_ids[: len(fill.token_ids)].copy_(fill.token_ids)
+        else:
             input_ids[fill.token_indices] = fill.token_ids.to(input_ids.dtype)
 
 

@@ -117,7 +117,6 @@ class StepBatchBuilder:
         self.lora_slots = np.full(max_num_seqs, NO_SLOT, dtype=np.int32)  # each row's adapter
         self._num_lora_rows = 0
         self._built: tuple[ScheduledStep, StepBatch] | None = None  # the last step's
-        self._every_row: torch.Tensor | None = None  # 0 .. max_num_seqs - 1 on the device
 
     def admit(self, seq: Sequence) -> None:
         """Give a sequence that starts running a row, with its block table."""
@@ -181,20 +180,11 @@ class StepBatchBuilder:
             context_lens=context_lens,
             block_tables=block_tables,
             slot_mapping=slots,
-            sampled_tokens=self._every_sampled_token(step, in_flight) if step.pending else None,
+            # Steps overlap: the step it repeats is the one in flight, and sampled a token
+            # for every row, in order; that whole batch is this step's input.
+            sampled_tokens=SampledTokenFill(None, in_flight[1].token_ids) if step.pending else None,
             lora_slots=before.lora_slots,
         )
-
-    def _every_sampled_token(self, step: ScheduledStep, in_flight: InFlight) -> SampledTokenFill:
-        """A repeat's tokens while steps overlap: the step it repeats is the one in flight,
-        and sampled a token for every row, in the same order; so the whole batch of those
-        is its input, with no index lists to make and copy to the device each step."""
-        source = in_flight[1].token_ids
-        indices = self._every_row
-        if indices is None or indices.device != source.device:
-            indices = to_device(range(len(self.block_tables)), torch.int64, source.device)
-            self._every_row = indices
-        return SampledTokenFill(token_indices=indices[: len(step.seqs)], token_ids=source)
 
     def _build(self, step: ScheduledStep, in_flight: InFlight | None) -> StepBatch:
         rows = np.array(step.rows, dtype=np.intp)

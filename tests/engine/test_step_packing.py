@@ -14,6 +14,7 @@ from llmctl.engine.runner import (
     DecodeGraphs,
     GraphShape,
     PagedRunner,
+    SampledTokenFill,
     StepBatch,
     StepLayout,
     batch_buckets,
@@ -116,6 +117,32 @@ def test_a_decode_batch_pads_to_its_bucket_with_inert_rows(num_seqs, bucket):
     assert inputs.context_lens.tolist() == batch.context_lens + [0] * pad  # reads nothing
     assert inputs.query_start_loc.tolist() == list(range(bucket + 1))
     assert inputs.block_tables.shape[0] == num_seqs  # tables travel for real rows only
+
+
+@pytest.mark.parametrize("bucket", [None, 8])
+def test_tokens_still_on_the_device_land_in_the_staged_inputs(bucket):
+    """Overlapped steps: the tokens the step in flight sampled fill their places, picked
+    by index, or as a steady decode's whole batch (no indices: the first ones, in order);
+    padding stays as it was."""
+    rng = random.Random(5)
+    batch = random_batch(rng, 5, decode=True)
+    pad = None if bucket is None else GraphShape(bucket)
+    picked = dataclasses.replace(
+        batch, sampled_tokens=SampledTokenFill(torch.tensor([1, 4]), torch.tensor([501, 502]))
+    )
+    inputs = stage_step(
+        picked, torch.device("cpu"), pad=pad, out=torch.empty(4096, dtype=torch.int32)
+    )
+    expected = list(batch.input_ids)
+    expected[1], expected[4] = 501, 502
+    assert inputs.input_ids.tolist()[:5] == expected
+    sampled = torch.tensor([rng.randrange(1, 500) for _ in range(5)])  # int64, as sampled
+    whole = dataclasses.replace(batch, sampled_tokens=SampledTokenFill(None, sampled))
+    inputs = stage_step(
+        whole, torch.device("cpu"), pad=pad, out=torch.empty(4096, dtype=torch.int32)
+    )
+    assert inputs.input_ids.tolist() == sampled.tolist() + [0] * ((bucket or 5) - 5)
+    assert inputs.positions.tolist()[:5] == batch.positions
 
 
 def test_the_head_of_a_padded_step_sits_where_the_bucket_says():

@@ -49,7 +49,7 @@ class PagedToyModel:
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long)
         batch.fill_sampled_tokens(input_ids)
         if batch.sampled_tokens is not None:
-            self.tokens_read_on_device += len(batch.sampled_tokens.token_indices)
+            self.tokens_read_on_device += len(batch.sampled_tokens.token_ids)
         assert (input_ids >= 0).all(), "an input token was left a placeholder"
         self.token_cache[slots] = input_ids
         self.position_cache[slots] = torch.tensor(batch.positions, dtype=torch.long)

@@ -194,7 +194,10 @@ def with_host_tokens(batch: StepBatch) -> StepBatch:
     if fill is None:
         return batch
     input_ids = np.array(batch.input_ids, dtype=np.int32)
-    input_ids[fill.token_indices.cpu().numpy()] = fill.token_ids.cpu().numpy()
+    if fill.token_indices is None:  # the first ones, in order
+        input_ids[: len(fill.token_ids)] = fill.token_ids.cpu().numpy()
+    else:
+        input_ids[fill.token_indices.cpu().numpy()] = fill.token_ids.cpu().numpy()
     return replace(batch, input_ids=input_ids, sampled_tokens=None)
 
 

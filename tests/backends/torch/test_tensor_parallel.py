@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -175,6 +176,9 @@ def test_tokens_still_on_the_device_reach_the_other_ranks():
     assert resolved.sampled_tokens is None
     assert resolved.input_ids.tolist() == [5, 42, 7, 43]
     assert batch.input_ids.tolist() == [5, 0, 7, 0]  # the engine's own buffer is untouched
+    # A steady decode's: every token, in order, with no indices.
+    whole = replace(batch, sampled_tokens=SampledTokenFill(None, torch.tensor([8, 6, 4, 2])))
+    assert with_host_tokens(whole).input_ids.tolist() == [8, 6, 4, 2]
 
 
 def test_a_dropped_sharded_llm_releases_its_ranks_for_the_next():
