@@ -238,10 +238,10 @@ def _sampled_token_fill(
     if not pending:
         return None
     flight, sampled = in_flight
-    row_of = {id(flight.seqs[index]): row for row, index in enumerate(flight.sampled_rows())}
+    row_of = {flight.seqs[index]: row for row, index in enumerate(flight.sampled_rows())}
     source = sampled.token_ids
     indices = to_device([index for index, _ in pending], torch.int64, source.device)
-    rows = to_device([row_of[id(seq)] for _, seq in pending], torch.int64, source.device)
+    rows = to_device([row_of[seq] for _, seq in pending], torch.int64, source.device)
     return SampledTokenFill(token_indices=indices, token_ids=source[rows])
 
 
