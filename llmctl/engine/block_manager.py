@@ -131,6 +131,12 @@ class BlockManager:
         del seq.block_table[keep:]
         seq.num_computed_tokens = num_computed
 
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Key seq's full, computed blocks, once their tokens are all on the host (with
+        overlapped steps the last one sampled may still be on the device)."""
+        if seq.num_computed_tokens <= len(seq.token_ids):
+            self.cache_computed_blocks(seq)
+
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Key the blocks of ``seq`` that became full and computed since the last call."""
         if not self.enable_prefix_caching:

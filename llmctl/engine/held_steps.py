@@ -159,15 +159,11 @@ class HeldSteps:
     def _mark(self, seq: Sequence, num_tokens: int) -> None:
         """As ``Scheduler.mark_computed`` does: the K/V of ``num_tokens`` more positions is
         computed (unless the scheduler marked it: overlapped steps), and the blocks it
-        filled are keyed once their tokens are all here (as ``Scheduler.cache_full_blocks``:
-        with overlapped steps the last may still be on its way)."""
+        filled are keyed once their tokens are all here."""
         if self.marks_computed:
             seq.num_computed_tokens += num_tokens
         manager = self.block_manager
-        computed = seq.num_computed_tokens
-        if (
-            manager.enable_prefix_caching
-            and computed // manager.block_size > len(seq.block_hashes)
-            and computed <= len(seq.token_ids)
+        if manager.enable_prefix_caching and (
+            seq.num_computed_tokens // manager.block_size > len(seq.block_hashes)
         ):
-            manager.cache_computed_blocks(seq)
+            manager.cache_full_blocks(seq)

@@ -508,7 +508,7 @@ class LLMEngine:
                 seq.release_held()
             all_token_ids.append(token_id)
             if caching and seq.num_computed_tokens // block_size > len(seq.block_hashes):
-                self.scheduler.cache_full_blocks(seq)
+                self.block_manager.cache_full_blocks(seq)
             if held:
                 seq.num_held_tokens += 1
                 continue
@@ -641,7 +641,7 @@ class LLMEngine:
                 # The K/V up to the last accepted proposal stay; the bonus token is fed next.
                 self.scheduler.rollback(seq, len(seq.token_ids) - 1)
                 if self.block_manager.enable_prefix_caching:
-                    self.scheduler.cache_full_blocks(seq)
+                    self.block_manager.cache_full_blocks(seq)
             wanted = [self._token_logprob(lp) for lp in logprobs[:taken] if lp is not None]
             text, new_token_ids = seq.detokenizer.take_new_text(done), tokens[:taken]
             if seq.unsent_texts:  # a verification step always hands its tokens out

@@ -459,17 +459,12 @@ class Scheduler:
             for seq, start in zip(step.seqs, step.starts):
                 seq.num_computed_tokens = computed = start + 1
                 if caching and not computed % size:
-                    self.cache_full_blocks(seq)
+                    self.block_manager.cache_full_blocks(seq)
             return
         for seq, start, count in zip(step.seqs, step.starts, step.num_new_tokens):
             seq.num_computed_tokens = start + count
             if caching and (start + count) // size > len(seq.block_hashes):
-                self.cache_full_blocks(seq)
-
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Key seq's full, computed blocks, once their tokens are all on the host."""
-        if seq.num_computed_tokens <= len(seq.token_ids):
-            self.block_manager.cache_computed_blocks(seq)
+                self.block_manager.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Retire ``seq`` (finished or aborted) and free its blocks."""
