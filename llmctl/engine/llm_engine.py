@@ -38,7 +38,7 @@ from llmctl.engine.lora import LoraRunner, LoraSlots
 from llmctl.engine.runner import ModelRunner
 from llmctl.engine.sampler import SampledBatch, SampledToken, Sampler
 from llmctl.engine.sampling_params import SamplingParams
-from llmctl.engine.scheduler import ScheduledStep, Scheduler
+from llmctl.engine.scheduler import InFlight, ScheduledStep, Scheduler
 from llmctl.engine.sequence import Sequence, SequenceStatus, finish_reason, validate_request
 from llmctl.engine.speculative import Speculator
 from llmctl.engine.step_profile import StepProfile
@@ -137,7 +137,7 @@ class LLMEngine:
             if draft_runner is not None:
                 draft = DraftModel(draft_runner, vocab_size or tokenizer.vocab_size)
             self.speculator = Speculator(config.speculation, self.sampler, draft)
-        self._in_flight: tuple[ScheduledStep, SampledBatch | None] | None = None
+        self._in_flight: InFlight | None = None
         # The step in flight whose rows' pending tokens the step after it took over
         # (``_sample``): ``_process`` does not count them off.
         self._carried: ScheduledStep | None = None

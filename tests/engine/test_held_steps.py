@@ -128,6 +128,8 @@ def test_tokens_kept_by_step_come_out_as_without(
             overlap=overlap,
         )
 
+    # Overlapped steps interleave the shared sampling stream otherwise: a seed of its own
+    # gives each case requests that still end all three ways (checked below).
     workload = requests(seed=cache_tokens + block_size + interval % 97 + 6 * overlap)
     workload = with_follow_ups(workload, joined(outputs(engine(), workload, 1)))
     every_token = outputs(engine(), workload, 1)
