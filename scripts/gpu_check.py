@@ -229,7 +229,9 @@ def run_kernel_tests(dry_run: bool) -> tuple[bool, str]:
 def run_pytest(title: str, selection: list[str], tail_lines: int = 25) -> tuple[bool, str]:
     """pytest on ``selection`` in a child process (compiled kernels, see ``child_env``):
     whether it passed, and a report section with the command and the log's tail."""
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection]
+    # --all-slow: the GPU runs every case of a sampled parametrized test
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--all-slow"]
+    command += selection
     if importlib.util.find_spec("xdist"):  # Triton's compiles are CPU work: spread them
         command[3:3] = ["-n", str(PYTEST_WORKERS)]
     started = time.monotonic()

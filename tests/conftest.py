@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import datetime
 import os
+import random
 import signal
 from pathlib import Path
 
@@ -10,6 +12,73 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES = REPO.parent / "shared" / "models" / "stories260K"
+
+# A default run keeps this many of a parametrized test's slow cases, drawn afresh each
+# day, so the suite stays quick and every case still runs over a few days of CI.
+SLOW_SAMPLE = 8
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("llmctl")
+    group.addoption(
+        "--all-slow",
+        action="store_true",
+        help="run every slow case of a parametrized test, not a sample of "
+        f"{SLOW_SAMPLE} (the whole corpus of broken files, every GGUF type and kind)",
+    )
+    group.addoption(
+        "--slow-seed",
+        type=int,
+        default=None,
+        help="the seed that draws the slow sample (default: today's date, YYYYMMDD; "
+        "the run's header names it, so a failure can be drawn again)",
+    )
+
+
+SLOW_SEED = pytest.StashKey[int]()
+
+
+def _slow_seed(config: pytest.Config) -> int:
+    """The option's seed, else today's date: read once, so a run over midnight (or its
+    xdist workers' collections) draws one sample."""
+    if SLOW_SEED not in config.stash:
+        seed = config.getoption("--slow-seed")
+        today = int(datetime.date.today().strftime("%Y%m%d"))
+        config.stash[SLOW_SEED] = seed if seed is not None else today
+    return config.stash[SLOW_SEED]
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if config.getoption("--all-slow"):
+        return "slow cases: all (--all-slow)"
+    seed = _slow_seed(config)
+    return (
+        f"slow cases: {SLOW_SAMPLE} per parametrized test, drawn with --slow-seed={seed} "
+        "(--all-slow runs every one)"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Sample the slow cases of each parametrized test (see ``SLOW_SAMPLE``).
+
+    A test named alone, or with fewer slow cases than the sample, runs whole. The draw
+    depends only on the seed and the test's name, not on what else was collected.
+    """
+    if config.getoption("--all-slow"):
+        return
+    seed = _slow_seed(config)
+    slow_cases: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        if hasattr(item, "callspec") and item.get_closest_marker("slow"):
+            slow_cases.setdefault(item.nodeid.split("[")[0], []).append(item)
+    dropped = set()
+    for test, cases in slow_cases.items():
+        if len(cases) > SLOW_SAMPLE:
+            kept = random.Random(f"{seed}:{test}").sample(cases, SLOW_SAMPLE)
+            dropped.update(case for case in cases if case not in kept)
+    if dropped:
+        config.hook.pytest_deselected(items=[item for item in items if item in dropped])
+        items[:] = [item for item in items if item not in dropped]
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -4,7 +4,7 @@ exit, on ``serve`` with each local backend (torch, turbo, transformers) and on
 ``backends check`` (which lists it as each backend's reason). Nothing starts serving.
 
 Every case runs in-process through what those commands call; the real CLI runs as
-subprocesses on a sample by default, and on every case with ``-m slow``.
+subprocesses on a sample, and on every case with the slow ones.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 BACKENDS = ("torch", "turbo", "transformers")
 KINDS = ("llama-mqa", "qwen2", "mistral-one-kv-head", "qwen3")
 TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
-# Run by default: every backend, kind and type at least once; the rest with -m slow.
+# Always run: every backend, kind and type at least once; the rest are slow (a daily
+# draw of them runs by default, all with --all-slow).
 FAST = {
     ("torch", "llama-mqa", "Q4_0"),
     ("torch", "qwen2", "Q8_0"),

@@ -23,6 +23,10 @@ from pathlib import Path
 
 import httpx
 
+# Each server's default working directory (and log) lives under this one, removed when
+# the test session's interpreter exits, so runs leave no directories in /tmp.
+_SESSION_DIR = tempfile.TemporaryDirectory(prefix="llmctl-tests-")
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -97,7 +101,11 @@ def start_server(
         full_env["LLMCTL_CACHE_DIR"] = os.environ["LLMCTL_CACHE_DIR"]
     full_env.update({"COLUMNS": "200", "NO_COLOR": "1", "TERM": "dumb"})
     full_env.update(env or {})
-    workdir = Path(cwd) if cwd is not None else Path(tempfile.mkdtemp(prefix="llmctl-serve-"))
+    workdir = (
+        Path(cwd)
+        if cwd is not None
+        else Path(tempfile.mkdtemp(prefix="llmctl-serve-", dir=_SESSION_DIR.name))
+    )
     log_path = workdir / f"llmctl-serve-{port}.log"
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(

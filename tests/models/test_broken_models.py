@@ -5,8 +5,8 @@ lists it as each backend's reason). Nothing starts serving.
 
 Every case runs in-process through what those commands call (``select`` for each
 backend, ``assess`` for each backend's reasons): milliseconds each. The real CLI runs as
-subprocesses on a sample by default, and on the whole corpus with the slow tests
-(``-m slow``, about 4 CPU-seconds per case).
+subprocesses on a fixed sample and a daily draw of the rest (the slow cases, about 4
+CPU-seconds each; ``--all-slow`` runs the whole corpus).
 """
 
 from __future__ import annotations
