@@ -40,19 +40,14 @@ def main() -> None:
 
     from llmctl import LLM
     from llmctl.api import WHOLE_ANSWER
-    from llmctl.bench.workload import LengthRange, make_workload, ordinary_token_ids
+    from llmctl.bench.workload import fixed_length_prompts
     from llmctl.engine.llm_engine import LLMEngine
     from llmctl.engine.sampling_params import SamplingParams
     from llmctl.engine.step_profile import StepProfile
     from llmctl.model.info import resolve_model
 
     info = resolve_model(args.model)
-    lengths = (
-        LengthRange(args.input_len, args.input_len),
-        LengthRange(args.output_len, args.output_len),
-    )
-    token_ids = ordinary_token_ids(info.path, info.config)
-    workload = make_workload(token_ids, args.num_prompts, *lengths, args.seed)
+    prompts = fixed_length_prompts(info, args.num_prompts, args.input_len, args.seed)
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     llm = LLM(args.model, backend=args.backend, dtype="float32")
     loaded = llm.engine.engine  # the LLMEngine the LLM's async engine drives
@@ -73,10 +68,8 @@ def main() -> None:
 
     def run(engine: LLMEngine) -> tuple[float, dict, dict[str, list[int]]]:
         engine.profile = StepProfile()
-        for index, request in enumerate(workload.requests):
-            engine.add_request(
-                f"r{index}", request.prompt_token_ids, params, stream_interval=WHOLE_ANSWER
-            )
+        for index, prompt in enumerate(prompts):
+            engine.add_request(f"r{index}", prompt, params, stream_interval=WHOLE_ANSWER)
         tokens: dict[str, list[int]] = {}
         started = perf_counter()
         while engine.has_unfinished():

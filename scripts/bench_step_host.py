@@ -34,16 +34,12 @@ def main() -> None:
     args = parser.parse_args()
 
     from llmctl import LLM, SamplingParams
-    from llmctl.bench.workload import LengthRange, make_workload, ordinary_token_ids
+    from llmctl.bench.workload import fixed_length_prompts
     from llmctl.engine import async_engine, llm_engine
     from llmctl.model.info import resolve_model
 
     info = resolve_model(args.model)
-    lengths = LengthRange(args.input_len, args.input_len)
-    outputs = LengthRange(args.output_len, args.output_len)
-    token_ids = ordinary_token_ids(info.path, info.config)
-    workload = make_workload(token_ids, args.num_prompts, lengths, outputs, 0)
-    prompts = [request.prompt_token_ids for request in workload.requests]
+    prompts = fixed_length_prompts(info, args.num_prompts, args.input_len, seed=0)
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     llm = LLM(args.model, backend=args.backend, dtype="float32")
     llm.generate(prompts, params)  # warm-up

@@ -12,8 +12,12 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llmctl.errors import ModelError, OptionError
+
+if TYPE_CHECKING:
+    from llmctl.model.info import ModelInfo
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,19 @@ def make_workload(
         prompt = rng.choices(token_ids, k=input_len.draw(rng))
         requests.append(BenchRequest(prompt, output_len.draw(rng)))
     return Workload(requests, input_len, output_len, seed)
+
+
+def fixed_length_prompts(
+    model: ModelInfo, num_prompts: int, input_len: int, seed: int
+) -> list[list[int]]:
+    """The host-work benchmarks' prompts: ``num_prompts`` of ``input_len`` ordinary ids.
+
+    The same prompts as ``make_workload`` draws for that seed with a fixed input length.
+    """
+    lengths = LengthRange(input_len, input_len)
+    token_ids = ordinary_token_ids(model.path, model.config)
+    workload = make_workload(token_ids, num_prompts, lengths, lengths, seed)
+    return [request.prompt_token_ids for request in workload.requests]
 
 
 def ordinary_token_ids(model_dir: Path, config: dict) -> list[int]:
