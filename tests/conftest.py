@@ -31,7 +31,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         type=int,
         default=None,
         help="the seed that draws the slow sample (default: today's date, YYYYMMDD; "
-        "the run's header names it, so a failure can be drawn again)",
+        "the run names it at its end, so a failure can be drawn again)",
     )
 
 
@@ -48,14 +48,15 @@ def _slow_seed(config: pytest.Config) -> int:
     return config.stash[SLOW_SEED]
 
 
-def pytest_report_header(config: pytest.Config) -> str:
-    if config.getoption("--all-slow"):
-        return "slow cases: all (--all-slow)"
-    seed = _slow_seed(config)
-    return (
-        f"slow cases: {SLOW_SAMPLE} per parametrized test, drawn with --slow-seed={seed} "
-        "(--all-slow runs every one)"
-    )
+def pytest_terminal_summary(
+    terminalreporter: pytest.TerminalReporter, config: pytest.Config
+) -> None:
+    """Name the sample's seed at the end, where even ``-q`` shows it."""
+    if not config.getoption("--all-slow"):
+        terminalreporter.write_line(
+            f"slow cases: {SLOW_SAMPLE} per parametrized test, drawn with "
+            f"--slow-seed={_slow_seed(config)} (--all-slow runs every one)"
+        )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

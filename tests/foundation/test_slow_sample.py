@@ -1,6 +1,6 @@
 """The suite's sample of slow cases (``tests/conftest.py``): a default run keeps
-``SLOW_SAMPLE`` of a parametrized test's slow cases, drawn by a seed the header names;
-``--all-slow`` keeps them all, and a case named alone always runs."""
+``SLOW_SAMPLE`` of a parametrized test's slow cases, drawn by a seed the run names at its
+end; ``--all-slow`` keeps them all, and a case named alone always runs."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_a_default_run_draws_the_slow_cases_by_its_seed():
         assert set(every) - set(slow) <= set(sample)  # the fast cases always run
 
 
-def test_the_header_names_the_seed_and_a_named_case_runs_alone():
+def test_the_run_names_its_seed_and_a_named_case_runs_alone():
     assert "drawn with --slow-seed=7" in pytest_output(TEST, "--slow-seed", "7")
     every = collected(TEST, "--all-slow", "-m", "slow")
     alone = collected(every[-1], "--slow-seed", "7")
