@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
+import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -36,7 +38,7 @@ from llmctl.bench.workload import (
     ordinary_token_ids,
 )
 from llmctl.engine.assemble import engine_dtype
-from llmctl.errors import LlmctlError
+from llmctl.errors import LlmctlError, OptionError
 from llmctl.hardware import Hardware
 from llmctl.model.config import ModelConfig
 
@@ -198,13 +200,21 @@ def benchmark_throughput(
     baseline_batch_size: int | None = None,
     progress: Progress | None = None,
     step_profile: bool = False,
+    rounds: int = 1,
 ) -> dict[str, Any]:
     """Open an engine for ``model`` with ``flags``, run the workload, then (if
     ``baseline_batch_size`` is given) transformers on the same prompts; the JSON report.
-    ``step_profile`` adds where the engine's steps spent their time."""
+    ``step_profile`` adds where the engine's steps spent their time.
+
+    ``rounds`` > 1 repeats that pair, the engine afresh each time: the report keeps the
+    median round of each side and the median of the rounds' ratios, since a ratio of
+    two runs next to each other in time cancels a machine's drift from minute to minute.
+    """
     from llmctl.options import options_for
     from llmctl.selection import select
 
+    if rounds < 1:
+        raise OptionError(f"--rounds must be at least 1, got {rounds}")
     choice = select(model, flags, profile=profile)
     info, backend, values = choice.model, choice.backend.name, choice.values
     import torch
@@ -214,21 +224,49 @@ def benchmark_throughput(
     dtype = engine_dtype(values["dtype"], model_config, torch.device("cuda" if cuda else "cpu"))
     workload = workload_for(info, spec)
     warmup = _warmup_request(info, spec.seed)
-    engine = choice.create_engine()
-    engine_result = asyncio.run(
-        _run_then_shutdown(engine, workload, MemoryPeak(cuda), warmup, progress, step_profile)
-    )
-    engine = None  # free its memory before the baseline (or the sweep's next engine)
-    gc.collect()
-    if cuda:  # so the next engine's "fraction of free memory" sees it free
-        import torch
+    engine_results, baselines = [], []
+    for round_ in range(1, rounds + 1):
+        label = "" if rounds == 1 else f" (round {round_} of {rounds})"
+        engine = choice.create_engine()
+        engine_results.append(
+            asyncio.run(
+                _run_then_shutdown(
+                    engine, workload, MemoryPeak(cuda), warmup, progress, step_profile, label
+                )
+            )
+        )
+        engine = None  # free its memory before the baseline (or the next engine)
+        gc.collect()
+        if cuda:  # so the next engine's "fraction of free memory" sees it free
+            torch.cuda.empty_cache()
+        if baseline_batch_size is not None:
+            from llmctl.bench.baseline_transformers import run_transformers_baseline
 
-        torch.cuda.empty_cache()
+            task = _progress_task(progress, f"transformers{label}", workload.output_tokens)
+            baselines.append(
+                run_transformers_baseline(
+                    info.path,
+                    workload,
+                    MemoryPeak(cuda),
+                    batch_size=baseline_batch_size,
+                    device="cuda" if cuda else "cpu",
+                    dtype=dtype,
+                    warmup=warmup,
+                    on_batch=lambda tokens, task=task: (
+                        progress.advance(task, tokens) if progress else None
+                    ),
+                )
+            )
+    engine_result = _median_run(engine_results)
     bytes_per_block = model_config.kv_bytes_per_block(
         engine_result["block_size"], dtype, values["kv_cache_dtype"]
     )
     engine_result["peak_kv_cache_bytes"] = engine_result["peak_kv_blocks_used"] * bytes_per_block
-    report: dict[str, Any] = {
+    ratios = [
+        run["output_tokens_per_s"] / base["output_tokens_per_s"]
+        for run, base in zip(engine_results, baselines)
+    ]
+    return {
         "kind": "throughput",
         "model": info.name,
         "backend": backend,
@@ -240,26 +278,24 @@ def benchmark_throughput(
         },
         "workload": workload.describe(),
         "engine": engine_result,
-        "baseline": None,
-        "ratio": None,
+        "baseline": _median_run(baselines) if baselines else None,
+        "ratio": statistics.median(ratios) if ratios else None,
+        "rounds": [
+            {
+                "engine_output_tokens_per_s": run["output_tokens_per_s"],
+                "baseline_output_tokens_per_s": base["output_tokens_per_s"] if base else None,
+                "ratio": ratio,
+            }
+            for run, base, ratio in itertools.zip_longest(engine_results, baselines, ratios)
+        ],
     }
-    if baseline_batch_size is not None:
-        from llmctl.bench.baseline_transformers import run_transformers_baseline
 
-        task = _progress_task(progress, "transformers", workload.output_tokens)
-        baseline = run_transformers_baseline(
-            info.path,
-            workload,
-            MemoryPeak(cuda),
-            batch_size=baseline_batch_size,
-            device="cuda" if cuda else "cpu",
-            dtype=dtype,
-            warmup=warmup,
-            on_batch=lambda tokens: progress.advance(task, tokens) if progress else None,
-        )
-        report["baseline"] = baseline
-        report["ratio"] = engine_result["output_tokens_per_s"] / baseline["output_tokens_per_s"]
-    return report
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run of median output tokens/s (the lower middle one of an even count): a real
+    run, so its figures agree with each other."""
+    middle = statistics.median_low(run["output_tokens_per_s"] for run in runs)
+    return next(run for run in runs if run["output_tokens_per_s"] == middle)
 
 
 async def _run_then_shutdown(
@@ -269,8 +305,9 @@ async def _run_then_shutdown(
     warmup: BenchRequest,
     progress: Progress | None,
     step_profile: bool,
+    label: str = "",
 ) -> dict[str, Any]:
-    task = _progress_task(progress, "engine", workload.output_tokens)
+    task = _progress_task(progress, f"engine{label}", workload.output_tokens)
 
     def advance(tokens: int) -> None:
         if progress is not None:

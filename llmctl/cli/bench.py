@@ -97,6 +97,14 @@ def throughput(
     baseline_batch_size: int = typer.Option(
         64, "--baseline-batch-size", min=1, help="Requests per transformers generate call."
     ),
+    rounds: int = typer.Option(
+        1,
+        "--rounds",
+        min=1,
+        help="Run the engine, then the baseline, this many times in turn, and report the "
+        "median round of each and the median of the rounds' ratios (a machine whose speed "
+        "drifts from minute to minute moves a single pair's ratio).",
+    ),
     step_profile: bool = typer.Option(
         False,
         "--step-profile",
@@ -123,7 +131,10 @@ def throughput(
       sequence per step); null for an engine that keeps none
     - baseline: the same figures for transformers plus batch_size and
       generated_tokens (padding included); null without --baseline
-    - ratio: engine output_tokens_per_s / baseline output_tokens_per_s
+    - ratio: engine output_tokens_per_s / baseline output_tokens_per_s (with --rounds,
+      the median of the rounds' ratios; engine and baseline are each the median round)
+    - rounds: per round, engine_output_tokens_per_s, baseline_output_tokens_per_s and
+      ratio (null without --baseline)
     """
     from llmctl.bench.report import step_profile_table, throughput_table
     from llmctl.bench.throughput import benchmark_throughput
@@ -142,6 +153,7 @@ def throughput(
             baseline_batch_size=baseline_batch_size if baseline else None,
             progress=progress,
             step_profile=step_profile,
+            rounds=rounds,
         )
     title = f"Throughput: {report['model']} on {report['backend']} ({report['device']})"
     _show(throughput_table(report), title, markdown, output, report)
@@ -151,15 +163,24 @@ def throughput(
             console.print(f"The {report['backend']} engine keeps no step profile.")
         else:
             _show(step_profile_table(profile), "Where a step's time goes", markdown, None, report)
+    if len(report["rounds"]) > 1:
+        console.print("Rounds, output tokens/s: " + "; ".join(map(_round_text, report["rounds"])))
     if report["ratio"] is not None:
         console.print(
             styled(
                 f"llmctl ({report['backend']}) {report['engine']['output_tokens_per_s']:,.1f} vs "
                 f"transformers {report['baseline']['output_tokens_per_s']:,.1f} useful output "
-                "tokens/s: ",
+                + ("tokens/s: " if len(report["rounds"]) == 1 else "tokens/s, medians: "),
                 (f"{report['ratio']:.2f}x", "bold"),
             )
         )
+
+
+def _round_text(round_: dict[str, Any]) -> str:
+    text = f"{round_['engine_output_tokens_per_s']:,.1f}"
+    if round_["ratio"] is not None:
+        text += f" vs {round_['baseline_output_tokens_per_s']:,.1f} ({round_['ratio']:.2f}x)"
+    return text
 
 
 def serve(

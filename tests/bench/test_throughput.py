@@ -83,9 +83,40 @@ def test_throughput_with_transformers_baseline(stories_dir: Path, tmp_path: Path
     assert report["ratio"] == pytest.approx(
         engine["output_tokens_per_s"] / baseline["output_tokens_per_s"]
     )
+    assert report["rounds"] == [
+        {
+            "engine_output_tokens_per_s": engine["output_tokens_per_s"],
+            "baseline_output_tokens_per_s": baseline["output_tokens_per_s"],
+            "ratio": report["ratio"],
+        }
+    ]
     assert "| metric | llmctl (torch) | transformers (batch 4) |" in result.output
     assert f"useful output tokens/s: {report['ratio']:.2f}x" in result.output
     assert "[bold]" not in result.output  # the console reads no markup: style it, do not tag it
+
+
+def test_rounds_take_turns_and_report_medians(stories_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "throughput.json"
+    result = invoke(
+        f"bench throughput {q(stories_dir)} --backend torch -n 3 --input-len 8 "
+        f"--output-len 4:8 --baseline transformers --rounds 3 --output {q(out)}"
+    )
+    report = read_json(out)
+    rounds = report["rounds"]
+    assert len(rounds) == 3
+    for round_ in rounds:
+        assert round_["ratio"] == pytest.approx(
+            round_["engine_output_tokens_per_s"] / round_["baseline_output_tokens_per_s"]
+        )
+    # Each side is its median round, whole; the ratio is the median of the rounds' own.
+    engine_rates = sorted(r["engine_output_tokens_per_s"] for r in rounds)
+    baseline_rates = sorted(r["baseline_output_tokens_per_s"] for r in rounds)
+    assert report["engine"]["output_tokens_per_s"] == engine_rates[1]
+    assert report["engine"]["output_tokens"] == report["workload"]["output_tokens"]
+    assert report["baseline"]["output_tokens_per_s"] == baseline_rates[1]
+    assert report["ratio"] == sorted(r["ratio"] for r in rounds)[1]
+    assert "Rounds, output tokens/s: " in result.output
+    assert f"tokens/s, medians: {report['ratio']:.2f}x" in result.output
 
 
 def test_throughput_refuses_a_workload_longer_than_the_session(stories_dir: Path) -> None:
