@@ -164,13 +164,17 @@ def throughput(
         else:
             _show(step_profile_table(profile), "Where a step's time goes", markdown, None, report)
     if len(report["rounds"]) > 1:
-        console.print("Rounds, output tokens/s: " + "; ".join(map(_round_text, report["rounds"])))
+        rounds = report["rounds"]
+        console.print(
+            f"{len(rounds)} rounds, output tokens/s (their medians below): "
+            + "; ".join(map(_round_text, rounds))
+        )
     if report["ratio"] is not None:
         console.print(
             styled(
                 f"llmctl ({report['backend']}) {report['engine']['output_tokens_per_s']:,.1f} vs "
                 f"transformers {report['baseline']['output_tokens_per_s']:,.1f} useful output "
-                + ("tokens/s: " if len(report["rounds"]) == 1 else "tokens/s, medians: "),
+                "tokens/s: ",
                 (f"{report['ratio']:.2f}x", "bold"),
             )
         )
