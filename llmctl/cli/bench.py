@@ -163,21 +163,20 @@ def throughput(
             console.print(f"The {report['backend']} engine keeps no step profile.")
         else:
             _show(step_profile_table(profile), "Where a step's time goes", markdown, None, report)
-    if len(report["rounds"]) > 1:
-        rounds = report["rounds"]
-        console.print(
-            f"{len(rounds)} rounds, output tokens/s (their medians below): "
-            + "; ".join(map(_round_text, rounds))
+    rounds = report["rounds"]
+    if len(rounds) > 1:
+        console.print("Rounds, output tokens/s: " + "; ".join(map(_round_text, rounds)))
+    if report["ratio"] is None:
+        return
+    if len(rounds) > 1:  # a ratio of each round's own pair, not of the two medians
+        text = f"llmctl ({report['backend']}) vs transformers, the median of the rounds' ratios: "
+    else:
+        text = (
+            f"llmctl ({report['backend']}) {report['engine']['output_tokens_per_s']:,.1f} vs "
+            f"transformers {report['baseline']['output_tokens_per_s']:,.1f} useful output "
+            "tokens/s: "
         )
-    if report["ratio"] is not None:
-        console.print(
-            styled(
-                f"llmctl ({report['backend']}) {report['engine']['output_tokens_per_s']:,.1f} vs "
-                f"transformers {report['baseline']['output_tokens_per_s']:,.1f} useful output "
-                "tokens/s: ",
-                (f"{report['ratio']:.2f}x", "bold"),
-            )
-        )
+    console.print(styled(text, (f"{report['ratio']:.2f}x", "bold")))
 
 
 def _round_text(round_: dict[str, Any]) -> str:
