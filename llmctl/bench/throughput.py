@@ -240,21 +240,9 @@ def benchmark_throughput(
         if cuda:  # so the next engine's "fraction of free memory" sees it free
             torch.cuda.empty_cache()
         if baseline_batch_size is not None:
-            from llmctl.bench.baseline_transformers import run_transformers_baseline
-
-            task = _progress_task(progress, f"transformers{label}", workload.output_tokens)
             baselines.append(
-                run_transformers_baseline(
-                    info.path,
-                    workload,
-                    MemoryPeak(cuda),
-                    batch_size=baseline_batch_size,
-                    device="cuda" if cuda else "cpu",
-                    dtype=dtype,
-                    warmup=warmup,
-                    on_batch=lambda tokens, task=task: (
-                        progress.advance(task, tokens) if progress else None
-                    ),
+                _run_baseline(
+                    info, workload, warmup, cuda, dtype, baseline_batch_size, progress, label
                 )
             )
     engine_result = _median_run(engine_results)
@@ -289,6 +277,31 @@ def benchmark_throughput(
             for run, base, ratio in itertools.zip_longest(engine_results, baselines, ratios)
         ],
     }
+
+
+def _run_baseline(
+    info: ModelInfo,
+    workload: Workload,
+    warmup: BenchRequest,
+    cuda: bool,
+    dtype: str,
+    batch_size: int,
+    progress: Progress | None,
+    label: str,
+) -> dict[str, Any]:
+    from llmctl.bench.baseline_transformers import run_transformers_baseline
+
+    task = _progress_task(progress, f"transformers{label}", workload.output_tokens)
+    return run_transformers_baseline(
+        info.path,
+        workload,
+        MemoryPeak(cuda),
+        batch_size=batch_size,
+        device="cuda" if cuda else "cpu",
+        dtype=dtype,
+        warmup=warmup,
+        on_batch=lambda tokens: progress.advance(task, tokens) if progress else None,
+    )
 
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
