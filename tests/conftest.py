@@ -35,19 +35,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-SLOW_SEED = pytest.StashKey[int]()
-
-
-def _slow_seed(config: pytest.Config) -> int:
-    """The option's seed, else today's date: read once, so a run over midnight (or its
-    xdist workers' collections) draws one sample."""
-    if SLOW_SEED not in config.stash:
-        seed = config.getoption("--slow-seed")
-        today = int(datetime.date.today().strftime("%Y%m%d"))
-        config.stash[SLOW_SEED] = seed if seed is not None else today
-    return config.stash[SLOW_SEED]
-
-
 def pytest_terminal_summary(
     terminalreporter: pytest.TerminalReporter, config: pytest.Config
 ) -> None:
@@ -55,7 +42,7 @@ def pytest_terminal_summary(
     if not config.getoption("--all-slow"):
         terminalreporter.write_line(
             f"slow cases: {SLOW_SAMPLE} per parametrized test, drawn with "
-            f"--slow-seed={_slow_seed(config)} (--all-slow runs every one)"
+            f"--slow-seed={config.getoption('--slow-seed')} (--all-slow runs every one)"
         )
 
 
@@ -67,7 +54,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """
     if config.getoption("--all-slow"):
         return
-    seed = _slow_seed(config)
+    seed = config.getoption("--slow-seed")
     slow_cases: dict[str, list[pytest.Item]] = {}
     for item in items:
         if hasattr(item, "callspec") and item.get_closest_marker("slow"):
@@ -89,6 +76,11 @@ def pytest_configure(config: pytest.Config) -> None:
     test's server, stopped by uvicorn's own handler, would exit 0, not 130."""
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # The slow sample's default seed, fixed once, so a run over midnight draws one
+    # sample. (pytest-xdist's workers parse the command line again, each reading the
+    # date itself: a sampled run with workers should name --slow-seed.)
+    if config.getoption("--slow-seed") is None:
+        config.option.slow_seed = int(datetime.date.today().strftime("%Y%m%d"))
 
 
 @pytest.fixture
