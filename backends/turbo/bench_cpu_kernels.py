@@ -2,6 +2,7 @@
 
     python backends/turbo/bench_cpu_kernels.py                # torch's thread count
     python backends/turbo/bench_cpu_kernels.py --threads 1 --rows 1,16,64,512
+    python backends/turbo/bench_cpu_kernels.py --isa avx512vnni --rows 256,1024,4096
 
 For each weight matrix of a layer (hidden 512, intermediate 1408) and each row count (1
 is batch-1 decode, 16-64 a decode batch, 512 a prefill chunk): turbo's packed-panel
@@ -38,6 +39,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--rows", default="1,4,16,64,512", help="comma-separated row counts")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument(
+        "--isa", help="turbo's instruction set (amx, avx512vnni, ...; default: the best)"
+    )
     return parser.parse_args()
 
 
@@ -78,6 +82,8 @@ def median_seconds(fn, repeats: int) -> float:
 def main() -> None:
     args = parse_args()
     ops = load_ops()
+    if args.isa:
+        ops.set_cpu_isa(args.isa)
     torch.set_num_threads(args.threads)
     ops.set_cpu_threads(args.threads)
     print(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -23,15 +22,11 @@ from pathlib import Path
 
 import httpx
 
+from llmctl.bench.server_process import free_port
+
 # Each server's default working directory (and log) lives under this one, removed when
 # the test session's interpreter exits, so runs leave no directories in /tmp.
 _SESSION_DIR = tempfile.TemporaryDirectory(prefix="llmctl-tests-")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class ServerProcess:
