@@ -83,7 +83,10 @@ def main() -> None:
     args = parse_args()
     ops = load_ops()
     if args.isa:
-        ops.set_cpu_isa(args.isa)
+        try:
+            ops.set_cpu_isa(args.isa)
+        except RuntimeError as exc:  # unknown, or one this CPU lacks: say which are there
+            raise SystemExit(f"--isa {args.isa}: {str(exc).splitlines()[0]}") from None
     torch.set_num_threads(args.threads)
     ops.set_cpu_threads(args.threads)
     print(
