@@ -40,7 +40,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rows", default="1,4,16,64,512", help="comma-separated row counts")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument(
-        "--isa", help="turbo's instruction set (amx, avx512vnni, ...; default: the best)"
+        "--isa",
+        help="turbo's instruction set (avx512vnni, avx512, avx2, portable; default: the best)",
     )
     return parser.parse_args()
 
