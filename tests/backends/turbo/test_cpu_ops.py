@@ -264,6 +264,41 @@ def test_paged_attention_query_runs(turbo_ops, block_size):
         torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 4, 8), (8, 4, 64)], ids=["narrow", "wide"])
+@pytest.mark.parametrize("step", ["decode", "mixed"])
+def test_paged_attention_many_sequences(turbo_ops, heads, kv_heads, head_dim, step):
+    """Enough sequences to split over threads, each thread asking for the cache its next
+    row or work item reads while it attends (prefetch_rows in cpu/row_kernels.h): every
+    thread count gives the reference's output, bit for bit the same. A decode step's rows,
+    and decode rows between prompt chunks; the narrow heads' kernel and the per-head one."""
+    generator = torch.Generator().manual_seed(12)
+    seqs, block_size = 70, 16
+    context_lens = torch.randint(1, 300, (seqs,), generator=generator).tolist()
+    if step == "decode":
+        query_lens = [1] * seqs
+    else:
+        query_lens = [min(c, 1 + 8 * (i % 3 == 0)) for i, c in enumerate(context_lens)]
+    cache = PagedCache(block_size, context_lens, kv_heads, head_dim, torch.float32, seed=5)
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=generator)
+    query_start_loc = int32([0, *torch.tensor(query_lens).cumsum(0).tolist()])
+    expected = ref_paged_attention(q, cache.k, cache.v, cache.tables, query_lens, context_lens, 0.3)
+    before = turbo_ops.cpu_threads()
+    outputs = []
+    try:
+        for count in (1, 2, 3):
+            turbo_ops.set_cpu_threads(count)
+            out = poisoned(*q.shape, dtype=torch.float32)
+            turbo_ops.paged_prefill_attention(
+                out, q, cache.k, cache.v, cache.padded_tables(), query_start_loc,
+                int32(context_lens), 0.3,
+            )  # fmt: skip
+            torch.testing.assert_close(out, expected, **TOLERANCE[torch.float32])
+            outputs.append(out)
+    finally:
+        turbo_ops.set_cpu_threads(before)
+    assert all(torch.equal(out, outputs[0]) for out in outputs)
+
+
 # ------------------------------------------------------------------ bad input
 
 

@@ -140,6 +140,18 @@ inline float* aligned_floats(std::vector<float>& buffer, int64_t count) {
   return buffer.data() + (aligned - address) / sizeof(float);
 }
 
+// Asks for `count` rows of `width` elements, `stride` elements apart, into L2 ahead of
+// their use. Attention reads a sequence's cache in short runs (a block's part of one kv
+// head, or one sequence's rows), each starting a stream the hardware prefetcher meets
+// cold and drops at every page; so each pass asks for what the next one reads.
+template <typename T>
+inline void prefetch_rows(const T* rows, int64_t count, int64_t stride, int64_t width) {
+  constexpr int64_t line = kLineBytes / sizeof(T);
+  for (int64_t r = 0; r < count; ++r) {
+    for (int64_t e = 0; e < width; e += line) __builtin_prefetch(rows + r * stride + e, 0, 2);
+  }
+}
+
 // Elements of work below which one thread does it all: waking a thread and handing it
 // work costs a few microseconds, as much as a thread computes in that time.
 constexpr int64_t kMinWorkPerThread = 1 << 16;
@@ -1096,14 +1108,29 @@ void narrow_attention_rows(scalar_t* out, const scalar_t* q, const scalar_t* k_c
   const int64_t work_per_row = (total_keys / std::max<int64_t>(1, s.num_tokens) + 1) * H * D * 2;
   parallel_for(0, s.num_tokens, grain_for(work_per_row), [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch;
-    thread_local std::vector<int64_t> row_scratch;
+    thread_local std::vector<int64_t> row_scratch, next_scratch;
     float* scores = aligned_floats(scratch, round_up(max_context, TB) * H);
     row_scratch.resize(round_up(max_context, TB));
+    next_scratch.resize(round_up(max_context, TB));
     int64_t* row_offsets = row_scratch.data();
-    // The sequence of row `begin`, and how many of its keys' offsets are in row_offsets.
+    int64_t* next_offsets = next_scratch.data();
+    // offsets[j] = the cache row of sequence b's key j, for j in [from, n) (a division per
+    // block, not per key).
+    const auto fill_offsets = [&](int64_t* offsets, int64_t b, int64_t from, int64_t n) {
+      const int32_t* table = block_tables + b * s.table_stride;
+      for (int64_t j = from; j < n;) {
+        const int64_t in_block = j % s.block_size;
+        const int64_t first = table[j / s.block_size] * block_elems;
+        const int64_t count = std::min(s.block_size - in_block, n - j);
+        for (int64_t i = 0; i < count; ++i) offsets[j + i] = first + (in_block + i) * row_elems;
+        j += count;
+      }
+    };
+    // The sequence of row `begin`; how many of its keys' offsets are in row_offsets; and
+    // the sequence whose first next_filled offsets are in next_offsets (-1: none).
     int64_t b = std::upper_bound(query_start_loc, query_start_loc + s.num_seqs + 1, begin) -
                 query_start_loc - 1;
-    int64_t offsets_of = -1, offsets_filled = 0;
+    int64_t offsets_of = -1, offsets_filled = 0, next_of = -1, next_filled = 0;
     for (int64_t t = begin; t < end; ++t) {
       while (t >= query_start_loc[b + 1]) ++b;
       const int64_t n = context_lens[b] - (query_start_loc[b + 1] - t) + 1;  // keys it sees
@@ -1112,19 +1139,28 @@ void narrow_attention_rows(scalar_t* out, const scalar_t* q, const scalar_t* k_c
         std::fill(o, o + H * D, round_to<scalar_t>(0.f));
         continue;
       }
-      // Each key's row in the cache (no division per key), kept for the sequence's next
-      // row; past the row's keys, up to a whole vector of scores, its last key's (whose
-      // weight is zeroed below).
-      if (offsets_of != b) offsets_of = b, offsets_filled = 0;
-      const int32_t* table = block_tables + b * s.table_stride;
-      for (int64_t j = offsets_filled; j < n;) {  // a division per block, not per key
-        const int64_t in_block = j % s.block_size;
-        const int64_t first = table[j / s.block_size] * block_elems;
-        const int64_t count = std::min(s.block_size - in_block, n - j);
-        for (int64_t i = 0; i < count; ++i) row_offsets[j + i] = first + (in_block + i) * row_elems;
-        j += count;
+      // Each key's row in the cache, kept for the sequence's next row (or found while the
+      // row before read its values); past the row's keys, up to a whole vector of scores,
+      // its last key's (whose weight is zeroed below).
+      if (offsets_of != b) {
+        offsets_filled = 0;
+        if (next_of == b) std::swap(row_offsets, next_offsets), offsets_filled = next_filled;
+        offsets_of = b, next_of = -1;
       }
+      fill_offsets(row_offsets, b, offsets_filled, n);
       offsets_filled = n;  // the padding below is past it
+      // The keys of the next row's sequence, when it is another one (a decode step's rows
+      // are each a sequence): asked for while this row reads its values (prefetch_rows).
+      int64_t next_n = 0;
+      if (t + 1 < end && t + 1 >= query_start_loc[b + 1]) {
+        int64_t next_b = b + 1;
+        while (t + 1 >= query_start_loc[next_b + 1]) ++next_b;
+        next_n = context_lens[next_b] - (query_start_loc[next_b + 1] - (t + 1)) + 1;
+        if (next_n > 0) {
+          fill_offsets(next_offsets, next_b, 0, next_n);
+          next_of = next_b, next_filled = next_n;
+        }
+      }
       const int64_t padded = round_up(n, TB);
       std::fill(row_offsets + n, row_offsets + padded, row_offsets[n - 1]);
       const scalar_t* q_row = q + t * s.q_stride;
@@ -1157,6 +1193,7 @@ void narrow_attention_rows(scalar_t* out, const scalar_t* q, const scalar_t* k_c
       for (int64_t t0 = 0; t0 < padded; t0 += TB) {
         FloatVec products[D];
         for (int tt = 0; tt < TB; ++tt) {
+          prefetch_rows(v_cache + row_offsets[t0 + tt], 1, 0, row_elems);  // read next pass
           const scalar_t* keys = k_cache + row_offsets[t0 + tt];
           for (int qv = 0; qv < NQ; ++qv) {
             products[tt * NQ + qv] = qs[qv] * load_vec(keys + offsets[qv]);
@@ -1184,6 +1221,9 @@ void narrow_attention_rows(scalar_t* out, const scalar_t* q, const scalar_t* k_c
       for (int64_t t0 = 0; t0 < padded; t0 += TB) {
         const scalar_t* rows[TB];
         for (int tt = 0; tt < TB; ++tt) rows[tt] = v_cache + row_offsets[t0 + tt];
+        for (int64_t j = t0; j < std::min(t0 + TB, next_n); ++j) {
+          prefetch_rows(k_cache + next_offsets[j], 1, 0, row_elems);  // the next row's keys
+        }
         add_weighted_tokens<H, P, D>(acc, load_vec(scores + t0 * H), rows, offsets,
                                      std::make_integer_sequence<int, TB>{});
       }
@@ -1337,9 +1377,24 @@ void paged_attention_rows(scalar_t* out, const scalar_t* q, const cache_t* k_cac
         }
       };
 
+      // The kv head's part of `count` rows of `block` asked for (prefetch_rows): while
+      // pass 1 reads a block of keys, that block's values and the next block's keys;
+      // while pass 2 reads its last block of values, the next item's first keys. Each
+      // block's own loads then mostly find it in L2.
+      const auto prefetch_head = [&](const cache_t* cache, const int32_t* blocks, int64_t head,
+                                     int64_t start, int64_t keys) {
+        const int64_t count = std::min(s.block_size, keys - start);
+        if (count > 0) {
+          prefetch_rows(cache + blocks[start / s.block_size] * block_elems + head * D, count,
+                        row_elems, D);
+        }
+      };
+
       // Pass 1: scores.
       for_each_block(k_cache, k_scale, [&](int64_t start, int64_t count, const float* keys,
                                            int64_t stride, const float* key_scales) {
+        prefetch_head(v_cache, table, kv_head, start, num_keys);
+        prefetch_head(k_cache, table, kv_head, start + s.block_size, num_keys);
         for (int64_t v = 0; v < vectors; ++v) {
           const int64_t seen = std::min(count, keys_of(v) - start);
           if (seen <= 0) continue;
@@ -1364,6 +1419,13 @@ void paged_attention_rows(scalar_t* out, const scalar_t* q, const cache_t* k_cac
       std::fill(acc, acc + vectors * D, 0.f);
       for_each_block(v_cache, v_scale, [&](int64_t start, int64_t count, const float* values,
                                            int64_t stride, const float* value_scales) {
+        if (start + s.block_size >= num_keys && item + 1 < end) {
+          const QueryRun next = runs[(item + 1) / s.num_kv_heads];
+          const int64_t next_first_keys = context_lens[next.seq] -
+                                          (query_start_loc[next.seq + 1] - next.first) + 1;
+          prefetch_head(k_cache, block_tables + next.seq * s.table_stride,
+                        (item + 1) % s.num_kv_heads, 0, next_first_keys + next.count - 1);
+        }
         for (int64_t v = 0; v < vectors; ++v) {
           const int64_t seen = std::min(count, keys_of(v) - start);
           if (seen <= 0) continue;
