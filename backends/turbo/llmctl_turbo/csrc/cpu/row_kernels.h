@@ -152,6 +152,13 @@ inline void prefetch_rows(const T* rows, int64_t count, int64_t stride, int64_t 
   }
 }
 
+// The keys query row t of sequence b sees, causally: those before its own position, and
+// itself (0 or less: a padding row).
+inline int64_t keys_seen(const int32_t* query_start_loc, const int32_t* context_lens, int64_t b,
+                         int64_t t) {
+  return context_lens[b] - (query_start_loc[b + 1] - t) + 1;
+}
+
 // Elements of work below which one thread does it all: waking a thread and handing it
 // work costs a few microseconds, as much as a thread computes in that time.
 constexpr int64_t kMinWorkPerThread = 1 << 16;
@@ -1133,7 +1140,7 @@ void narrow_attention_rows(scalar_t* out, const scalar_t* q, const scalar_t* k_c
     int64_t offsets_of = -1, offsets_filled = 0, next_of = -1, next_filled = 0;
     for (int64_t t = begin; t < end; ++t) {
       while (t >= query_start_loc[b + 1]) ++b;
-      const int64_t n = context_lens[b] - (query_start_loc[b + 1] - t) + 1;  // keys it sees
+      const int64_t n = keys_seen(query_start_loc, context_lens, b, t);
       scalar_t* o = out + t * s.out_stride;
       if (n <= 0) {  // a padding row: nothing to attend to
         std::fill(o, o + H * D, round_to<scalar_t>(0.f));
@@ -1155,7 +1162,7 @@ void narrow_attention_rows(scalar_t* out, const scalar_t* q, const scalar_t* k_c
       if (t + 1 < end && t + 1 >= query_start_loc[b + 1]) {
         int64_t next_b = b + 1;
         while (t + 1 >= query_start_loc[next_b + 1]) ++next_b;
-        next_n = context_lens[next_b] - (query_start_loc[next_b + 1] - (t + 1)) + 1;
+        next_n = keys_seen(query_start_loc, context_lens, next_b, t + 1);
         if (next_n > 0) {
           fill_offsets(next_offsets, next_b, 0, next_n);
           next_of = next_b, next_filled = next_n;
@@ -1342,10 +1349,9 @@ void paged_attention_rows(scalar_t* out, const scalar_t* q, const cache_t* k_cac
       const QueryRun run = runs[item / s.num_kv_heads];
       const int64_t kv_head = item % s.num_kv_heads;
       const int64_t b = run.seq;
-      const int64_t q_len = query_start_loc[b + 1] - query_start_loc[b];
       // Query vector v = i * group + h (row run.first + i, head kv_head * group + h)
       // sees the keys before its own position and itself, causally.
-      const int64_t first_keys = context_lens[b] - q_len + (run.first - query_start_loc[b]) + 1;
+      const int64_t first_keys = keys_seen(query_start_loc, context_lens, b, run.first);
       const int64_t num_keys = first_keys + run.count - 1;  // the run's last row's
       const int64_t vectors = run.count * group;
       auto keys_of = [&](int64_t v) { return first_keys + v / group; };
@@ -1377,10 +1383,10 @@ void paged_attention_rows(scalar_t* out, const scalar_t* q, const cache_t* k_cac
         }
       };
 
-      // The kv head's part of `count` rows of `block` asked for (prefetch_rows): while
-      // pass 1 reads a block of keys, that block's values and the next block's keys;
-      // while pass 2 reads its last block of values, the next item's first keys. Each
-      // block's own loads then mostly find it in L2.
+      // The kv head's part of the block holding key `start` (of `keys`) asked for
+      // (prefetch_rows): while pass 1 reads a block of keys, that block's values and the
+      // next block's keys; while pass 2 reads its last block of values, the next item's
+      // first keys. Each block's own loads then mostly find it in L2.
       const auto prefetch_head = [&](const cache_t* cache, const int32_t* blocks, int64_t head,
                                      int64_t start, int64_t keys) {
         const int64_t count = std::min(s.block_size, keys - start);
@@ -1421,10 +1427,10 @@ void paged_attention_rows(scalar_t* out, const scalar_t* q, const cache_t* k_cac
                                            int64_t stride, const float* value_scales) {
         if (start + s.block_size >= num_keys && item + 1 < end) {
           const QueryRun next = runs[(item + 1) / s.num_kv_heads];
-          const int64_t next_first_keys = context_lens[next.seq] -
-                                          (query_start_loc[next.seq + 1] - next.first) + 1;
+          const int64_t next_keys =  // its last row's
+              keys_seen(query_start_loc, context_lens, next.seq, next.first + next.count - 1);
           prefetch_head(k_cache, block_tables + next.seq * s.table_stride,
-                        (item + 1) % s.num_kv_heads, 0, next_first_keys + next.count - 1);
+                        (item + 1) % s.num_kv_heads, 0, next_keys);
         }
         for (int64_t v = 0; v < vectors; ++v) {
           const int64_t seen = std::min(count, keys_of(v) - start);
