@@ -93,6 +93,26 @@ def test_rotary_embedding_on_strided_qkv_views(turbo_ops, dtype, scaling):
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)
 
 
+@pytest.mark.parametrize("head_dim", [4, 8, 16, 32, 6])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 4), (5, 3)], ids=["whole", "remainder"])
+def test_rotary_embedding_head_dims(turbo_ops, isa, head_dim, heads, kv_heads):
+    """Heads narrower than a vector rotate a vector of them at a time, the heads past
+    the last whole vector one by one (5 and 3 heads leave some); wider heads (32) and
+    widths no vector holds whole (6) take the per-head loop. On each instruction set."""
+    torch.manual_seed(head_dim + heads)
+    tokens = 37
+    frequencies = rope_inv_freq(head_dim, 10000.0, None)
+    table = cos_sin_cache(frequencies, 512)
+    q = torch.randn(tokens, heads, head_dim)
+    k = torch.randn(tokens, kv_heads, head_dim)
+    positions = torch.randint(0, 512, (tokens,), dtype=torch.int32)
+    expected_q = ref_rotary(q, positions, frequencies)
+    expected_k = ref_rotary(k, positions, frequencies)
+    turbo_ops.rotary_embedding(positions, q, k, table)
+    torch.testing.assert_close(q, expected_q, **TOLERANCE[torch.float32])
+    torch.testing.assert_close(k, expected_k, **TOLERANCE[torch.float32])
+
+
 # ------------------------------------------------------------------ paged ops
 
 

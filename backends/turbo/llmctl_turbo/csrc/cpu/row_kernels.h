@@ -709,19 +709,67 @@ void rms_norm_rows(scalar_t* out, int64_t out_stride, const scalar_t* x, int64_t
 }
 
 // ---------------------------------------------------------------------------------
-// Rotary embedding, rotate-half layout: element i pairs with element i + D/2.
+// Rotary embedding, rotate-half layout: element i pairs with element i + D/2. `angles` is
+// a position's row of the cos_sin table: D/2 cosines, then D/2 sines.
 
+// Float heads of D = 2^k <= kVectorWidth floats, kVectorWidth / D heads to a vector: each
+// lane's partner (i <-> i + D/2) is one fixed shuffle away, and the angles are laid across
+// the lanes once a call. Heads this narrow (stories260K's 8) left the scalar loop below
+// too short to vectorise: it was 4 % of a decode step. Returns how many heads it rotated
+// (whole vectors of them); the caller rotates the rest.
+template <int D, int... I>
+inline int64_t rotate_narrow_heads(float* out, const float* in, int64_t num_heads,
+                                   const float* angles, std::integer_sequence<int, I...>) {
+  if constexpr (D > kVectorWidth) {
+    return 0;
+  } else {
+    constexpr int half = D / 2;
+    // A vector of D lanes, widened by the shuffles: copied into a whole vector through
+    // memory instead, the wide load could not take its data from the narrow stores and
+    // waited for them (a third of the function's time).
+    typedef float AngleVec __attribute__((vector_size(D * sizeof(float))));
+    AngleVec a;
+    __builtin_memcpy(&a, angles, sizeof(a));
+    const FloatVec cos = __builtin_shufflevector(a, a, (I % half)...);
+    // x1 cos - x2 sin for the first half of a head, x2 cos + x1 sin for the second.
+    const FloatVec sin = __builtin_shufflevector(a, a, (half + I % half)...) *
+                         FloatVec{(I % D < half ? -1.f : 1.f)...};
+    const int64_t vectors = num_heads * D / kVectorWidth;
+    for (int64_t v = 0; v < vectors; ++v) {
+      const FloatVec value = load_vec(in + v * kVectorWidth);
+      const FloatVec partner = __builtin_shufflevector(value, value, (I ^ half)...);
+      const FloatVec rotated = value * cos + partner * sin;
+      __builtin_memcpy(out + v * kVectorWidth, &rotated, sizeof(rotated));
+    }
+    return vectors * (kVectorWidth / D);
+  }
+}
+
+// out = the heads of `in` rotated (out may be in).
 template <typename scalar_t>
-void rotate_heads(scalar_t* row, int64_t num_heads, int64_t head_dim, const float* cos,
-                  const float* sin) {
+void rotate_heads(scalar_t* out, const scalar_t* in, int64_t num_heads, int64_t head_dim,
+                  const float* angles) {
   const int64_t half = head_dim / 2;
-  for (int64_t h = 0; h < num_heads; ++h) {
-    scalar_t* x = row + h * head_dim;
+  int64_t h = 0;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (head_dim == 4) {
+      h = rotate_narrow_heads<4>(out, in, num_heads, angles, VectorLanes{});
+    } else if (head_dim == 8) {
+      h = rotate_narrow_heads<8>(out, in, num_heads, angles, VectorLanes{});
+    } else if (head_dim == 16) {
+      h = rotate_narrow_heads<16>(out, in, num_heads, angles, VectorLanes{});
+    }
+  }
+  const float* cos = angles;
+  const float* sin = angles + half;
+  for (; h < num_heads; ++h) {
+    const scalar_t* x = in + h * head_dim;
+    scalar_t* y = out + h * head_dim;
     for (int64_t i = 0; i < half; ++i) {
       const float x1 = static_cast<float>(x[i]);
       const float x2 = static_cast<float>(x[i + half]);
-      x[i] = round_to<scalar_t>(x1 * cos[i] - x2 * sin[i]);
-      x[i + half] = round_to<scalar_t>(x2 * cos[i] + x1 * sin[i]);
+      y[i] = round_to<scalar_t>(x1 * cos[i] - x2 * sin[i]);
+      y[i + half] = round_to<scalar_t>(x2 * cos[i] + x1 * sin[i]);
     }
   }
 }
@@ -733,10 +781,9 @@ void rotary_rows(const int32_t* positions, scalar_t* q, int64_t q_stride, int64_
   const int64_t work = (num_heads + num_kv_heads) * head_dim;
   parallel_for(0, num_tokens, grain_for(work), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const float* cos = cos_sin + static_cast<int64_t>(positions[t]) * head_dim;
-      const float* sin = cos + head_dim / 2;
-      rotate_heads(q + t * q_stride, num_heads, head_dim, cos, sin);
-      rotate_heads(k + t * k_stride, num_kv_heads, head_dim, cos, sin);
+      const float* angles = cos_sin + static_cast<int64_t>(positions[t]) * head_dim;
+      rotate_heads(q + t * q_stride, q + t * q_stride, num_heads, head_dim, angles);
+      rotate_heads(k + t * k_stride, k + t * k_stride, num_kv_heads, head_dim, angles);
     }
   });
 }
@@ -1036,6 +1083,28 @@ __attribute__((always_inline)) inline FloatVec segment_sums(FloatVec* v) {
   }
 }
 
+// products[TT * NQ + QV] = query vector QV times its vector of token TT's key row
+// rows[TT]: unrolled, so that the products stay in registers (a loop over the tokens
+// kept them in memory, between the multiplies and segment_sums).
+template <int NQ, typename cache_t, int TT, int... QV>
+__attribute__((always_inline)) inline void key_products(FloatVec* products, const FloatVec* qs,
+                                                        const cache_t* row,
+                                                        const int64_t* offsets,
+                                                        std::integer_sequence<int, QV...>) {
+  ((products[TT * NQ + QV] = qs[QV] * load_vec(row + offsets[QV])), ...);
+}
+
+// key_products for each token slot TT of rows.
+template <int NQ, typename cache_t, int... TT>
+__attribute__((always_inline)) inline void token_products(FloatVec* products, const FloatVec* qs,
+                                                          const cache_t* const* rows,
+                                                          const int64_t* offsets,
+                                                          std::integer_sequence<int, TT...>) {
+  (key_products<NQ, cache_t, TT>(products, qs, rows[TT], offsets,
+                                 std::make_integer_sequence<int, NQ>{}),
+   ...);
+}
+
 // Segment p of query vector QV takes position QV * P + p of token slot TT: each of its D
 // lanes that lane of `scores`.
 template <int H, int P, int D, int TT, int QV, int... I>
@@ -1173,15 +1242,12 @@ void narrow_attention_rows(scalar_t* out, const scalar_t* q, const scalar_t* k_c
       const scalar_t* q_row = q + t * s.q_stride;
       scalar_t rotated[H * D];
       if (fresh) {
-        const float* cos = fresh->cos_sin + static_cast<int64_t>(fresh->positions[t]) * D;
-        std::copy(q_row, q_row + H * D, rotated);
-        rotate_heads(rotated, H, D, cos, cos + D / 2);
+        const float* angles = fresh->cos_sin + static_cast<int64_t>(fresh->positions[t]) * D;
+        rotate_heads(rotated, q_row, H, D, angles);
         q_row = rotated;
         if (fresh->slots[t] >= 0) {
           scalar_t* k_slot = fresh->k_cache + fresh->slots[t] * row_elems;
-          std::copy(fresh->k + t * fresh->k_stride, fresh->k + t * fresh->k_stride + row_elems,
-                    k_slot);
-          rotate_heads(k_slot, s.num_kv_heads, D, cos, cos + D / 2);
+          rotate_heads(k_slot, fresh->k + t * fresh->k_stride, s.num_kv_heads, D, angles);
           std::copy(fresh->v + t * fresh->v_stride, fresh->v + t * fresh->v_stride + row_elems,
                     fresh->v_cache + fresh->slots[t] * row_elems);
         }
@@ -1198,14 +1264,13 @@ void narrow_attention_rows(scalar_t* out, const scalar_t* q, const scalar_t* k_c
       // Scores, TB tokens to a vector.
       FloatVec best = FloatVec{} - 3.0e38f;
       for (int64_t t0 = 0; t0 < padded; t0 += TB) {
-        FloatVec products[D];
+        const scalar_t* rows[TB];
         for (int tt = 0; tt < TB; ++tt) {
           prefetch_rows(v_cache + row_offsets[t0 + tt], 1, 0, row_elems);  // read next pass
-          const scalar_t* keys = k_cache + row_offsets[t0 + tt];
-          for (int qv = 0; qv < NQ; ++qv) {
-            products[tt * NQ + qv] = qs[qv] * load_vec(keys + offsets[qv]);
-          }
+          rows[tt] = k_cache + row_offsets[t0 + tt];
         }
+        FloatVec products[D];
+        token_products<NQ>(products, qs, rows, offsets, std::make_integer_sequence<int, TB>{});
         const FloatVec sums = segment_sums<D>(products);
         __builtin_memcpy(scores + t0 * H, &sums, sizeof(sums));
         best = best > sums ? best : sums;  // padding repeats the last token
