@@ -45,6 +45,7 @@ def main() -> None:
 
     from llmctl import LLM, SamplingParams
     from llmctl.bench.report import markdown
+    from llmctl.bench.throughput import load_average
     from llmctl.bench.workload import fixed_length_prompts
     from llmctl.model.info import resolve_model
 
@@ -78,6 +79,7 @@ def main() -> None:
     for run in runs.values():  # warm-up: first calls pay one-off costs
         run()
 
+    load_at_start = load_average()
     wall: dict[str, list[float]] = {name: [] for name in runs}
     cpu: dict[str, list[float]] = {name: [] for name in runs}
     profiles = {}
@@ -119,6 +121,10 @@ def main() -> None:
     ]
     headers = ["engine", "output tokens/s", "vs transformers", "per CPU-second", "vs transformers"]
     print(markdown((headers, rows)))
+    for name in engines:  # the spread the medians hide
+        each = ", ".join(f"{r / t:.2f}x" for r, t in zip(wall[name], wall["transformers"]))
+        print(f"\n{name} vs transformers, round by round: {each}")
+    print(f"Load average (1 min): {load_at_start} at the start, {load_average()} at the end")
     if profiles:
         from llmctl.bench.report import step_profile_table
     for name, profile in profiles.items():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -224,6 +225,7 @@ def benchmark_throughput(
     dtype = engine_dtype(values["dtype"], model_config, torch.device("cuda" if cuda else "cpu"))
     workload = workload_for(info, spec)
     warmup = _warmup_request(info, spec.seed)
+    load_at_start = load_average()
     engine_results, baselines = [], []
     for round_ in range(1, rounds + 1):
         label = "" if rounds == 1 else f" (round {round_} of {rounds})"
@@ -260,7 +262,7 @@ def benchmark_throughput(
         "backend": backend,
         "device": "cuda" if cuda else "cpu",
         "dtype": dtype,
-        "machine": _machine(),
+        "machine": {**_machine(), "load_average": {"start": load_at_start, "end": load_average()}},
         "settings": {
             opt.name: _setting(opt.name, values[opt.name]) for opt in options_for("bench")
         },
@@ -350,6 +352,15 @@ def _machine() -> dict[str, Any]:
     import torch
 
     return {"description": Hardware.probe().describe(), "torch_threads": torch.get_num_threads()}
+
+
+def load_average() -> float | None:
+    """The machine's 1-minute load average (None where the OS keeps none): a run beside
+    other busy programs reads slower, and its ratios to a baseline swing."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):  # Windows has no getloadavg
+        return None
 
 
 def _setting(name: str, value: Any) -> Any:

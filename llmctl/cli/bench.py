@@ -166,6 +166,11 @@ def throughput(
     rounds = report["rounds"]
     if len(rounds) > 1:
         console.print("Rounds, output tokens/s: " + "; ".join(map(_round_text, rounds)))
+    load = report["machine"]["load_average"]
+    if load["start"] is not None:
+        console.print(
+            f"Load average (1 min): {load['start']} at the start, {load['end']} at the end"
+        )
     if report["ratio"] is None:
         return
     if len(rounds) > 1:  # a ratio of each round's own pair, not of the two medians

@@ -54,6 +54,11 @@ def test_throughput_with_transformers_baseline(stories_dir: Path, tmp_path: Path
     assert report["kind"] == "throughput" and report["backend"] == "torch"
     assert report["settings"]["cache_block_seq_len"] == 16
     assert report["machine"]["torch_threads"] == 1  # tests/bench/conftest.py
+    load = report["machine"]["load_average"]  # this machine's, as the OS keeps it
+    assert load["start"] >= 0 and load["end"] >= 0
+    assert f"Load average (1 min): {load['start']} at the start, {load['end']} at the end" in (
+        result.output
+    )
     assert workload["num_prompts"] == 6 and workload["seed"] == 3
     assert workload["input_len"] == [8, 40] and workload["output_len"] == [3, 12]
 
