@@ -44,7 +44,7 @@ def main() -> None:
     import transformers
 
     from llmctl import LLM, SamplingParams
-    from llmctl.bench.report import markdown
+    from llmctl.bench.report import load_average_text, markdown
     from llmctl.bench.throughput import load_average
     from llmctl.bench.workload import fixed_length_prompts
     from llmctl.model.info import resolve_model
@@ -124,7 +124,7 @@ def main() -> None:
     for name in engines:  # the spread the medians hide
         each = ", ".join(f"{r / t:.2f}x" for r, t in zip(wall[name], wall["transformers"]))
         print(f"\n{name} vs transformers, round by round: {each}")
-    print(f"Load average (1 min): {load_at_start} at the start, {load_average()} at the end")
+    print(load_average_text(load_at_start, load_average()))
     if profiles:
         from llmctl.bench.report import step_profile_table
     for name, profile in profiles.items():

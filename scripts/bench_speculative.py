@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 from rich.console import Console
 from rich.table import Table
 
 from llmctl import LLM, SamplingParams
+from llmctl.bench.throughput import load_average
 
 STORIES = "/work/shared/models/stories260K"
 
@@ -122,7 +122,7 @@ def main() -> None:
                 "proposed": proposed,
                 "accepted": accepted,
                 "acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0,
-                "load_average": round(os.getloadavg()[0], 2),
+                "load_average": load_average(),
             }
             report.append(row)
             print(json.dumps(row), flush=True)

@@ -225,6 +225,12 @@ def quality_table(report: dict[str, Any]) -> Rows:
     return headers, rows
 
 
+def load_average_text(start: float | None, end: float | None) -> str:
+    """The line under a benchmark's table that says how busy the machine was
+    (``llmctl.bench.throughput.load_average`` before the first round and after the last)."""
+    return f"Load average (1 min): {start} at the start, {end} at the end"
+
+
 def markdown(table: Rows) -> str:
     headers, rows = table
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]

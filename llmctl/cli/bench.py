@@ -136,7 +136,7 @@ def throughput(
     - rounds: per round, engine_output_tokens_per_s, baseline_output_tokens_per_s and
       ratio (null without --baseline)
     """
-    from llmctl.bench.report import step_profile_table, throughput_table
+    from llmctl.bench.report import load_average_text, step_profile_table, throughput_table
     from llmctl.bench.throughput import benchmark_throughput
 
     if baseline is not None and baseline != "transformers":
@@ -168,9 +168,7 @@ def throughput(
         console.print("Rounds, output tokens/s: " + "; ".join(map(_round_text, rounds)))
     load = report["machine"]["load_average"]
     if load["start"] is not None:
-        console.print(
-            f"Load average (1 min): {load['start']} at the start, {load['end']} at the end"
-        )
+        console.print(load_average_text(load["start"], load["end"]))
     if report["ratio"] is None:
         return
     if len(rounds) > 1:  # a ratio of each round's own pair, not of the two medians
